@@ -1,0 +1,24 @@
+"""Imported once by the forkserver, so rank processes forked from it start warm.
+
+Only imports: nothing here starts a thread (fork copies no threads, and a thread pool that
+existed before fork would be left broken in the child). Threads are limited first, since
+OpenMP reads its environment when torch loads.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed  # noqa: E402, F401
+import torch._dynamo  # noqa: E402, F401  # what init_process_group pulls in lazily: ~2 s a rank
+
+try:  # cheap once torch._dynamo is loaded (~10 ms), ~7 s per rank otherwise
+    import torch_harmonics.distributed  # noqa: E402, F401
+except ImportError:
+    pass
+
+import harness.pool  # noqa: E402, F401
+import harness.topology  # noqa: E402, F401
+
+del torch

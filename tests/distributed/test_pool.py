@@ -1,0 +1,208 @@
+"""The warm rank pool: results, failures of every kind, isolation between runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import PicklingProblem, RankCrash, RankError, RankPool, RankTimeout, Topology
+
+# ---------------------------------------------------------------- rank functions
+
+
+def rank_and_sum(offset: float) -> tuple[int, int, float]:
+    t = torch.tensor([dist.get_rank() + offset], dtype=torch.float64)
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def raise_on(bad_rank: int) -> int:
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the others wait here for the rank that raised
+    return 0
+
+
+def exit_on(bad_rank: int, how: str) -> int:
+    if dist.get_rank() == bad_rank:
+        if how == "exit":
+            os._exit(7)
+        os.kill(os.getpid(), getattr(signal, how))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return 0
+
+
+def skip_collective_on(bad_rank: int) -> int:
+    if dist.get_rank() != bad_rank:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+    return 0
+
+
+def spin_forever() -> None:
+    while True:
+        time.sleep(0.01)
+
+
+def return_lambda() -> object:
+    return lambda: 0
+
+
+def print_and_return(text: str) -> str:
+    print(f"{text} from rank {dist.get_rank()}")
+    return text
+
+
+def leave_state_behind() -> None:
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(1234)
+    torch.set_grad_enabled(False)
+
+
+def read_state() -> tuple[torch.dtype, bool, float]:
+    return torch.get_default_dtype(), torch.is_grad_enabled(), torch.rand(1).item()
+
+
+def topology_of(spatial_size: int | None) -> dict[str, int]:
+    topo = Topology.create(spatial_size)
+    t = torch.tensor([float(topo.rank)])
+    dist.all_reduce(t, group=topo.spatial_group)  # sums over this spatial group only
+    return {
+        "spatial_rank": topo.spatial_rank,
+        "data_rank": topo.data_rank,
+        "spatial_sum": int(t.item()),
+    }
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_run_returns_every_ranks_result_in_rank_order(spatial, ranks):
+    results = spatial.run(rank_and_sum, 0.5, ranks=ranks)
+    expected_sum = sum(r + 0.5 for r in range(ranks))
+    assert results == [(r, ranks, expected_sum) for r in range(ranks)]
+
+
+def test_a_rank_that_raises_is_named_with_its_traceback_and_the_pool_survives(spatial):
+    with pytest.raises(RankError) as info:
+        spatial.run(raise_on, 2)
+    err = info.value
+    assert err.ranks[0] == 2, "the rank that raised first is listed first"
+    assert "rank 2/4 raised ValueError: deliberate failure on rank 2" in str(err)
+    assert "raise ValueError" in err.problems[0].detail  # the rank's own traceback
+    assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0
+
+
+@pytest.mark.parametrize(
+    ("how", "says"),
+    [("exit", "exited with code 7"), ("SIGKILL", "killed by SIGKILL"), ("SIGSEGV", "SIGSEGV")],
+)
+def test_a_rank_that_dies_is_named_within_a_second_and_the_pool_restarts(spatial, how, says):
+    pool = spatial._registry.get(4)
+    spatial.run(rank_and_sum, 0.0)  # warm
+    starts = pool.starts
+    t0 = time.monotonic()
+    with pytest.raises(RankCrash) as info:
+        spatial.run(exit_on, 1, how)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 3.0, f"crash took {elapsed:.1f}s to notice"  # generous on a loaded CI box
+    assert info.value.ranks == [1]
+    assert says in str(info.value)
+    if how == "SIGSEGV":  # faulthandler's Python traceback of the crashing rank
+        assert "exit_on" in info.value.problems[0].detail
+    assert spatial.run(rank_and_sum, 0.0)[3] == (3, 4, 6.0)
+    assert pool.starts == starts + 1
+
+
+@pytest.mark.spatial(timeout=3)
+def test_a_skipped_collective_times_out_with_every_ranks_stack(spatial):
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        spatial.run(skip_collective_on, 3)
+    assert time.monotonic() - t0 < 3 + 5  # timeout plus stack collection, not the PG timeout
+    err = info.value
+    assert err.ranks == [0, 1, 2]
+    for problem in err.problems[:3]:
+        assert "skip_collective_on" in problem.detail  # each waiting rank's stack
+        assert "all_reduce" in problem.detail
+    assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0  # only that run failed
+
+
+def test_a_busy_loop_times_out_on_every_rank(spatial):
+    with pytest.raises(RankTimeout) as info:
+        spatial.run(spin_forever, timeout=1.5)
+    assert info.value.ranks == [0, 1, 2, 3]
+    assert all("spin_forever" in p.detail for p in info.value.problems)
+
+
+def test_an_unpicklable_result_names_the_rank_and_type(spatial):
+    with pytest.raises(RankError, match=r"rank 0 returned a builtins.function that cannot be"):
+        spatial.run(return_lambda, ranks=2)
+
+
+def test_a_function_defined_inside_a_test_gets_advice_to_move_it(spatial):
+    def local_fn() -> None:
+        pass
+
+    with pytest.raises(PicklingProblem, match="Move it to module level"):
+        spatial.run(local_fn)
+
+
+def test_unpicklable_arguments_are_refused_before_any_rank_runs(spatial):
+    with pytest.raises(PicklingProblem, match="arguments picklable"):
+        spatial.run(print_and_return, lambda: 0)
+
+
+def test_a_run_cannot_leak_dtype_rng_or_grad_mode_into_the_next(spatial):
+    before = spatial.run(read_state, ranks=2)
+    spatial.run(leave_state_behind, ranks=2)
+    after = spatial.run(read_state, ranks=2)
+    assert [a[:2] for a in after] == [(torch.float32, True)] * 2
+    assert after == before  # the RNG was put back too: the same draw again
+
+
+def test_what_ranks_print_is_kept_per_rank(spatial):
+    spatial.run(print_and_return, "hello", ranks=3)
+    outputs = spatial._registry.get(3).last_outputs
+    assert outputs == [f"hello from rank {r}\n" for r in range(3)]
+
+
+@pytest.mark.parametrize(
+    ("spatial_size", "expected"),
+    [
+        (None, [(r, 0, 6) for r in range(4)]),
+        (2, [(0, 0, 1), (1, 0, 1), (0, 1, 5), (1, 1, 5)]),
+        (1, [(0, r, r) for r in range(4)]),
+    ],
+    ids=["s4d1", "s2d2", "s1d4"],
+)
+def test_topology_groups_consecutive_ranks_into_spatial_groups(spatial, spatial_size, expected):
+    got = spatial.run(topology_of, spatial_size)
+    assert [(g["spatial_rank"], g["data_rank"], g["spatial_sum"]) for g in got] == expected
+
+
+def test_two_pools_run_side_by_side_without_colliding():
+    # One of each start method: spawn is the portable default, forkserver the fast one.
+    with RankPool(2, timeout=60) as a, RankPool(3, timeout=60, start_method="forkserver") as b:
+        assert a.run(rank_and_sum, 1.0)[1] == (1, 2, 3.0)
+        assert b.run(rank_and_sum, 1.0)[2] == (2, 3, 6.0)
+        assert a.run(rank_and_sum, 0.0)[0] == (0, 2, 1.0)
+        pids = a.pids + b.pids
+    time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids), "closing a pool ends its rank processes"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
