@@ -1,5 +1,12 @@
-"""harness: prove that a spatially parallel model computes what its reference computes."""
+"""harness: prove that a spatially parallel model computes what its reference computes.
 
+The downstream contract::
+
+    from harness import Outputs, Shard, SpatialCase, Topology, check_equivalence
+"""
+
+from harness.compare import Bound, EquivalenceReport, Mismatch, Tolerance
+from harness.equivalence import Outputs, Shard, SpatialCase, check_equivalence, data_share
 from harness.errors import (
     ConfigError,
     GoldenError,
@@ -11,22 +18,34 @@ from harness.errors import (
     RankProblem,
     RankTimeout,
 )
-from harness.pool import RankPool
+from harness.goldens import GoldenStore
+from harness.pool import PoolRegistry, RankPool
 from harness.topology import Topology
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Bound",
     "ConfigError",
+    "EquivalenceReport",
     "GoldenError",
+    "GoldenStore",
     "HarnessError",
+    "Mismatch",
+    "Outputs",
     "PicklingProblem",
+    "PoolRegistry",
     "RankCrash",
     "RankError",
     "RankFailure",
     "RankPool",
     "RankProblem",
     "RankTimeout",
+    "Shard",
+    "SpatialCase",
+    "Tolerance",
     "Topology",
     "__version__",
+    "check_equivalence",
+    "data_share",
 ]

@@ -9,17 +9,27 @@ identity, so one model code path serves both the reference and the partitioned r
 
 Gloo notes (checked on torch 2.13): ``all_gather`` needs equal shapes, so uneven shards are
 padded to the longest and stripped after; gloo has no ``reduce_scatter``, so backward of a
-gather all-reduces the gradient and each rank keeps its own slice.
+gather all-reduces the gradient and each rank keeps its own slice. ``all_to_all_single``
+with uneven and zero split sizes works on gloo (also in subgroups), so the halo exchange
+sends each rank exactly the cells it needs, no padding.
+
+Argument checks that could fail on one rank only are decided together (one small
+all-gather of every rank's verdict), so a bad call raises the same ``ConfigError`` on every
+rank instead of leaving the others waiting in the next collective.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness.errors import ConfigError
+from harness.partition import CellPartition
 from harness.topology import Topology
 
 # ---------------------------------------------------------------------- sums
@@ -86,11 +96,57 @@ def reduce_loss(x: torch.Tensor, topo: Topology) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- gathers
 
+_META_DIMS = 8  # trailing-shape slots compared across ranks (more dims: only the first 8)
 
-def _shard_sizes(n_local: int, group: Any, size: int) -> list[int]:
-    counts = [torch.zeros(1, dtype=torch.long) for _ in range(size)]
-    dist.all_gather(counts, torch.tensor([n_local], dtype=torch.long), group=group)
-    return [int(c.item()) for c in counts]
+
+def _agree(x: torch.Tensor, dim: int, group: Any, size: int, problem: int = 0) -> list[int]:
+    """Every rank's length along ``dim``, after checking together that the call is sound.
+
+    One small all-gather carries each rank's length, its other dims and ``problem`` (a
+    nonzero code from its local argument checks). Every rank then sees every rank's verdict
+    and raises the same ``ConfigError``: a rank that raised alone would leave the others
+    waiting in the next collective.
+    """
+    others = [d for i, d in enumerate(x.shape) if i != dim][:_META_DIMS]
+    meta = torch.tensor(
+        [x.shape[dim], problem, x.dim(), *others] + [-1] * (_META_DIMS - len(others)),
+        dtype=torch.long,
+    )
+    parts = [torch.empty_like(meta) for _ in range(size)]
+    dist.all_gather(parts, meta, group=group)
+    table = torch.stack(parts).tolist()
+    for r, row in enumerate(table):
+        if row[1]:
+            raise ConfigError(f"rank {r}/{size}: {_PROBLEMS[row[1]]}")
+    shapes = {tuple(row[2:]) for row in table}
+    if len(shapes) > 1:
+        seen = {r: (row[2], [d for d in row[3:] if d >= 0]) for r, row in enumerate(table)}
+        raise ConfigError(
+            f"shards disagree outside dim {dim}: (ndim, other dims) per rank {seen}; every "
+            "rank's shard must have the same shape except along the gathered dim"
+        )
+    return [row[0] for row in table]
+
+
+_PROBLEMS = {
+    1: "index must be a 1-D integer tensor (or a slice) of global positions",
+    2: "index and values disagree: len(index) != values.shape[dim]; give one position per value",
+    3: "index holds positions outside [0, size); positions are global, not local",
+    4: "x's length along dim is not the rank's number of cells in the partition; pass only "
+    "this rank's cells, in cell order",
+}
+
+
+def _gather_padded(x: torch.Tensor, dim: int, group: Any, sizes: list[int]) -> torch.Tensor:
+    """Concatenate every rank's shard along ``dim`` in rank order (no autograd)."""
+    longest = max(max(sizes), 1)  # gloo dislikes zero-element tensors
+    pad_shape = list(x.shape)
+    pad_shape[dim] = longest - x.shape[dim]
+    padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    # gloo's all_gather needs equal shapes: pad to the longest shard, strip after
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=dim)
 
 
 class _AllGatherUneven(torch.autograd.Function):
@@ -100,15 +156,9 @@ class _AllGatherUneven(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any, size: int) -> torch.Tensor:
         dim = dim % x.dim()
-        sizes = _shard_sizes(x.shape[dim], group, size)
-        longest = max(max(sizes), 1)  # gloo dislikes zero-element tensors
-        pad_shape = list(x.shape)
-        pad_shape[dim] = longest - x.shape[dim]
-        padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim).contiguous()
-        parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded, group=group)
+        sizes = _agree(x, dim, group, size)
+        out = _gather_padded(x, dim, group, sizes)
         # replicated: every rank holds all shards, padding stripped, in rank order
-        out = torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
         ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
         ctx.rank = dist.get_rank(group)
         return out
@@ -134,6 +184,188 @@ def all_gather_uneven(x: torch.Tensor, topo: Topology, dim: int = 0) -> torch.Te
     return _AllGatherUneven.apply(x, dim, topo.spatial_group, topo.spatial_size)
 
 
+def _index_problem(index: Any, n: int, size: int) -> int:
+    if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
+        return 1
+    if index.numel() != n:
+        return 2
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
+        return 3
+    return 0
+
+
+def _check_coverage(index: torch.Tensor, sizes: list[int], size: int) -> None:
+    """Raise unless the gathered ``index`` names every position in ``[0, size)`` exactly once."""
+    counts = torch.bincount(index, minlength=size)
+    if index.numel() == size and bool((counts == 1).all()):
+        return
+    owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    missing = torch.nonzero(counts == 0).flatten()
+    twice = torch.nonzero(counts > 1).flatten()
+    evidence = []
+    if missing.numel():
+        evidence.append(f"{missing.numel()} missing (first {missing[:5].tolist()})")
+    if twice.numel():
+        pos = int(twice[0])
+        evidence.append(
+            f"{twice.numel()} owned more than once (position {pos} by ranks "
+            f"{owner[index == pos].tolist()})"
+        )
+    raise ConfigError(
+        f"assemble: the ranks' indices do not own each of the {size} positions exactly once: "
+        f"{'; '.join(evidence)}; shard lengths per rank {sizes}. Give every global position "
+        "to exactly one rank (see LatLonPartition.index / CellPartition.cells)"
+    )
+
+
+class _Assemble(torch.autograd.Function):
+    """Forward: all-gather every rank's values and positions, place them in the global tensor
+    (replicated). Backward: all-reduce SUM of the gradient, each rank keeps its positions."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        values: torch.Tensor,
+        index: torch.Tensor,
+        size: int,
+        dim: int,
+        group: Any,
+        world: int,
+        problem: int,
+    ) -> torch.Tensor:
+        dim = dim % values.dim()
+        sizes = _agree(values, dim, group, world, problem)
+        everywhere = _gather_padded(index, 0, group, sizes)
+        _check_coverage(everywhere, sizes, size)  # same data on every rank: same verdict
+        shape = list(values.shape)
+        shape[dim] = size
+        gathered = _gather_padded(values, dim, group, sizes)
+        out = values.new_zeros(shape).index_copy_(dim, everywhere, gathered)
+        # replicated: every rank holds the whole global tensor
+        ctx.dim, ctx.group = dim, group
+        ctx.save_for_backward(index)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        (index,) = ctx.saved_tensors
+        grad = grad.contiguous().clone()
+        # every rank used the replicated tensor: a position's gradient is the sum of all uses
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.index_select(ctx.dim, index), None, None, None, None, None, None
+
+
+def assemble(
+    values: torch.Tensor, index: torch.Tensor | slice, size: int, topo: Topology, dim: int = -1
+) -> torch.Tensor:
+    """Place every rank's shard at its global positions: the global tensor, on every rank.
+
+    ``values`` holds this rank's entries at global positions ``index`` (a 1-D integer tensor,
+    or a slice) along ``dim``; the result has length ``size`` along ``dim`` and is replicated.
+    Every position must be owned by exactly one rank (checked together on every rank: a
+    ``ConfigError`` names the missing or doubly owned positions). Backward gives each rank
+    the sum over ranks of the gradient at its positions. For the reference it places
+    ``values`` locally (the same coverage check applies).
+    """
+    if isinstance(index, slice):
+        index = torch.arange(size)[index]
+    dim_ = dim % values.dim() if values.dim() else 0
+    problem = _index_problem(index, values.shape[dim_] if values.dim() else -1, size)
+    if problem == 0:
+        index = index.to(device=values.device, dtype=torch.long)
+    if topo.spatial_group is None or topo.spatial_size == 1:
+        if problem:
+            raise ConfigError(_PROBLEMS[problem])
+        _check_coverage(index, [index.numel()], size)
+        shape = list(values.shape)
+        shape[dim_] = size
+        return values.new_zeros(shape).index_copy(dim_, index, values)
+    if problem:
+        index = torch.zeros(0, dtype=torch.long, device=values.device)
+    return _Assemble.apply(
+        values, index, size, dim_, topo.spatial_group, topo.spatial_size, problem
+    )
+
+
+# ---------------------------------------------------------------------- halo exchange
+
+
+@functools.lru_cache(maxsize=32)
+def _halo_plan(partition: CellPartition, rank: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    """(local positions to send, in send order; send counts per rank; receive counts per
+    rank) for ``rank``. Every rank derives it from the same partition: no negotiation."""
+    lo = partition.bounds[rank]
+    halos = [partition.halo(q) for q in range(partition.ranks)]
+    owners = [np.asarray(partition.rank_of(h)) for h in halos]
+    # halo(q) is sorted and ranges are contiguous in rank order, so the cells q receives
+    # arrive grouped by owner in halo order: no reordering on the receiving side
+    sends = [h[o == rank] - lo for h, o in zip(halos, owners, strict=True)]
+    send_index = torch.from_numpy(np.concatenate(sends).astype(np.int64))
+    send_splits = [len(s) for s in sends]
+    recv_splits = np.bincount(owners[rank], minlength=partition.ranks).tolist()
+    return send_index, send_splits, recv_splits
+
+
+class _HaloExchange(torch.autograd.Function):
+    """Forward: all-to-all each rank's cells to the ranks whose halo names them. Backward:
+    all-to-all the halo gradients back to their owners, which add them to their cells."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        plan: tuple[torch.Tensor, list[int], list[int]],
+        dim: int,
+        group: Any,
+    ) -> torch.Tensor:
+        send_index, send_splits, recv_splits = plan
+        local = x.movedim(dim, 0)
+        send = local.index_select(0, send_index.to(x.device)).contiguous()
+        recv = local.new_empty((sum(recv_splits), *local.shape[1:]))
+        # gloo's all_to_all_single takes uneven (and zero) split sizes (checked on torch 2.13)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+        # sharded: each rank holds its own halo cells, in halo order
+        ctx.plan, ctx.dim, ctx.group, ctx.local_shape = plan, dim, group, local.shape
+        return recv.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        send_index, send_splits, recv_splits = ctx.plan
+        g = grad.movedim(ctx.dim, 0).contiguous()
+        back = g.new_empty((sum(send_splits), *g.shape[1:]))
+        dist.all_to_all_single(back, g, send_splits, recv_splits, group=ctx.group)
+        # a cell in several halos collects every copy's gradient
+        out = g.new_zeros(ctx.local_shape).index_add_(0, send_index.to(g.device), back)
+        return out.movedim(0, ctx.dim), None, None, None
+
+
+def halo_exchange(
+    x: torch.Tensor, partition: CellPartition, topo: Topology, dim: int = -1
+) -> torch.Tensor:
+    """Fetch this rank's halo cells from their owners; halo gradients go back to the owners.
+
+    ``x`` holds this rank's cells (``partition.sizes[spatial_rank]`` along ``dim``, in cell
+    order). Returns the values of ``partition.halo(spatial_rank)``, in that order, along
+    ``dim``; ``concat([x, halo], dim)`` is what ``partition.local_neighbours`` indexes.
+    Every rank must call it, empty ranks included. For the reference (one rank, no halo) the
+    result is empty along ``dim``.
+    """
+    if partition.ranks != topo.spatial_size:
+        raise ConfigError(
+            f"halo_exchange: the partition has {partition.ranks} ranks but the spatial group "
+            f"{topo.spatial_size}; build it with CellPartition.even(nside, topo.spatial_size)"
+        )
+    dim = dim % x.dim()
+    rank = topo.spatial_rank
+    if topo.spatial_group is None or topo.spatial_size == 1:
+        if x.shape[dim] != partition.npix:
+            raise ConfigError(f"{_PROBLEMS[4]} (expected {partition.npix}, got {x.shape[dim]})")
+        return x.narrow(dim, 0, 0)
+    problem = 4 if x.shape[dim] != partition.sizes[rank] else 0
+    _agree(x, dim, topo.spatial_group, topo.spatial_size, problem)
+    return _HaloExchange.apply(x, _halo_plan(partition, rank), dim, topo.spatial_group)
+
+
 # ---------------------------------------------------------------------- gradient sync
 
 
@@ -144,6 +376,8 @@ def sync_gradients(module: torch.nn.Module, topo: Topology) -> list[Any]:
     data group, as DDP would. Every rank must produce a gradient for every parameter (an
     empty rank still runs every module, giving zeros, not ``None``), in the same order:
     hooks fire during backward, and a rank whose hook never fires leaves the others waiting.
+    Each backward's contribution is reduced before it is accumulated into ``.grad``, so
+    several backward passes before ``zero_grad`` (gradient accumulation) stay correct.
     Returns the hook handles (``handle.remove()`` undoes it). No-op for the reference.
     """
     if topo.spatial_group is None and topo.data_group is None:
@@ -151,13 +385,18 @@ def sync_gradients(module: torch.nn.Module, topo: Topology) -> list[Any]:
     handles = []
     for param in module.parameters():
         if param.requires_grad:
-            handles.append(param.register_post_accumulate_grad_hook(_hook(topo)))
+            # A hook on the incoming gradient, not a post-accumulate hook: reducing the
+            # accumulated .grad would sum the earlier, already reduced, backward S times again.
+            handles.append(param.register_hook(_hook(topo)))
     return handles
 
 
 def _hook(topo: Topology) -> Any:
-    def reduce(param: torch.Tensor) -> None:
-        reduce_gradient(param.grad, topo)
+    def reduce(grad: torch.Tensor) -> torch.Tensor:
+        # the incoming gradient may be an expanded view or shared with other uses: own it
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        reduce_gradient(grad, topo)
+        return grad
 
     return reduce
 

@@ -1,0 +1,415 @@
+"""Tolerances, tensor comparison and the mismatch table.
+
+A comparison is elementwise ``|actual - expected| <= atol + rtol * |expected|`` (numpy's
+``allclose`` rule, the reference being ``expected``). Both terms matter: partitioned runs
+reorder sums, so errors scale with magnitude (``rtol``), and many gradient entries sit near
+zero, where only an absolute term can hold (``atol``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+QUANTITIES = (
+    "loss",
+    "grad",
+    "field",
+    "coverage",
+    "param",
+    "sync",
+    "buffer",
+    "crash",
+    "error",
+    "timeout",
+)
+NUMERIC = ("loss", "grad", "field", "param")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """``|actual - expected| <= atol + rtol * |expected|``."""
+
+    rtol: float
+    atol: float
+
+    def __post_init__(self) -> None:
+        if self.rtol < 0 or self.atol < 0:
+            raise ValueError(f"tolerances must be >= 0, got rtol={self.rtol}, atol={self.atol}")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How close the partitioned run must be to the reference, per quantity.
+
+    ``Tolerance.for_dtype(torch.float32)`` gives the defaults; ``tol.with_(grad=(rtol, atol))``
+    changes one quantity. Parameters after a step are also required to be *bitwise* equal
+    across the ranks of a spatial group: that check has no tolerance.
+    """
+
+    loss: Bound
+    grad: Bound
+    field: Bound
+    param: Bound
+
+    @classmethod
+    def for_dtype(cls, dtype: torch.dtype) -> Tolerance:
+        if dtype == torch.float64:
+            # A partitioned run computes the same sums in another order (per-rank partial sums,
+            # then the all-reduce): rounding differs by about sqrt(n)*eps relative, with
+            # eps = 1.1e-16 and n up to ~1e6 terms -> ~1e-13. rtol 1e-10 leaves a margin of
+            # ~1000 and still catches any logic bug, which moves values by far more.
+            # atol 1e-12 covers entries that cancel to ~0 (their error is relative to the
+            # terms summed, not to the result).
+            b = Bound(rtol=1e-10, atol=1e-12)
+            return cls(loss=b, grad=b, field=b, param=b)
+        if dtype in (torch.float32, torch.complex64):
+            # Measured on a real SFNO (float32, 4 ranks): fields differ from the serial run by
+            # up to ~3e-7 absolute, gradients by ~3e-8 where many entries are ~0. eps is
+            # 1.2e-7, so rtol 1e-5 allows ~100 eps of reordering; the atol values sit ~10x
+            # above the measured absolute differences of values near zero.
+            return cls(
+                loss=Bound(rtol=1e-5, atol=1e-7),
+                grad=Bound(rtol=1e-4, atol=1e-6),
+                field=Bound(rtol=1e-5, atol=3e-6),
+                param=Bound(rtol=1e-5, atol=1e-6),
+            )
+        if dtype in (torch.float16, torch.bfloat16):
+            # ~3 significant digits: only gross errors are detectable in half precision.
+            b = Bound(rtol=2e-2, atol=1e-3)
+            return cls(loss=b, grad=b, field=b, param=b)
+        return cls.exact()
+
+    @classmethod
+    def exact(cls) -> Tolerance:
+        b = Bound(rtol=0.0, atol=0.0)
+        return cls(loss=b, grad=b, field=b, param=b)
+
+    @classmethod
+    def uniform(cls, rtol: float, atol: float) -> Tolerance:
+        b = Bound(rtol=rtol, atol=atol)
+        return cls(loss=b, grad=b, field=b, param=b)
+
+    def with_(self, **bounds: tuple[float, float] | Bound) -> Tolerance:
+        """A copy with some quantities changed: ``tol.with_(grad=(1e-4, 1e-7))``."""
+        fixed = {k: v if isinstance(v, Bound) else Bound(*v) for k, v in bounds.items()}
+        return dataclasses.replace(self, **fixed)
+
+    def bound(self, quantity: str) -> Bound:
+        return getattr(self, quantity)
+
+
+@dataclass
+class Mismatch:
+    """One thing the partitioned run got wrong.
+
+    ``quantity`` is one of ``loss, grad, field, coverage, param, sync, buffer, crash, error,
+    timeout``; ``step`` is ``None`` for the parameters right after ``build``; ``rank`` is
+    ``None`` when the mismatch belongs to no single rank.
+    """
+
+    quantity: str
+    name: str
+    step: int | None
+    rank: int | None
+    max_abs: float = math.nan
+    max_rel: float = math.nan
+    where: str = ""
+    count: int = 0
+    total: int = 0
+    detail: str = ""
+    hint: str = ""
+
+    def headline(self) -> str:
+        """One line: ``rank 2/4: grad 'encoder.weight' differs ... at step 1: max abs ...``."""
+        who = f"rank {self.rank}" if self.rank is not None else "all ranks"
+        step = "after build" if self.step is None else f"at step {self.step}"
+        text = f"{who}: {self.quantity} '{self.name}' {step}"
+        if not math.isnan(self.max_abs):
+            text += f": max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}"
+        if self.total:
+            text += f", {self.count}/{self.total} over tolerance"
+        if self.where:
+            text += f", worst at {self.where}"
+        return text
+
+
+@dataclass
+class Difference:
+    """How two tensors differ under a bound (``ok`` if every element is within it)."""
+
+    ok: bool
+    max_abs: float
+    max_rel: float
+    count: int
+    total: int
+    worst: int | None  # flat index of the worst element (by excess over the bound)
+    problem: str = ""  # dtype/shape problem, if any
+
+
+def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, bound: Bound) -> Difference:
+    """Compare elementwise under ``bound``; dtype and shape must match exactly."""
+    if actual.dtype != expected.dtype:
+        return Difference(
+            False,
+            math.nan,
+            math.nan,
+            0,
+            expected.numel(),
+            None,
+            f"dtype {actual.dtype} where the reference has {expected.dtype}",
+        )
+    if actual.shape != expected.shape:
+        return Difference(
+            False,
+            math.nan,
+            math.nan,
+            0,
+            expected.numel(),
+            None,
+            f"shape {tuple(actual.shape)} where the reference has {tuple(expected.shape)}",
+        )
+    a = _real(actual.detach()).double().reshape(-1)
+    e = _real(expected.detach()).double().reshape(-1)
+    if a.numel() == 0:
+        return Difference(True, 0.0, 0.0, 0, 0, None)
+    diff = (a - e).abs()
+    nan_mismatch = torch.isnan(a) != torch.isnan(e)
+    diff = torch.where(torch.isnan(a) & torch.isnan(e), torch.zeros_like(diff), diff)
+    diff = torch.where(nan_mismatch, torch.full_like(diff, math.inf), diff)
+    allowed = bound.atol + bound.rtol * e.abs()
+    over = diff > allowed
+    rel = diff / e.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    excess = diff - allowed
+    worst = int(torch.argmax(excess).item())
+    return Difference(
+        ok=not bool(over.any()),
+        max_abs=float(diff.max().item()),
+        max_rel=float(torch.where(diff == 0, torch.zeros_like(rel), rel).max().item()),
+        count=int(over.sum().item()),
+        total=a.numel(),
+        worst=worst,
+    )
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def scale_hint(actual: torch.Tensor, expected: torch.Tensor, spatial_size: int) -> str:
+    """Name a telltale factor between two tensors: S times, 1/S times, or zero.
+
+    Wrong reductions scale gradients by exactly the group size; saying so points straight at
+    the bug (double-counted reduce, mean instead of sum).
+    """
+    a = _real(actual.detach()).double().reshape(-1)
+    e = _real(expected.detach()).double().reshape(-1)
+    ee = float((e * e).sum())
+    if ee == 0 or a.shape != e.shape:
+        return ""
+    if float((a * a).sum()) == 0:
+        return (
+            "all zeros on this rank: is the parameter out of the graph, "
+            "or its gradient never synchronised?"
+        )
+    ratio = float((a * e).sum()) / ee
+    resid = float(((a - ratio * e) ** 2).sum()) / ee
+    if resid > 1e-6 or spatial_size <= 1:
+        return ""
+    if abs(ratio - spatial_size) < 1e-3 * spatial_size:
+        return f"exactly {spatial_size}x the reference: a reduction counted {spatial_size} times"
+    if abs(ratio - 1 / spatial_size) < 1e-3 / spatial_size:
+        return f"exactly 1/{spatial_size} of the reference: averaged where it should sum"
+    return ""
+
+
+REMEDIES = {
+    "loss": "The loss differs: reduce per-rank loss parts with reduce_loss over the spatial "
+    "group (weighted sums and weight sums separately, not a mean of means), average over data "
+    "groups only, and slice area weights or masks to the rank's rows.",
+    "grad": "Gradients differ: sum parameter gradients over the spatial group "
+    "(sync_gradients), use spatial_sum for global values inside the model and reduce_loss "
+    "only for the loss, and gather with an autograd-aware gather.",
+    "field": "Outputs differ: check the split rule used to scatter data (the SHT's ceil "
+    "split), the order shards are gathered in (sample-major, spatial group only), "
+    "neighbour tables in global indices, and noise drawn for the global field.",
+    "coverage": "Some positions are owned by no rank or by several: each global position must "
+    "appear in exactly one rank's Shard index.",
+    "param": "Parameters after an optimizer step differ from the reference: follow the first "
+    "gradient mismatch, or check initialisation is seeded identically on every rank.",
+    "sync": "Ranks of one spatial group hold different parameters after a step: their "
+    "gradients were not synchronised (sum over the spatial group before stepping).",
+    "buffer": "A buffer was modified in place during a step while the reference's was not: "
+    "DDP-style broadcast_buffers copies into buffers between forwards.",
+    "crash": "A rank process died: its exit code or signal and last output are above.",
+    "error": "A rank raised: its traceback is above (listed first: the rank that failed "
+    "first; ranks that lost a peer in a collective follow).",
+    "timeout": "A rank did not finish in time: most often a rank with an empty domain skipped "
+    "a collective that the others entered. Every rank's stack is above.",
+}
+
+
+@dataclass
+class QuantityStats:
+    """Worst relative and absolute error seen for one quantity, passing or not."""
+
+    compared: int = 0
+    max_rel: float = 0.0
+    max_abs: float = 0.0
+
+    def add(self, d: Difference) -> None:
+        self.compared += 1
+        if not math.isnan(d.max_rel):
+            self.max_rel = max(self.max_rel, d.max_rel)
+        if not math.isnan(d.max_abs):
+            self.max_abs = max(self.max_abs, d.max_abs)
+
+
+@dataclass
+class EquivalenceReport:
+    """What ``check_equivalence`` found. ``ok`` is true when nothing mismatched.
+
+    ``str(report)`` is a table: problem, evidence, remedy.
+    """
+
+    case: str
+    ranks: int
+    spatial_size: int
+    partition: str
+    steps: int
+    dtype: str
+    tolerance: Tolerance | None
+    mismatches: list[Mismatch] = field(default_factory=list)
+    stats: dict[str, QuantityStats] = field(default_factory=dict)
+    reference: dict[str, torch.Tensor] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def quantities(self) -> set[str]:
+        """The quantities that mismatched."""
+        return {m.quantity for m in self.mismatches}
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def worst(self, quantity: str) -> float | None:
+        s = self.stats.get(quantity)
+        return s.max_rel if s and s.compared else None
+
+    def summary_row(self) -> dict[str, Any]:
+        """A picklable summary for terminal tables (one row per check)."""
+        return {
+            "case": self.case,
+            "ranks": self.ranks,
+            "spatial": self.spatial_size,
+            "partition": self.partition,
+            "dtype": self.dtype,
+            "worst": {q: self.worst(q) for q in NUMERIC},
+            "ok": self.ok,
+            "problems": sorted(self.quantities),
+            "seconds": round(self.seconds, 2),
+        }
+
+    def __str__(self) -> str:
+        head = (
+            f"{self.case} on {self.ranks} ranks (spatial {self.spatial_size}, "
+            f"{self.partition}), {self.steps} steps, {self.dtype}: "
+        )
+        if self.ok:
+            worst = ", ".join(
+                f"{q} {self.worst(q):.1e}" for q in NUMERIC if self.worst(q) is not None
+            )
+            return head + f"equivalent to the reference (worst relative error: {worst})"
+        lines = [
+            head + f"{len(self.mismatches)} mismatch(es) with the reference",
+            f"First: {self.mismatches[0].headline()}",
+            "",
+        ]
+        table = _table(self.mismatches)
+        lines += table[:42]
+        if len(table) > 42:
+            lines.append(f"... and {len(table) - 42} more rows")
+        details = [m for m in self.mismatches if m.detail or m.hint][:6]
+        for m in details:
+            lines += ["", m.headline()]
+            if m.hint:
+                lines.append(f"  -> {m.hint}")
+            if m.detail:
+                lines += ["  " + line for line in m.detail.rstrip().splitlines()[-40:]]
+        lines.append("")
+        if self.tolerance is not None:
+            lines.append(f"Tolerance: {_tol_text(self.tolerance)}")
+        lines.append("What to do:")
+        seen: list[str] = []
+        for m in self.mismatches:
+            if m.quantity not in seen:
+                seen.append(m.quantity)
+                lines.append(f"  {m.quantity}: {REMEDIES[m.quantity]}")
+        return "\n".join(lines)
+
+
+def _tol_text(t: Tolerance) -> str:
+    return "; ".join(f"{q} rtol {t.bound(q).rtol:g} atol {t.bound(q).atol:g}" for q in NUMERIC)
+
+
+def _fmt(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.2e}"
+
+
+def _rank_text(ranks: list[int | None]) -> str:
+    if any(r is None for r in ranks):
+        return "all"
+    rs = sorted(set(r for r in ranks if r is not None))
+    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}"
+    return ",".join(map(str, rs))
+
+
+def _collapse(mismatches: Sequence[Mismatch]) -> list[tuple[Mismatch, list[int | None]]]:
+    """One row per (quantity, name, step): the worst rank's numbers, every rank listed."""
+    rows: dict[tuple[str, str, int | None], tuple[Mismatch, list[int | None]]] = {}
+    for m in mismatches:
+        key = (m.quantity, m.name, m.step)
+        if key not in rows:
+            rows[key] = (m, [m.rank])
+            continue
+        worst, ranks = rows[key]
+        ranks.append(m.rank)
+        if not math.isnan(m.max_abs) and not (m.max_abs <= worst.max_abs):
+            rows[key] = (m, ranks)
+    return list(rows.values())
+
+
+def _table(mismatches: Sequence[Mismatch]) -> list[str]:
+    header = ("quantity", "name", "step", "rank", "max abs", "max rel", "over tol", "worst at")
+    rows = [
+        (
+            m.quantity,
+            m.name,
+            "build" if m.step is None else str(m.step),
+            _rank_text(ranks),
+            _fmt(m.max_abs),
+            _fmt(m.max_rel),
+            f"{m.count}/{m.total}" if m.total else "-",
+            (m.where or "-")
+            + (
+                f" (rank {m.rank})"
+                if len(set(ranks)) > 1 and m.rank is not None and "rank" not in m.where
+                else ""
+            ),
+        )
+        for m, ranks in _collapse(mismatches)
+    ]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    widths[-1] = len(header[-1])  # last column is free-form: don't pad
+    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return [fmt(header), fmt(tuple("-" * w for w in widths)), *map(fmt, rows)]

@@ -1,0 +1,190 @@
+"""check_equivalence on the built-in coupled-MLP case: passes when right, names the bug when not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import harness
+from harness import Outputs, Shard, SpatialCase, Tolerance, Topology, check_equivalence
+from harness.collectives import reduce_loss, sync_gradients
+from harness.steppers.mlp import CoupledMLPCase, position_range
+
+
+@pytest.mark.parametrize(
+    ("ranks", "spatial_size", "npos"),
+    [
+        (1, None, 5),
+        (2, None, 37),
+        (3, None, 37),
+        (4, None, 37),
+        (4, 2, 37),
+        (4, 1, 37),
+        (4, None, 3),
+    ],
+    ids=["r1", "r2", "r3_uneven", "r4_uneven", "s2d2", "s1d4", "r4_empty_rank"],
+)
+def test_the_correct_case_is_equivalent_on_every_layout(spatial, ranks, spatial_size, npos):
+    case = CoupledMLPCase(npos=npos, batch_size=4)
+    report = check_equivalence(
+        case, ranks=ranks, spatial_size=spatial_size, pool=spatial._registry.get(ranks)
+    )
+    assert report.ok, report
+    # float64 logic check: everything agrees to rounding (see Tolerance.for_dtype)
+    assert max(report.worst(q) for q in ("loss", "grad", "field", "param")) < 1e-10
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        ("no-grad-sync", {"grad", "sync"}),
+        ("wrong-shard-index", {"field"}),
+        ("non-differentiable-reduce", {"grad"}),
+    ],
+)
+def test_each_hand_broken_variant_fails_with_the_quantity_that_shows_it(spatial, fault, expected):
+    report = check_equivalence(
+        CoupledMLPCase(faults=(fault,)), ranks=4, pool=spatial._registry.get(4)
+    )
+    assert not report.ok
+    assert expected <= report.quantities, report
+    first = report.mismatches[0]
+    assert first.step == 0 and first.quantity in expected
+    text = str(report)
+    assert "What to do:" in text and first.quantity in text
+
+
+def test_missing_gradient_sync_is_named_as_such_with_rank_step_and_position(spatial):
+    report = check_equivalence(
+        CoupledMLPCase(faults=("no-grad-sync",)), ranks=4, pool=spatial._registry.get(4)
+    )
+    text = str(report)
+    assert "First: rank 0: grad 'encoder.weight' at step 0" in text
+    assert "sync" in text and "differs from spatial rank 0" in text
+    assert "sum parameter gradients over the spatial group" in text
+
+
+def test_a_wrong_shard_index_names_the_position_and_its_owner(spatial):
+    report = check_equivalence(
+        CoupledMLPCase(faults=("wrong-shard-index",), npos=8),
+        ranks=4,
+        pool=spatial._registry.get(4),
+    )
+    (m, *_) = report.mismatches
+    assert m.quantity == "field" and m.name == "out"
+    assert "position" in m.where and "on rank" in m.where
+
+
+class UnseededInit(SpatialCase):
+    """Initialises from a generator of its own, seeded per rank: the classic bug."""
+
+    dtype = torch.float64
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        g = torch.Generator().manual_seed(100 + topo.rank + topo.world_size)
+        model = torch.nn.Linear(2, 2)
+        with torch.no_grad():
+            model.weight.copy_(torch.randn(2, 2, generator=g))
+        sync_gradients(model, topo)
+        return model
+
+    def batch(self, topo: Topology, step: int) -> torch.Tensor:
+        return torch.randn(4, 2)
+
+    def forward(self, model, batch, topo):
+        loss = reduce_loss(model(batch).pow(2).sum() / topo.spatial_size, topo)
+        return Outputs(loss)
+
+
+def test_initial_parameters_that_differ_between_ranks_are_reported_as_such(spatial):
+    report = check_equivalence(UnseededInit(), ranks=2, pool=spatial._registry.get(2))
+    init = [m for m in report.mismatches if m.step is None]
+    assert {m.rank for m in init} == {0, 1}
+    assert init[0].name == "weight" and "seed the initialisation" in init[0].hint
+
+
+class RaisesOnRank(SpatialCase):
+    dtype = torch.float64
+
+    def build(self, topo):
+        if topo.spatial_rank == 1:
+            raise RuntimeError("shape mismatch in halo buffer")
+        return torch.nn.Linear(1, 1)
+
+    def batch(self, topo, step):
+        return torch.ones(1, 1)
+
+    def forward(self, model, batch, topo):
+        return Outputs(model(batch).sum())
+
+
+class SkipsCollectiveWhenEmpty(SpatialCase):
+    """Rank 3 'has no observations' and skips the loss reduction: the others wait forever."""
+
+    dtype = torch.float64
+
+    def build(self, topo):
+        return torch.nn.Linear(1, 1)
+
+    def batch(self, topo, step):
+        return torch.ones(1, 1)
+
+    def forward(self, model, batch, topo):
+        local = model(batch).sum()
+        if topo.spatial_rank == 3:
+            return Outputs(local)
+        return Outputs(reduce_loss(local, topo))
+
+
+def test_an_exception_on_one_rank_becomes_an_error_mismatch_with_its_traceback(spatial):
+    report = check_equivalence(RaisesOnRank(), ranks=2, pool=spatial._registry.get(2))
+    assert report.quantities == {"error"}
+    m = report.mismatches[0]
+    assert m.rank == 1 and "shape mismatch in halo buffer" in m.where
+    assert "raise RuntimeError" in m.detail
+    assert check_equivalence(CoupledMLPCase(), ranks=2, pool=spatial._registry.get(2)).ok
+
+
+def test_a_skipped_collective_becomes_a_timeout_mismatch_with_the_waiting_stacks(spatial):
+    report = check_equivalence(
+        SkipsCollectiveWhenEmpty(), ranks=4, timeout=3, pool=spatial._registry.get(4)
+    )
+    assert "timeout" in report.quantities
+    waiting = [m for m in report.mismatches if m.quantity == "timeout"]
+    assert {m.rank for m in waiting} == {0, 1, 2}
+    assert all("all_reduce" in m.detail for m in waiting)
+    assert check_equivalence(CoupledMLPCase(), ranks=4, pool=spatial._registry.get(4)).ok
+
+
+class Overlapping(CoupledMLPCase):
+    """Every rank claims position 0 as well as its own: coverage must catch it."""
+
+    def forward(self, model, batch, topo):
+        out = super().forward(model, batch, topo)
+        if topo.spatial_group is None:
+            return out
+        pos = position_range(self.npos, topo)
+        idx = torch.arange(pos.start, pos.stop)
+        idx[0] = 0
+        return Outputs(out.loss, {"out": Shard(out.fields["out"].values, idx, dim=1)})
+
+
+def test_positions_owned_twice_or_never_are_a_coverage_mismatch(spatial):
+    report = check_equivalence(Overlapping(npos=8), ranks=4, pool=spatial._registry.get(4))
+    cov = [m for m in report.mismatches if m.quantity == "coverage"]
+    assert cov and "owned by no rank" in cov[0].where and "1 by several" in cov[0].where
+
+
+def test_a_float32_case_uses_float32_tolerances(spatial):
+    report = check_equivalence(
+        CoupledMLPCase(dtype=torch.float32), ranks=4, pool=spatial._registry.get(4)
+    )
+    assert report.ok, report
+    assert report.tolerance == Tolerance.for_dtype(torch.float32)
+
+
+def test_bad_sizes_are_refused_with_the_fix():
+    with pytest.raises(harness.ConfigError, match="choose one of"):
+        check_equivalence(CoupledMLPCase(), ranks=4, spatial_size=3)
+    with pytest.raises(harness.ConfigError, match="subclass SpatialCase"):
+        check_equivalence(object(), ranks=2)  # type: ignore[arg-type]

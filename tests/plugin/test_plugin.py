@@ -1,0 +1,272 @@
+"""The plugin as a user meets it: options, errors, fixtures, goldens, xdist, cleanup."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+DOWNSTREAM = """
+import torch
+from harness import Outputs, Shard, SpatialCase
+from harness.collectives import reduce_loss, sync_gradients
+
+BROKEN = {broken}
+
+class Scale(SpatialCase):
+    dtype = torch.float64
+
+    def build(self, topo):
+        model = torch.nn.Linear(3, 3)
+        if not BROKEN:
+            sync_gradients(model, topo)
+        return model
+
+    def batch(self, topo, step):
+        x = torch.randn(8, 3)
+        n = 8 // topo.spatial_size
+        return x[topo.spatial_rank * n:(topo.spatial_rank + 1) * n]
+
+    def forward(self, model, x, topo):
+        y = model(x)
+        loss = reduce_loss((y ** 2).sum(), topo) / 24
+        if topo.spatial_group is None:
+            return Outputs(loss, {{"y": y}})
+        n = x.shape[0]
+        idx = torch.arange(topo.spatial_rank * n, (topo.spatial_rank + 1) * n)
+        return Outputs(loss, {{"y": Shard(y, idx, dim=0)}})
+
+def test_scale_is_equivalent(spatial):
+    spatial.check(Scale(), golden=True)
+"""
+
+
+def _tag_env(tag: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["HARNESS_TEST_TAG"] = tag
+    return env
+
+
+def _tagged_pids(tag: str) -> list[int]:
+    """Processes whose environment carries ``tag``: the run's pytest and its rank processes."""
+    found = []
+    needle = f"HARNESS_TEST_TAG={tag}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _wait_gone(tag: str, seconds: float = 5.0) -> list[int]:
+    """Tagged processes still alive after ``seconds`` (rank watchdogs poll every 0.5 s)."""
+    deadline = time.monotonic() + seconds
+    while _tagged_pids(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _tagged_pids(tag)
+
+
+@pytest.mark.parametrize("value", ["0", "abc", "-2", "1.5"])
+def test_a_bad_spatial_ranks_is_a_one_line_usage_error(pytester, value):
+    result = pytester.runpytest(f"--spatial-ranks={value}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in result.errlines if line.strip()]
+    assert errors == [
+        f"ERROR: --spatial-ranks must be an integer >= 1, got '{value}'; e.g. --spatial-ranks 4"
+    ]
+
+
+def test_a_bad_timeout_is_a_usage_error(pytester):
+    result = pytester.runpytest("--spatial-timeout=soon")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--spatial-timeout must be a positive number*"])
+
+
+def test_the_ini_file_sets_defaults_and_the_header_shows_them(pytester):
+    pytester.makeini("[pytest]\nspatial_ranks = 3\nspatial_timeout = 7\n")
+    pytester.makepyfile("def test_ranks(spatial):\n    assert spatial.ranks == 3\n")
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        ["harness: spatial ranks 3, backend gloo, start method forkserver, timeout 7s, torch *"]
+    )
+
+
+def test_the_marker_overrides_ranks_and_timeout(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.spatial(ranks=2, timeout=5)
+        def test_marked(spatial):
+            assert (spatial.ranks, spatial.timeout) == (2, 5)
+        """
+    )
+    pytester.runpytest("--spatial-ranks=4").assert_outcomes(passed=1)
+
+
+def test_a_downstream_case_passes_writes_its_golden_and_then_checks_it(pytester):
+    pytester.makeini("[pytest]\ngolden_dir = goldens\n")
+    pytester.makepyfile(test_down=DOWNSTREAM.format(broken=False))
+    first = pytester.runpytest_subprocess("--spatial-ranks=2")
+    first.assert_outcomes(failed=1)
+    first.stdout.fnmatch_lines(["*no golden at*--update-goldens*"])
+
+    update = pytester.runpytest_subprocess("--spatial-ranks=2", "--update-goldens")
+    update.assert_outcomes(passed=1)
+    update.stdout.fnmatch_lines(
+        ["*spatial equivalence*", "*Scale*2*written*equivalent*", "*1 golden: 1 written.*"]
+    )
+    assert (pytester.path / "goldens" / "test_down" / "test_scale_is_equivalent.pt").exists()
+
+    again = pytester.runpytest_subprocess("--spatial-ranks=2", "--goldens-unused")
+    again.assert_outcomes(passed=1)
+    again.stdout.fnmatch_lines(["*1 golden: 1 passed.*", "*every golden file was used*"])
+
+
+def test_a_broken_downstream_case_fails_with_the_table(pytester):
+    pytester.makepyfile(test_down=DOWNSTREAM.format(broken=True))
+    result = pytester.runpytest_subprocess("--spatial-ranks=2")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*Scale on 2 ranks*mismatch(es) with the reference*",
+            "*First: rank 0: grad 'weight' at step 0*",
+            "*quantity*name*step*rank*max abs*",
+            "*sync*",
+            "*What to do:*",
+        ]
+    )
+
+
+def test_what_a_rank_prints_is_shown_with_a_failing_test(pytester):
+    pytester.makepyfile(
+        """
+        import torch.distributed as dist
+
+        def shout():
+            print(f"hello from rank {dist.get_rank()}")
+            return dist.get_rank()
+
+        def test_prints(spatial):
+            assert spatial.run(shout, ranks=2) == [0, 0]
+        """
+    )
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*Captured rank 1 stdout call*", "hello from rank 1"])
+
+
+def test_goldens_are_counted_on_the_controller_under_xdist(pytester):
+    pytester.makepyfile(
+        **{
+            f"test_g{i}": textwrap.dedent(
+                f"""
+                import torch
+
+                def test_a(golden):
+                    golden.check({{"x": torch.arange(3.0) * {i}}})
+
+                def test_b(golden):
+                    golden.check({{"y": torch.ones(2)}}, name="other")
+                """
+            )
+            for i in range(3)
+        }
+    )
+    result = pytester.runpytest_subprocess("-n", "2", "--update-goldens")
+    result.assert_outcomes(passed=6)
+    result.stdout.fnmatch_lines(["*6 goldens: 6 written.*"])
+    assert len(list((pytester.path / "goldens").rglob("*.pt"))) == 6
+
+
+def test_spatial_runs_under_xdist_with_a_pool_per_worker(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+        import torch, torch.distributed as dist
+
+        def total():
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            return t.item()
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_sum(spatial, i):
+            assert spatial.run(total) == [4.0] * 4
+        """
+    )
+    result = pytester.runpytest_subprocess("-n", "2", "--spatial-ranks=4")
+    result.assert_outcomes(passed=4)
+
+
+HANG = """
+import time
+import pytest
+import torch, torch.distributed as dist
+
+def hang():
+    if dist.get_rank() != 0:
+        dist.all_reduce(torch.ones(1))
+    return 0
+
+@pytest.mark.spatial(timeout={timeout})
+def test_hang(spatial):
+    spatial.run(hang)
+
+def test_next(spatial):
+    assert spatial.run(dist.get_rank) == [0, 1, 2, 3]
+"""
+
+
+def test_a_deadlock_fails_after_the_timeout_the_next_test_passes_and_no_rank_survives(pytester):
+    pytester.makepyfile(test_hang=HANG.format(timeout=3))
+    tag = uuid.uuid4().hex
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_hang.py"],
+        cwd=pytester.path,
+        env=_tag_env(tag),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = proc.stdout
+    assert proc.returncode == 1, out
+    assert "1 failed, 1 passed" in out
+    assert "run timed out after 3s on rank 1/4, 2/4, 3/4" in out
+    assert out.count("in hang") >= 3  # each waiting rank's stack names the function
+    assert time.monotonic() - t0 < 60
+    assert _wait_gone(tag) == []
+
+
+def test_ctrl_c_leaves_no_rank_process_behind(pytester):
+    pytester.makepyfile(test_hang=HANG.format(timeout=100))
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_hang.py"],
+        cwd=pytester.path,
+        env=_tag_env(tag),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while len(_tagged_pids(tag)) < 5 and time.monotonic() < deadline:  # pytest + 4 ranks
+        time.sleep(0.2)
+    assert len(_tagged_pids(tag)) >= 5, "ranks never started"
+    time.sleep(1.0)  # let the run enter its collective
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert b"KeyboardInterrupt" in out
+    assert _wait_gone(tag) == []
