@@ -436,7 +436,7 @@ def _failure(problems: list[RankProblem], world: int, timeout: float) -> RankFai
             return 3
         return {"crash": 0, "timeout": 1, "error": 2, "stopped": 4}[p.kind]
 
-    first = min(problems, key=order)
+    first = min(problems, key=order)  # min() keeps the earliest arrival among equals
     failing = sorted(p.rank for p in problems if order(p) == order(first))
     where = ", ".join(f"{r}/{world}" for r in failing)
     if first.kind == "crash":
@@ -452,7 +452,9 @@ def _failure(problems: list[RankProblem], world: int, timeout: float) -> RankFai
     else:
         cls = RankError
         msg = f"rank {where} raised {first.summary}"
-    problems = sorted(problems, key=lambda p: (order(p), p.rank))
+    # Within a kind, arrival order: the rank that failed first is the likely cause.
+    arrival = {id(p): i for i, p in enumerate(problems)}
+    problems = sorted(problems, key=lambda p: (order(p), arrival[id(p)]))
     return cls(msg, world, problems)
 
 

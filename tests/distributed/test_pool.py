@@ -111,9 +111,10 @@ def test_a_rank_that_dies_is_named_within_a_second_and_the_pool_restarts(spatial
     starts = pool.starts
     t0 = time.monotonic()
     with pytest.raises(RankCrash) as info:
-        spatial.run(exit_on, 1, how)
-    elapsed = time.monotonic() - t0
-    assert elapsed < 3.0, f"crash took {elapsed:.1f}s to notice"  # generous on a loaded CI box
+        spatial.run(exit_on, 1, how, timeout=60)
+    # Noticed through the process sentinel, not by running into the timeout (and not by
+    # waiting for the stuck ranks' error grace either).
+    assert time.monotonic() - t0 < 30
     assert info.value.ranks == [1]
     assert says in str(info.value)
     if how == "SIGSEGV":  # faulthandler's Python traceback of the crashing rank
