@@ -413,3 +413,44 @@ def _table(mismatches: Sequence[Mismatch]) -> list[str]:
     widths[-1] = len(header[-1])  # last column is free-form: don't pad
     fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     return [fmt(header), fmt(tuple("-" * w for w in widths)), *map(fmt, rows)]
+
+
+def equivalence_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The terminal table of every equivalence checked: one line per check."""
+    header = (
+        "case",
+        "ranks",
+        "partition",
+        "dtype",
+        "loss",
+        "grad",
+        "field",
+        "param",
+        "golden",
+        "verdict",
+    )
+    body = []
+    for r in rows:
+        w = r["worst"]
+        body.append(
+            (
+                r["case"],
+                f"{r['ranks']}",
+                r["partition"],
+                r["dtype"],
+                *(
+                    ("-" if w.get(q) is None else f"{w[q]:.1e}")
+                    for q in ("loss", "grad", "field", "param")
+                ),
+                r.get("golden", "-"),
+                "equivalent" if r["ok"] else "MISMATCH: " + ",".join(r["problems"]),
+            )
+        )
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+    return [
+        "worst relative error per quantity, partitioned vs reference:",
+        fmt(header),
+        fmt(tuple("-" * w for w in widths)),
+        *map(fmt, body),
+    ]

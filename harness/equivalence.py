@@ -307,12 +307,10 @@ def check_equivalence(
             report.mismatches.append(
                 Mismatch(p.kind, case.label, None, p.rank, where=p.summary, detail=detail)
             )
-        report.partition = case.describe(None) or f"{s} x {ranks // s}"
+        report.partition = _layout(case.describe(None), s, ranks // s)
         report.seconds = time.perf_counter() - t0
         return report
-    report.partition = records[0].get("describe") or (
-        f"spatial {s}" + (f" x data {ranks // s}" if ranks > s else "")
-    )
+    report.partition = _layout(records[0].get("describe", ""), s, ranks // s)
     _Comparer(report, reference, records, tol).run()
     report.seconds = time.perf_counter() - t0
     return report
@@ -627,6 +625,12 @@ class _Comparer:
                         where="modified in place during the step; the reference's was not",
                     )
                 )
+
+
+def _layout(describe: str, spatial: int, data: int) -> str:
+    """``"nside 2, ... · spatial 2 x data 2"``: the partition and, if any, the data groups."""
+    groups = f"spatial {spatial} x data {data}" if data > 1 else ""
+    return " · ".join(p for p in (describe, groups) if p) or f"spatial {spatial}"
 
 
 def _data_part(ref: torch.Tensor, group: int, groups: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from harness.compare import Bound, Tolerance
+from harness.compare import Bound, Tolerance, equivalence_table
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError
 from harness.goldens import GoldenResult, GoldenStore, golden_stem
@@ -380,44 +380,3 @@ def _golden_fixture(request: pytest.FixtureRequest) -> GoldenFixture:
 def golden(request: pytest.FixtureRequest) -> GoldenFixture:
     """Check tensors against this test's ``.pt`` golden: ``golden.check({"loss": t})``."""
     return _golden_fixture(request)
-
-
-def equivalence_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The terminal table of every equivalence checked: one line per check."""
-    header = (
-        "case",
-        "ranks",
-        "partition",
-        "dtype",
-        "loss",
-        "grad",
-        "field",
-        "param",
-        "golden",
-        "verdict",
-    )
-    body = []
-    for r in rows:
-        w = r["worst"]
-        body.append(
-            (
-                r["case"],
-                f"{r['ranks']}",
-                r["partition"],
-                r["dtype"],
-                *(
-                    ("-" if w.get(q) is None else f"{w[q]:.1e}")
-                    for q in ("loss", "grad", "field", "param")
-                ),
-                r.get("golden", "-"),
-                "equivalent" if r["ok"] else "MISMATCH: " + ",".join(r["problems"]),
-            )
-        )
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
-    return [
-        "worst relative error per quantity, partitioned vs reference:",
-        fmt(header),
-        fmt(tuple("-" * w for w in widths)),
-        *map(fmt, body),
-    ]

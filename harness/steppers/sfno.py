@@ -1,0 +1,566 @@
+"""An SFNO-style stepper: one model code path for the reference and a lat x lon partitioned run.
+
+Pointwise encoder -> per block [global-mean removal, real SHT, spectral filter, inverse SHT,
+pointwise MLP, residual] -> pointwise decoder, residual on the state. The reference
+(``Topology.single()``) uses torch-harmonics' ``RealSHT``; a partitioned run splits the grid
+over an ``h`` (polar) x ``w`` (azimuth) process grid and uses ``DistributedRealSHT``.
+
+Sharding through one block (torch-harmonics 0.8.0, read from ``distributed_sht.py``):
+
+- grid space ``(B, E, nlat_local, nlon_local)``: latitudes split over the polar group and
+  longitudes over the azimuth group, both with ``split_sizes`` (the SHT's ceil rule);
+- spectral space ``(B, E, l_local, m_local)``: degrees ``l`` (``lmax = nlat``) split over the
+  polar group, orders ``m`` (``mmax = nlon // 2 + 1``) over the azimuth group, same rule.
+
+In between, the SHT's transposes split the ``E`` channels over each group, and 0.8.0 cannot
+split fewer channels than ranks: ``embed >= max(h, w)`` is required (checked).
+
+Everything that must be identical on every rank is made so by construction: parameters are
+full size on every rank (the spectral weights are sliced to the rank's (l, m) modes in
+forward), noise is drawn for the whole globe from one seeded generator and sliced, the area
+weights are the global quadrature weights sliced to the rank's latitudes.
+
+``faults=`` switches on the SFNO bugs of FAULTS.md, each where that bug really lives:
+``SFNO_FAULTS`` lists them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from harness.collectives import reduce_gradient, reduce_loss, spatial_sum, sync_gradients
+from harness.equivalence import Outputs, Shard, SpatialCase, data_share
+from harness.errors import ConfigError
+from harness.partition import LatLonPartition
+from harness.topology import Topology
+
+SFNO_FAULTS = frozenset({
+    "reduce-not-differentiable",
+    "reduce-double-count",
+    "coupling-identity-backward",
+    "no-grad-sync",
+    "grad-sync-mean",
+    "buffer-broadcast",
+    "mean-of-means",
+    "split-mismatch",
+    "per-rank-noise",
+    "local-weights",
+    "reduce-over-world",
+})
+GRIDS = ("equiangular", "legendre-gauss")
+
+
+def check_faults(faults: Any) -> frozenset[str]:
+    """``faults`` as a frozenset of known SFNO fault ids, or a ``ConfigError``."""
+    if isinstance(faults, str):
+        faults = (faults,)
+    faults = frozenset(faults)
+    unknown = faults - SFNO_FAULTS
+    if unknown:
+        raise ConfigError(
+            f"unknown SFNO fault(s) {sorted(unknown)}; valid ids: {', '.join(sorted(SFNO_FAULTS))}"
+        )
+    return faults
+
+
+@dataclass(frozen=True)
+class SFNOConfig:
+    """Sizes, process grid and faults of an SFNO stepper.
+
+    ``h`` x ``w`` is the process grid of a partitioned run (``None``: inferred from the
+    spatial group, all polar by default); the reference always runs 1 x 1. ``noise`` is the
+    number of noise channels fed to the encoder (0: no noise conditioning).
+    """
+
+    nlat: int = 16
+    nlon: int = 32
+    grid: str = "equiangular"
+    h: int | None = None
+    w: int | None = None
+    channels: int = 2
+    embed: int = 8
+    blocks: int = 2
+    noise: int = 0
+    noise_seed: int = 1234
+    forward_steps: int = 2
+    faults: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "faults", check_faults(self.faults))
+        if self.grid not in GRIDS:
+            raise ConfigError(f"grid {self.grid!r} is not supported; choose one of {GRIDS}")
+        for name in ("nlat", "nlon", "channels", "embed", "blocks", "forward_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (2 if name in ("nlat", "nlon") else 1):
+                raise ConfigError(f"SFNOConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.noise, int) or self.noise < 0:
+            raise ConfigError(f"SFNOConfig.noise must be an integer >= 0, got {self.noise!r}")
+
+    def process_grid(self, topo: Topology) -> tuple[int, int]:
+        """(h, w) for this topology: 1 x 1 for the reference, else ``h * w == spatial_size``."""
+        if topo.spatial_group is None:
+            return 1, 1
+        s = topo.spatial_size
+        h, w = self.h, self.w
+        if h is None and w is None:
+            h, w = s, 1
+        elif h is None:
+            h = s // w if w and s % w == 0 else 0
+        elif w is None:
+            w = s // h if h and s % h == 0 else 0
+        if not h or not w or h * w != s:
+            raise ConfigError(
+                f"process grid h={self.h} x w={self.w} does not fit a spatial group of {s} "
+                f"ranks; choose h * w == {s}"
+            )
+        mmax = self.nlon // 2 + 1
+        if self.nlat < h or mmax < w:
+            raise ConfigError(
+                f"a {self.nlat}x{self.nlon} grid has {self.nlat} latitudes and {mmax} orders m; "
+                f"they cannot be split over h={h} x w={w} ranks; use a larger grid"
+            )
+        if self.embed < max(h, w):
+            raise ConfigError(
+                f"embed={self.embed} channels cannot be split over {max(h, w)} ranks: "
+                f"torch-harmonics 0.8.0's distributed SHT splits the channels over each "
+                f"process-grid axis; use embed >= {max(h, w)}"
+            )
+        return h, w
+
+
+# ---------------------------------------------------------------------- geometry
+
+
+def lat_weights(nlat: int, grid: str) -> torch.Tensor:
+    """Quadrature weights of the latitudes in the SHT's order (north to south), float64."""
+    from torch_harmonics.quadrature import clenshaw_curtiss_weights, legendre_gauss_weights
+
+    rule = legendre_gauss_weights if grid == "legendre-gauss" else clenshaw_curtiss_weights
+    _, weights = rule(nlat, -1, 1)
+    return torch.flip(torch.as_tensor(weights, dtype=torch.float64), dims=(0,))
+
+
+def _array_split_sizes(size: int, parts: int) -> list[int]:
+    return [len(c) for c in np.array_split(np.arange(size), parts)]
+
+
+@dataclass(frozen=True)
+class _ArraySplitPartition(LatLonPartition):
+    """The ``split-mismatch`` fault: numpy's rule (remainder to the first ranks), not the SHT's."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "lat_sizes", _array_split_sizes(self.nlat, self.h))
+        object.__setattr__(self, "lon_sizes", _array_split_sizes(self.nlon, self.w))
+
+
+def data_partition(config: SFNOConfig, h: int, w: int) -> LatLonPartition:
+    """How grid data are scattered: the SHT's own split (unless ``split-mismatch``)."""
+    if "split-mismatch" in config.faults:
+        return _ArraySplitPartition(config.nlat, config.nlon, h, w)
+    return LatLonPartition(config.nlat, config.nlon, h, w)
+
+
+def _offset_slice(sizes: list[int], index: int) -> slice:
+    start = sum(sizes[:index])
+    return slice(start, start + sizes[index])
+
+
+# ---------------------------------------------------------------------- layers
+
+
+class Pointwise(nn.Module):
+    """A 1x1 convolution over the channel dimension (-3) of (..., C, lat, lon) fields."""
+
+    def __init__(self, cin: int, cout: int, gain: float = 1.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(gain * torch.randn(cout, cin) / cin**0.5)
+        self.bias = nn.Parameter(0.1 * torch.randn(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("oi,...ihw->...ohw", self.weight, x) + self.bias[:, None, None]
+
+
+class SpectralFilter(nn.Module):
+    """Multiplies each channel's (l, m) coefficient by a learned complex weight.
+
+    The weight is full size ``(channels, lmax, mmax, 2)`` on every rank, so names and shapes
+    match the reference's; forward uses the rank's modes ``[l_slice, m_slice]``.
+    """
+
+    def __init__(self, channels: int, lmax: int, mmax: int, l_slice: slice, m_slice: slice):
+        super().__init__()
+        weight = torch.zeros(channels, lmax, mmax, 2)
+        weight[..., 0] = 1.0
+        self.weight = nn.Parameter(weight + 0.1 * torch.randn(channels, lmax, mmax, 2))
+        self.l_slice, self.m_slice = l_slice, m_slice
+
+    def forward(self, coeffs: torch.Tensor) -> torch.Tensor:
+        local = self.weight[:, self.l_slice, self.m_slice].contiguous()
+        return coeffs * torch.view_as_complex(local).to(coeffs.dtype)
+
+
+class _MeanOverGroup(torch.autograd.Function):
+    """Forward: all-reduce SUM over ``group``, divided by ``n``. Backward: identity."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out / n  # replicated over the group
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        # each data group back-propagates its own loss; the gradient hooks average over the
+        # data group, which is the derivative of this mean
+        return grad, None, None
+
+
+# ---------------------------------------------------------------------- the stepper
+
+
+@dataclass
+class TrainOutput:
+    """What ``train_on_batch`` returns: the global loss and the autoregressive predictions
+    ``(B, forward_steps, C, nlat_local, nlon_local)``."""
+
+    loss: torch.Tensor
+    prediction: torch.Tensor
+
+
+class SFNOStepper(nn.Module):
+    """The SFNO-style network plus its loss, gradient sync and stepping, for one topology.
+
+    ``forward(state)`` is one model step ``(B, C, lat, lon) -> (B, C, lat, lon)`` on this
+    rank's block; ``train_on_batch`` and ``predict`` are the ACE-like stepper API.
+    """
+
+    def __init__(self, config: SFNOConfig, topo: Topology) -> None:
+        super().__init__()
+        cfg = self.config = config
+        self.topo = topo
+        self.faults = config.faults
+        h, w = self.h, self.w = config.process_grid(topo)
+        p, a = topo.grid_position(h, w)
+        self.partition = data_partition(config, h, w)
+        self.lat_slice, self.lon_slice = self.partition.slices(p * w + a)
+
+        self.sht, self.isht = _make_transforms(cfg, topo, h, w)
+        lmax, mmax = self.sht.lmax, self.sht.mmax
+        if topo.spatial_size > 1:  # the SHT's own split of the modes (polar: l, azimuth: m)
+            l_slice, m_slice = _offset_slice(self.sht.l_shapes, p), _offset_slice(self.sht.m_shapes, a)
+        else:
+            l_slice, m_slice = slice(0, lmax), slice(0, mmax)
+
+        # global and replicated: the same buffer (name, shape, values) on every rank
+        self.register_buffer("area_weights", lat_weights(cfg.nlat, cfg.grid).to(
+            torch.get_default_dtype()), persistent=False)
+        self.area_total = float(self.area_weights.sum()) * cfg.nlon
+
+        self.encoder = Pointwise(cfg.channels + cfg.noise, cfg.embed)
+        self.filters = nn.ModuleList(
+            SpectralFilter(cfg.embed, lmax, mmax, l_slice, m_slice) for _ in range(cfg.blocks)
+        )
+        self.mlps = nn.ModuleList(Pointwise(cfg.embed, cfg.embed, 0.5) for _ in range(cfg.blocks))
+        # how much of the global mean each block removes before its SHT, per channel
+        self.mean_gains = nn.Parameter(-0.5 + 0.1 * torch.randn(cfg.blocks, cfg.embed))
+        self.decoder = Pointwise(cfg.embed, cfg.channels, 0.2)
+
+        seed = cfg.noise_seed + (topo.rank if "per-rank-noise" in self.faults else 0)
+        self.noise_generator = torch.Generator().manual_seed(seed)
+
+        if "grad-sync-mean" in self.faults:
+            _sync_gradients_mean(self, topo)
+        elif "no-grad-sync" not in self.faults:
+            sync_gradients(self, topo)
+
+    # ------------------------------------------------------------ model step
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        if "buffer-broadcast" in self.faults:
+            _broadcast_buffers(self, self.topo)
+        x = state
+        if self.config.noise:
+            x = torch.cat([x, self.draw_noise(state.shape[0])], dim=-3)
+        x = self.encoder(x)
+        for spectral, mlp, gain in zip(self.filters, self.mlps, self.mean_gains):
+            # partial removal keeps the (0, 0) mode, whose gradient would otherwise be rounding
+            y = x + gain[:, None, None] * self.global_mean(x)
+            y = self.isht(spectral(self.sht(y)))  # (B, E, lat, lon) -> (B, E, l, m) -> back
+            x = x + mlp(F.gelu(y))
+        return state + self.decoder(x)
+
+    def local_area_weights(self) -> torch.Tensor:
+        """The area weights of this rank's latitudes."""
+        return self.area_weights[self.lat_slice]
+
+    def global_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """Area-weighted mean over the whole sphere, per sample and channel: (..., 1, 1)."""
+        local = torch.einsum("...ij,i->...", x, self.local_area_weights())
+        if "coupling-identity-backward" in self.faults:
+            total = reduce_loss(local, self.topo)  # the bug: other ranks' uses are not summed back
+        else:
+            total = spatial_sum(local, self.topo)  # replicated; backward summed over the group
+        return (total / self.area_total)[..., None, None]
+
+    def draw_noise(self, batch_local: int) -> torch.Tensor:
+        """Noise for this rank's samples and block, drawn for the whole globe and batch."""
+        cfg, topo = self.config, self.topo
+        full = torch.randn(
+            (batch_local * topo.data_size, cfg.noise, cfg.nlat, cfg.nlon),
+            generator=self.noise_generator,
+        )
+        rows = data_share(batch_local * topo.data_size, topo)
+        return full[rows, :, self.lat_slice, self.lon_slice]
+
+    # ------------------------------------------------------------ loss
+
+    def loss(self, prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Area-weighted MSE over the globe and this data group's samples; replicated."""
+        topo = self.topo
+        weights = self.local_area_weights()
+        if "local-weights" in self.faults:
+            weights = self.area_weights[: weights.shape[0]]  # the bug: sliced from row 0
+        err = (prediction - target) ** 2
+        wsum = torch.einsum("...ij,i->", err, weights)
+        wtot = weights.sum() * (err.numel() // err.shape[-2])  # every (sample, channel, lon)
+        if "mean-of-means" in self.faults:
+            loss = reduce_loss(wsum / wtot, topo) / topo.spatial_size
+        elif "reduce-not-differentiable" in self.faults and topo.spatial_group is not None:
+            # dist.all_reduce has no autograd: the reduced value is detached, so what the rank
+            # back-propagates is its own local mean, spliced under the global value
+            value = torch.stack([wsum.detach(), wtot.detach()])
+            dist.all_reduce(value, group=topo.spatial_group)
+            local = wsum / wtot
+            loss = local + (value[0] / value[1] - local).detach()
+        else:
+            reduce = spatial_sum if "reduce-double-count" in self.faults else reduce_loss
+            loss = reduce(wsum, topo) / reduce_loss(wtot, topo)  # this data group's loss
+        return self.mean_over_data(loss)
+
+    def mean_over_data(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over the data groups: the global loss, replicated on every rank."""
+        topo = self.topo
+        if topo.data_group is None:
+            return loss
+        group = topo.data_group
+        if "reduce-over-world" in self.faults:
+            group = dist.group.WORLD  # the bug: S replicas of each data group's loss summed
+        return _MeanOverGroup.apply(loss, group, topo.data_size)
+
+    # ------------------------------------------------------------ stepper API
+
+    def train_on_batch(
+        self, batch: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer | None = None
+    ) -> TrainOutput:
+        """``forward_steps`` autoregressive steps from ``batch["state"][:, 0]``.
+
+        The loss is the mean of the steps' losses against ``batch["state"][:, 1:]``. With an
+        ``optimizer``, also zero the gradients, back-propagate and step.
+        """
+        state = batch["state"]
+        n = self.config.forward_steps
+        if state.shape[1] != n + 1:
+            raise ConfigError(
+                f"batch['state'] has {state.shape[1]} times; {n} forward steps need {n + 1}"
+            )
+        x, losses, predictions = state[:, 0], [], []
+        for t in range(1, n + 1):
+            x = self(x)
+            losses.append(self.loss(x, state[:, t]))
+            predictions.append(x)
+        loss = torch.stack(losses).mean()
+        if optimizer is not None:
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        return TrainOutput(loss, torch.stack(predictions, dim=1))
+
+    @torch.no_grad()
+    def predict(self, initial: torch.Tensor, n_steps: int) -> torch.Tensor:
+        """Roll out ``n_steps`` from ``initial`` (B, C, lat, lon): (B, n_steps, C, lat, lon)."""
+        x, out = initial, []
+        for _ in range(n_steps):
+            x = self(x)
+            out.append(x)
+        return torch.stack(out, dim=1)
+
+    def scatter(self, field: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a global (..., nlat, nlon) field."""
+        return field[..., self.lat_slice, self.lon_slice]
+
+    def shard(self, local: torch.Tensor) -> Shard | torch.Tensor:
+        """``local`` as a Shard of the global grid (the reference's full field as is)."""
+        if self.topo.spatial_group is None:
+            return local
+        return Shard.grid(local, self.lat_slice, self.lon_slice, self.config.nlat, self.config.nlon)
+
+
+def _make_transforms(cfg: SFNOConfig, topo: Topology, h: int, w: int) -> tuple[nn.Module, nn.Module]:
+    """Serial SHT pair for one spatial rank, torch-harmonics' distributed pair otherwise."""
+    if topo.spatial_size == 1:
+        from torch_harmonics import InverseRealSHT, RealSHT
+
+        return RealSHT(cfg.nlat, cfg.nlon, grid=cfg.grid), InverseRealSHT(cfg.nlat, cfg.nlon, grid=cfg.grid)
+    import torch_harmonics.distributed as thd
+
+    _use_uneven_transposes()
+    # The distributed SHT reads its groups from module globals, at build and in every
+    # forward: set them on this rank (the rank pool resets them after each run).
+    thd.init(*topo.grid(h, w))
+    return (
+        thd.DistributedRealSHT(cfg.nlat, cfg.nlon, grid=cfg.grid),
+        thd.DistributedInverseRealSHT(cfg.nlat, cfg.nlon, grid=cfg.grid),
+    )
+
+
+def _transpose_uneven(
+    tensor: torch.Tensor, dim0: int, dim1: int, dim1_split_sizes: list[int],
+    group: Any = None, async_op: bool = False,
+) -> tuple[list[torch.Tensor], list[int], None]:
+    """torch-harmonics' ``primitives._transpose`` on ``all_to_all_single``: same contract.
+
+    0.8.0 exchanges a list of chunks with ``dist.all_to_all``, which gloo only accepts when
+    every chunk has the same shape, so any uneven split (``mmax = nlon // 2 + 1`` is odd,
+    so even a 2-way azimuth split) fails there. ``all_to_all_single`` takes uneven split
+    sizes on every backend, so the chunks travel flattened and are reshaped on arrival.
+    """
+    from torch_harmonics.distributed import split_tensor_along_dim
+
+    size, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+    send = [c.contiguous() for c in split_tensor_along_dim(tensor, dim=dim0, num_chunks=size)]
+    dim0_split_sizes = [c.shape[dim0] for c in send]
+    recv_shapes = []
+    for n in dim1_split_sizes:  # from each rank: my chunk of dim0, its part of dim1
+        shape = list(send[rank].shape)
+        shape[dim1] = n
+        recv_shapes.append(shape)
+    flat = [torch.view_as_real(c) if c.is_complex() else c for c in send]
+    real_dtype = flat[0].dtype
+    pair = 2 if tensor.is_complex() else 1
+    recv_numels = [int(np.prod(s)) * pair for s in recv_shapes]
+    recv = torch.empty(sum(recv_numels), dtype=real_dtype, device=tensor.device)
+    dist.all_to_all_single(
+        recv, torch.cat([c.reshape(-1) for c in flat]),
+        output_split_sizes=recv_numels, input_split_sizes=[c.numel() for c in flat],
+        group=group,
+    )
+    out = []
+    for chunk, shape in zip(recv.split(recv_numels), recv_shapes):
+        if tensor.is_complex():
+            out.append(torch.view_as_complex(chunk.view(*shape, 2)))
+        else:
+            out.append(chunk.view(shape))
+    return out, dim0_split_sizes, None
+
+
+def _use_uneven_transposes() -> None:
+    """Route torch-harmonics' SHT transposes through ``_transpose_uneven`` (idempotent).
+
+    Results are identical on every backend; only the transport differs.
+    """
+    from torch_harmonics.distributed import primitives
+
+    if getattr(primitives, "_transpose", None) is not None:
+        primitives._transpose = _transpose_uneven
+
+
+def _sync_gradients_mean(module: nn.Module, topo: Topology) -> None:
+    """The ``grad-sync-mean`` fault: gradients averaged, not summed, over the spatial group."""
+
+    def hook(param: torch.Tensor) -> None:
+        reduce_gradient(param.grad, topo)
+        param.grad.div_(topo.spatial_size)  # the bug
+
+    if topo.spatial_group is None:
+        return
+    for param in module.parameters():
+        param.register_post_accumulate_grad_hook(hook)
+
+
+def _broadcast_buffers(module: nn.Module, topo: Topology) -> None:
+    """The ``buffer-broadcast`` fault: DDP's ``broadcast_buffers=True`` before each forward.
+
+    Spatial rank 0's buffers are copied in place over every rank's, as DDP does for
+    replicated buffers; but the SHT's Legendre tables are m-sliced per azimuth rank.
+    """
+    if topo.spatial_group is None:
+        return
+    src = topo.spatial_ranks[0]
+    for buf in module.buffers():
+        incoming = buf.detach().clone()
+        dist.broadcast(incoming, src=src, group=topo.spatial_group)
+        with torch.no_grad():
+            buf.copy_(incoming)  # in place: bumps the version autograd saved for backward
+
+
+# ---------------------------------------------------------------------- the case
+
+
+class SFNOCase(SpatialCase):
+    """The SFNO stepper as a ``SpatialCase``: ``check_equivalence(SFNOCase(...), ranks=4)``.
+
+    Each step's batch is ``forward_steps + 1`` states of ``batch_size`` samples on the
+    whole globe (data groups get equal shares); fields compared are the autoregressive
+    predictions of ``train_on_batch`` and a ``rollout``-step ``predict``.
+    """
+
+    name = "sfno"
+
+    def __init__(
+        self,
+        nlat: int = 16,
+        nlon: int = 32,
+        h: int | None = None,
+        w: int | None = None,
+        *,
+        grid: str = "equiangular",
+        channels: int = 2,
+        embed: int = 8,
+        blocks: int = 2,
+        batch_size: int = 2,
+        noise: int = 0,
+        rollout: int = 2,
+        dtype: torch.dtype = torch.float64,
+        faults: Any = (),
+    ) -> None:
+        self.config = SFNOConfig(
+            nlat=nlat, nlon=nlon, grid=grid, h=h, w=w, channels=channels, embed=embed,
+            blocks=blocks, noise=noise, faults=check_faults(faults),
+        )
+        self.batch_size, self.rollout, self.dtype = batch_size, rollout, dtype
+
+    def build(self, topo: Topology) -> nn.Module:
+        return SFNOStepper(self.config, topo)
+
+    def batch(self, topo: Topology, step: int) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        h, w = cfg.process_grid(topo)
+        p, a = topo.grid_position(h, w)
+        lats, lons = data_partition(cfg, h, w).slices(p * w + a)
+        # the whole globe and batch, drawn identically everywhere, then this rank's share
+        state = torch.randn(self.batch_size, cfg.forward_steps + 1, cfg.channels, cfg.nlat, cfg.nlon)
+        return {"state": state[data_share(self.batch_size, topo), ..., lats, lons]}
+
+    def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], topo: Topology) -> Outputs:
+        out = model.train_on_batch(batch)
+        fields = {"prediction": model.shard(out.prediction.detach())}
+        if self.rollout:
+            fields["rollout"] = model.shard(model.predict(batch["state"][:, 0], self.rollout))
+        return Outputs(out.loss, fields)
+
+    def describe(self, topo: Topology | None = None) -> str:
+        cfg = self.config
+        text = f"{cfg.grid} {cfg.nlat}x{cfg.nlon}"
+        if topo is None or topo.spatial_group is None:
+            return text
+        h, w = cfg.process_grid(topo)
+        part = data_partition(cfg, h, w)
+        return f"{text} on {h}x{w} (lat {part.lat_sizes} x lon {part.lon_sizes})"
