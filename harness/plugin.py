@@ -103,7 +103,11 @@ def _parse_timeout(raw: Any) -> float:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before Hypothesis' plugin loads --hypothesis-profile
 def pytest_configure(config: pytest.Config) -> None:
+    from harness.strategies import register_profiles
+
+    register_profiles()
     config.addinivalue_line(
         "markers",
         "spatial(ranks=None, timeout=None): run this test's spatial jobs on `ranks` rank "
