@@ -4,8 +4,9 @@ Each operation is a private ``torch.autograd.Function`` with a public verb. The 
 of each docstring says what forward and backward do: picking the wrong backward is the most
 common way a spatially parallel model silently computes wrong gradients (FAULTS.md).
 
-With the reference's topology (``Topology.single()``, no groups) every operation is the
-identity, so one model code path serves both the reference and the partitioned run.
+With the reference's topology (``Topology.single()``, no groups) every operation is local:
+the identity, ``assemble`` places values in one tensor, ``halo_exchange`` returns an empty
+halo. So one model code path serves both the reference and the partitioned run.
 
 Gloo notes (checked on torch 2.13): ``all_gather`` needs equal shapes, so uneven shards are
 padded to the longest and stripped after; gloo has no ``reduce_scatter``, so backward of a
@@ -16,6 +17,10 @@ sends each rank exactly the cells it needs, no padding.
 Argument checks that could fail on one rank only are decided together (one small
 all-gather of every rank's verdict), so a bad call raises the same ``ConfigError`` on every
 rank instead of leaving the others waiting in the next collective.
+
+Every backward here is a collective too: each rank must back-propagate through every
+collective it called (an empty rank included: its loss part is a zero that still depends on
+the output), or the ranks that do will wait for it.
 """
 
 from __future__ import annotations

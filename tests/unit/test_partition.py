@@ -1,0 +1,230 @@
+"""Partition arithmetic: ownership, torch-harmonics' split rule, neighbours, halos, packing."""
+
+from __future__ import annotations
+
+import healpy as hp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch_harmonics.distributed import compute_split_shapes
+
+from harness.errors import ConfigError
+from harness.partition import CellPartition, LatLonPartition, cell_of, split_sizes
+from harness.strategies import cell_partitions, latlon_partitions
+
+# ---------------------------------------------------------------- split_sizes
+
+
+def test_split_sizes_equals_torch_harmonics_compute_split_shapes_for_every_small_case():
+    for size in range(0, 130):
+        for parts in range(1, 17):
+            assert split_sizes(size, parts) == compute_split_shapes(size, parts), (size, parts)
+
+
+@given(st.integers(0, 10**7), st.integers(1, 512))
+def test_split_sizes_equals_torch_harmonics_for_large_sizes(size, parts):
+    assert split_sizes(size, parts) == compute_split_shapes(size, parts)
+
+
+@pytest.mark.parametrize(
+    ("size", "parts", "expected"),
+    [(10, 4, [3, 3, 3, 1]), (5, 4, [1, 1, 1, 2]), (8, 4, [2, 2, 2, 2]), (7, 1, [7])],
+    ids=["ceil_uneven", "floor_fallback", "even", "one_part"],
+)
+def test_split_sizes_uses_ceil_then_floor_when_the_last_part_would_be_empty(size, parts, expected):
+    assert split_sizes(size, parts) == expected
+
+
+# ---------------------------------------------------------------- lat/lon
+
+
+@given(latlon_partitions(ranks=6, max_nlat=13, max_nlon=17))
+def test_every_latlon_position_is_owned_exactly_once(part):
+    owners = np.full(part.nlat * part.nlon, -1)
+    for rank in range(part.ranks):
+        idx = part.index(rank)
+        assert idx.dtype == np.int64
+        assert len(idx) == np.prod(part.shape(rank)) > 0
+        assert (owners[idx] == -1).all(), "a position owned twice"
+        owners[idx] = rank
+    assert (owners >= 0).all(), "a position owned by nobody"
+    for flat in range(0, part.nlat * part.nlon, 7):
+        lat, lon, rank = part.where(flat)
+        assert flat == lat * part.nlon + lon
+        assert owners[flat] == rank
+
+
+@given(latlon_partitions(ranks=4))
+def test_latlon_blocks_are_row_major_slices_of_the_global_grid(part):
+    grid = np.arange(part.nlat * part.nlon).reshape(part.nlat, part.nlon)
+    for rank in range(part.ranks):
+        lats, lons = part.slices(rank)
+        np.testing.assert_array_equal(grid[lats, lons].ravel(), part.index(rank))
+        p, a = divmod(rank, part.w)
+        assert (lats, lons) == (part.lat_slice(p), part.lon_slice(a))
+
+
+def test_latlon_sizes_follow_the_sht_split():
+    part = LatLonPartition(nlat=10, nlon=5, h=4, w=4)
+    assert part.lat_sizes == [3, 3, 3, 1]
+    assert part.lon_sizes == [1, 1, 1, 2]
+    assert part.ranks == 16
+    assert hash(part) == hash(LatLonPartition(10, 5, 4, 4))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"nlat": 3, "nlon": 8, "h": 4, "w": 1}, "nlat=3 does not fit h=4"),
+        ({"nlat": 8, "nlon": 2, "h": 1, "w": 3}, "nlon=2 does not fit w=3"),
+        ({"nlat": 0, "nlon": 8}, "nlat must be an integer >= 1"),
+        ({"nlat": 4.0, "nlon": 8}, "pass a plain int"),
+        ({"nlat": 4, "nlon": 8, "h": 0}, "h must be an integer >= 1"),
+    ],
+    ids=["lat_too_few", "lon_too_few", "zero_nlat", "float_nlat", "zero_h"],
+)
+def test_latlon_partition_refuses_impossible_shapes_with_the_fix(kwargs, says):
+    with pytest.raises(ConfigError, match=says):
+        LatLonPartition(**kwargs)
+
+
+def test_latlon_lookups_out_of_range_say_the_valid_range():
+    part = LatLonPartition(4, 4, 2, 2)
+    with pytest.raises(ConfigError, match="use 0 <= rank < 4"):
+        part.slices(4)
+    with pytest.raises(ConfigError, match="use 0 <= index < 16"):
+        part.where(16)
+    with pytest.raises(ConfigError, match="0 <= p < 2"):
+        part.lat_slice(2)
+    with pytest.raises(ConfigError, match="0 <= a < 2"):
+        part.lon_slice(-1)
+
+
+# ---------------------------------------------------------------- cells
+
+
+@given(cell_partitions(nside=2, ranks=5))
+def test_every_cell_is_owned_exactly_once_and_rank_of_agrees(part):
+    owners = np.full(part.npix, -1)
+    for rank in range(part.ranks):
+        cells = np.array(part.cells(rank), dtype=np.int64)
+        assert len(cells) == part.sizes[rank]
+        assert (owners[cells] == -1).all()
+        owners[cells] = rank
+    assert (owners >= 0).all()
+    np.testing.assert_array_equal(part.rank_of(np.arange(part.npix)), owners)
+    assert all(part.rank_of(int(c)) == owners[c] for c in range(0, part.npix, 5))
+    assert sum(part.sizes) == part.npix
+
+
+def test_rank_of_never_names_an_empty_rank():
+    part = CellPartition(1, (0, 0, 0, 6, 6, 12, 12))
+    assert part.rank_of(np.arange(12)).tolist() == [2] * 6 + [4] * 6
+    assert part.rank_of(0) == 2
+
+
+def test_even_cell_partition_uses_the_lat_lon_split_rule():
+    for nside, ranks in [(1, 5), (1, 12), (1, 16), (2, 7), (4, 3)]:
+        part = CellPartition.even(nside, ranks)
+        assert part.sizes == split_sizes(12 * nside * nside, ranks)
+
+
+@pytest.mark.parametrize("nside", [1, 2, 4, 8])
+def test_neighbours_have_no_missing_entries_and_start_with_the_cell_itself(nside):
+    table = CellPartition.even(nside, 1).neighbours()
+    npix = 12 * nside * nside
+    assert table.shape == (npix, 9)
+    assert table.dtype == np.int64
+    assert (table >= 0).all() and (table < npix).all()
+    np.testing.assert_array_equal(table[:, 0], np.arange(npix))
+    raw = hp.get_all_neighbours(nside, np.arange(npix), nest=True).T
+    missing = raw == -1
+    # nside 1: every base pixel lacks two neighbours; above, 24 corner cells lack one each
+    assert missing.sum() == 24
+    assert missing.any(axis=1).sum() == (12 if nside == 1 else 24)
+    np.testing.assert_array_equal(table[:, 1:], np.where(missing, np.arange(npix)[:, None], raw))
+    assert not table.flags.writeable, "the cached table is shared: it must be read-only"
+    assert CellPartition.even(nside, 3).neighbours() is table  # cached per nside
+
+
+def _halo_brute_force(part: CellPartition, rank: int) -> list[int]:
+    own = set(part.cells(rank))
+    found = set()
+    for cell in own:
+        for n in hp.get_all_neighbours(part.nside, cell, nest=True):
+            if n >= 0 and n not in own:
+                found.add(int(n))
+    return sorted(found)
+
+
+@settings(max_examples=40)
+@given(st.sampled_from([1, 2, 4]).flatmap(lambda n: cell_partitions(nside=n, ranks=4)))
+def test_halo_equals_a_brute_force_neighbour_search(part):
+    for rank in range(part.ranks):
+        halo = part.halo(rank)
+        assert halo.tolist() == _halo_brute_force(part, rank)
+        assert halo.dtype == np.int64
+
+
+@given(cell_partitions(nside=2, ranks=4))
+def test_local_neighbours_index_own_cells_then_halo(part):
+    table = part.neighbours()
+    for rank in range(part.ranks):
+        ext = np.concatenate([np.array(part.cells(rank), dtype=np.int64), part.halo(rank)])
+        local = part.local_neighbours(rank)
+        assert local.shape == (part.sizes[rank], 9)
+        np.testing.assert_array_equal(ext[local], table[part.bounds[rank] : part.bounds[rank + 1]])
+
+
+@given(cell_partitions(nside=1, ranks=4), st.lists(st.integers(0, 3), min_size=12, max_size=12))
+def test_packed_slice_matches_packing_by_brute_force(part, counts):
+    counts = np.array(counts, dtype=np.int64)
+    packed_owner = np.repeat(part.rank_of(np.arange(12)), counts)  # owner of each item
+    for rank in range(part.ranks):
+        sl = part.packed_slice(counts, rank)
+        expected = np.flatnonzero(packed_owner == rank)
+        assert list(range(len(packed_owner))[sl]) == expected.tolist()
+        if part.sizes[rank] == 0:
+            assert sl.start == sl.stop
+
+
+def test_cell_of_inverts_healpy_cell_centres():
+    nside = 4
+    cells = np.arange(12 * nside * nside)
+    lon, lat = hp.pix2ang(nside, cells, nest=True, lonlat=True)
+    np.testing.assert_array_equal(cell_of(nside, lat, lon), cells)
+
+
+@pytest.mark.parametrize(
+    ("nside", "bounds", "says"),
+    [
+        (3, (0, 108), "power of two.*nearest: 2 or 4"),
+        (0, (0, 0), "power of two"),
+        (1, (0, 5, 11), "from 0 to npix=12"),
+        (1, (1, 12), "from 0 to npix=12"),
+        (1, (0, 7, 5, 12), "non-decreasing, but rank 1's range 7:5"),
+        (1, (12,), "one more than the ranks"),
+        (1, (0, 2.5, 12), "must be integers"),
+    ],
+    ids=["nside3", "nside0", "short_end", "late_start", "backwards", "one_bound", "float"],
+)
+def test_cell_partition_refuses_bad_bounds_with_the_fix(nside, bounds, says):
+    with pytest.raises(ConfigError, match=says):
+        CellPartition(nside, bounds)
+
+
+def test_cell_lookups_out_of_range_say_what_is_wrong():
+    part = CellPartition.even(1, 3)
+    with pytest.raises(ConfigError, match="use 0 <= rank < 3"):
+        part.cells(3)
+    with pytest.raises(ConfigError, match=r"cells in \[0, 12\)"):
+        part.rank_of(12)
+    with pytest.raises(ConfigError, match=r"shape \(12,\)"):
+        part.packed_slice(np.ones(11, dtype=int), 0)
+    with pytest.raises(ConfigError, match="non-negative integer"):
+        part.packed_slice(-np.ones(12, dtype=int), 0)
+    with pytest.raises(ConfigError, match="swap lat and lon"):
+        cell_of(1, [100.0], [10.0])
+    with pytest.raises(ConfigError, match="ranks must be an integer >= 1"):
+        CellPartition.even(1, 0)
