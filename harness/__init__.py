@@ -19,6 +19,7 @@ from harness.errors import (
     RankTimeout,
 )
 from harness.goldens import GoldenStore
+from harness.partition import CellPartition, LatLonPartition, cell_of, split_sizes
 from harness.pool import PoolRegistry, RankPool
 from harness.topology import Topology
 
@@ -26,11 +27,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Bound",
+    "CellPartition",
     "ConfigError",
     "EquivalenceReport",
     "GoldenError",
     "GoldenStore",
     "HarnessError",
+    "LatLonPartition",
     "Mismatch",
     "Outputs",
     "PicklingProblem",
@@ -46,6 +49,8 @@ __all__ = [
     "Tolerance",
     "Topology",
     "__version__",
+    "cell_of",
     "check_equivalence",
     "data_share",
+    "split_sizes",
 ]

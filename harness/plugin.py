@@ -7,6 +7,8 @@ through the ``pytest11`` entry point. Each hook is thin and hands off to library
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,12 +18,14 @@ from harness.compare import Bound, Tolerance, equivalence_table
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError
 from harness.goldens import GoldenResult, GoldenStore, golden_stem
+from harness.launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch, launcher_env
 from harness.pool import DEFAULT_TIMEOUT, START_METHODS, PoolRegistry
 
 DEFAULT_RANKS = 4
 
-_registry_key = pytest.StashKey[PoolRegistry]()
+_registry_key = pytest.StashKey["PoolRegistry | LauncherRegistry"]()
 _session_key = pytest.StashKey["HarnessSession"]()
+_stdout_key = pytest.StashKey[Any]()
 
 # Results travel from xdist workers to the controller as user_properties of test reports.
 _GOLDEN_PROP = "harness_golden"
@@ -113,6 +117,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "spatial(ranks=None, timeout=None): run this test's spatial jobs on `ranks` rank "
         "processes (default --spatial-ranks) with a per-run `timeout` in seconds.",
     )
+    config.addinivalue_line(
+        "markers",
+        "spatial_pool: the test exercises the rank pool itself (crashes, timeouts, spawning); "
+        "skipped when pytest runs under torchrun or srun.",
+    )
     ranks = _parse_ranks(_setting(config, "spatial_ranks"))
     timeout = _parse_timeout(_setting(config, "spatial_timeout"))
     start_method = config.getini("spatial_start_method") or "forkserver"
@@ -120,9 +129,13 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"spatial_start_method must be one of {START_METHODS}, got {start_method!r}"
         )
-    config.stash[_registry_key] = PoolRegistry(
-        default_ranks=ranks, timeout=timeout, start_method=start_method
-    )
+    env = launcher_env()
+    if env is not None and not hasattr(config, "workerinput"):
+        config.stash[_registry_key] = _launcher_registry(config, env, timeout)
+    else:
+        config.stash[_registry_key] = PoolRegistry(
+            default_ranks=ranks, timeout=timeout, start_method=start_method
+        )
     root = config.inipath.parent if config.inipath else config.rootpath
     session = HarnessSession(
         GoldenStore(root / config.getini("golden_dir"), update=config.getoption("update_goldens")),
@@ -130,6 +143,85 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[_session_key] = session
     config.pluginmanager.register(session, "harness-session")
+
+
+def _launcher_registry(config: pytest.Config, env: dict[str, int], timeout: float) -> Any:
+    """torchrun/srun started this pytest on every rank: run in place, report from rank 0."""
+    if getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError(
+            "-n (pytest-xdist) cannot be combined with torchrun/srun: each launched rank is "
+            "one pytest process already; drop -n"
+        )
+    explicit = _setting(config, "spatial_ranks")
+    if explicit is not None and _parse_ranks(explicit) != env["world_size"]:
+        raise pytest.UsageError(
+            f"--spatial-ranks {explicit} but the launcher started {env['world_size']} ranks; "
+            f"use --spatial-ranks {env['world_size']} or start {explicit} ranks"
+        )
+    if env["rank"] != 0:
+        # Only rank 0 reports. The terminal reporter is made after this hook (we run
+        # first) from sys.stdout; give it a sink, then put stdout back for the tests.
+        sink = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the session
+        real, sys.stdout = sys.stdout, sink
+        config.add_cleanup(sink.close)
+        config.stash[_stdout_key] = real
+    return LauncherRegistry(LauncherRunner(timeout=timeout))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    runner = _runner(session.config)
+    if runner is None:
+        return
+    ids = [item.nodeid for item in session.items]
+    everyone = runner.gather(ids)
+    for rank, other in enumerate(everyone):
+        if other != everyone[0]:
+            diff = sorted(set(other) ^ set(everyone[0]))[:5] or ["(same tests, other order)"]
+            pytest.exit(
+                f"rank {rank} collected other tests than rank 0 under the launcher; every "
+                f"rank must run the same tests in the same order. First differences: {diff}",
+                returncode=pytest.ExitCode.USAGE_ERROR,
+            )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _runner(config) is None:
+        return
+    skip = pytest.mark.skip(reason="exercises the rank pool; not under torchrun/srun")
+    for item in items:
+        if item.get_closest_marker("spatial_pool"):
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    runner = _runner(item.config)
+    if runner is None:
+        return
+    rep = outcome.get_result()
+    # Every rank decides the same verdict: a rank that failed fails the test everywhere, so
+    # no rank goes on to a collective that the failed rank will never enter.
+    mine = (rep.outcome, rep.longreprtext[-4000:] if rep.failed else "")
+    verdicts = runner.gather(mine)
+    failed = [r for r, v in enumerate(verdicts) if v[0] == "failed"]
+    if failed and not rep.failed:
+        rep.outcome = "failed"
+        rep.longrepr = (
+            f"failed on rank {', '.join(map(str, failed))} of {runner.world_size} "
+            f"(this is rank {runner.rank}); rank {failed[0]} says:\n{verdicts[failed[0]][1]}"
+        )
+    elif not failed and len({v[0] for v in verdicts}) > 1:
+        rep.outcome = "failed"
+        rep.longrepr = f"ranks disagree on the outcome of {call.when}: " + ", ".join(
+            f"rank {r} {v[0]}" for r, v in enumerate(verdicts)
+        )
+
+
+def _runner(config: pytest.Config) -> LauncherRunner | None:
+    registry = config.stash.get(_registry_key, None)
+    return registry.runner if isinstance(registry, LauncherRegistry) else None
 
 
 class HarnessSession:
@@ -208,6 +300,13 @@ class HarnessSession:
 
 
 @pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    real = session.config.stash.get(_stdout_key, None)
+    if real is not None:  # the terminal reporter has its sink by now
+        sys.stdout = real
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     registry = config.stash.get(_registry_key, None)
     if registry is not None:
@@ -218,11 +317,13 @@ def pytest_report_header(config: pytest.Config) -> str:
     import torch
 
     registry = config.stash[_registry_key]
-    return (
-        f"harness: spatial ranks {registry.default_ranks}, backend gloo, "
-        f"start method {registry.start_method}, timeout {registry.timeout:g}s, "
-        f"torch {torch.__version__}"
-    )
+    if isinstance(registry, LauncherRegistry):
+        how = (f"launched ranks {registry.default_ranks} (torchrun/srun, in place), "
+               f"backend {registry.runner.backend}")
+    else:
+        how = (f"spatial ranks {registry.default_ranks}, backend gloo, "
+               f"start method {registry.start_method}")
+    return f"harness: {how}, timeout {registry.timeout:g}s, torch {torch.__version__}"
 
 
 class SpatialFixture:
@@ -230,7 +331,7 @@ class SpatialFixture:
 
     def __init__(
         self,
-        registry: PoolRegistry,
+        registry: PoolRegistry | LauncherRegistry,
         node: pytest.Item,
         ranks: int,
         timeout: float,
@@ -252,7 +353,7 @@ class SpatialFixture:
     ) -> list[Any]:
         """Run module-level ``fn(*args, **kwargs)`` on every rank; results in rank order."""
         __tracebackhide__ = True
-        pool = self._registry.get(ranks or self.ranks)
+        pool = self._pool(ranks)
         try:
             return pool.run(fn, *args, timeout=timeout or self.timeout, **kwargs)
         finally:
@@ -274,7 +375,7 @@ class SpatialFixture:
         """
         __tracebackhide__ = True
         ranks = ranks or self.ranks
-        pool = self._registry.get(ranks)
+        pool = self._pool(ranks)
         try:
             report = check_equivalence(
                 case, ranks=ranks, pool=pool, timeout=timeout or self.timeout, **kwargs
@@ -307,6 +408,24 @@ class SpatialFixture:
         if golden and not result.ok:
             pytest.fail(str(result), pytrace=False)
         return report
+
+    def pool(self, ranks: int | None = None) -> Any:
+        """The warm ``RankPool`` (or, under torchrun/srun, the in-place runner) for ``ranks``.
+
+        Pass it as ``pool=`` to ``check_equivalence`` to get the report without failing.
+        """
+        return self._pool(ranks)
+
+    @property
+    def launcher(self) -> bool:
+        """True when pytest runs under torchrun or srun (functions run in place)."""
+        return isinstance(self._registry, LauncherRegistry)
+
+    def _pool(self, ranks: int | None) -> Any:
+        try:
+            return self._registry.get(ranks or self.ranks)
+        except WorldSizeMismatch as exc:
+            pytest.skip(f"{exc} (run it without torchrun/srun, or with that many ranks)")
 
     def _attach_output(self, outputs: list[str]) -> None:
         for rank, text in enumerate(outputs):

@@ -27,7 +27,7 @@ from harness.steppers.mlp import CoupledMLPCase, position_range
 def test_the_correct_case_is_equivalent_on_every_layout(spatial, ranks, spatial_size, npos):
     case = CoupledMLPCase(npos=npos, batch_size=4)
     report = check_equivalence(
-        case, ranks=ranks, spatial_size=spatial_size, pool=spatial._registry.get(ranks)
+        case, ranks=ranks, spatial_size=spatial_size, pool=spatial.pool(ranks)
     )
     assert report.ok, report
     # float64 logic check: everything agrees to rounding (see Tolerance.for_dtype)
@@ -44,7 +44,7 @@ def test_the_correct_case_is_equivalent_on_every_layout(spatial, ranks, spatial_
 )
 def test_each_hand_broken_variant_fails_with_the_quantity_that_shows_it(spatial, fault, expected):
     report = check_equivalence(
-        CoupledMLPCase(faults=(fault,)), ranks=4, pool=spatial._registry.get(4)
+        CoupledMLPCase(faults=(fault,)), ranks=4, pool=spatial.pool(4)
     )
     assert not report.ok
     assert expected <= report.quantities, report
@@ -56,7 +56,7 @@ def test_each_hand_broken_variant_fails_with_the_quantity_that_shows_it(spatial,
 
 def test_missing_gradient_sync_is_named_as_such_with_rank_step_and_position(spatial):
     report = check_equivalence(
-        CoupledMLPCase(faults=("no-grad-sync",)), ranks=4, pool=spatial._registry.get(4)
+        CoupledMLPCase(faults=("no-grad-sync",)), ranks=4, pool=spatial.pool(4)
     )
     text = str(report)
     assert "First: rank 0: grad 'encoder.weight' at step 0" in text
@@ -68,7 +68,7 @@ def test_a_wrong_shard_index_names_the_position_and_its_owner(spatial):
     report = check_equivalence(
         CoupledMLPCase(faults=("wrong-shard-index",), npos=8),
         ranks=4,
-        pool=spatial._registry.get(4),
+        pool=spatial.pool(4),
     )
     (m, *_) = report.mismatches
     assert m.quantity == "field" and m.name == "out"
@@ -97,7 +97,7 @@ class UnseededInit(SpatialCase):
 
 
 def test_initial_parameters_that_differ_between_ranks_are_reported_as_such(spatial):
-    report = check_equivalence(UnseededInit(), ranks=2, pool=spatial._registry.get(2))
+    report = check_equivalence(UnseededInit(), ranks=2, pool=spatial.pool(2))
     init = [m for m in report.mismatches if m.step is None]
     assert {m.rank for m in init} == {0, 1}
     assert init[0].name == "weight" and "seed the initialisation" in init[0].hint
@@ -136,24 +136,26 @@ class SkipsCollectiveWhenEmpty(SpatialCase):
         return Outputs(reduce_loss(local, topo))
 
 
+@pytest.mark.spatial_pool  # a rank that raises or hangs in place takes pytest with it
 def test_an_exception_on_one_rank_becomes_an_error_mismatch_with_its_traceback(spatial):
-    report = check_equivalence(RaisesOnRank(), ranks=2, pool=spatial._registry.get(2))
+    report = check_equivalence(RaisesOnRank(), ranks=2, pool=spatial.pool(2))
     assert report.quantities == {"error"}
     m = report.mismatches[0]
     assert m.rank == 1 and "shape mismatch in halo buffer" in m.where
     assert "raise RuntimeError" in m.detail
-    assert check_equivalence(CoupledMLPCase(), ranks=2, pool=spatial._registry.get(2)).ok
+    assert check_equivalence(CoupledMLPCase(), ranks=2, pool=spatial.pool(2)).ok
 
 
+@pytest.mark.spatial_pool  # a rank that raises or hangs in place takes pytest with it
 def test_a_skipped_collective_becomes_a_timeout_mismatch_with_the_waiting_stacks(spatial):
     report = check_equivalence(
-        SkipsCollectiveWhenEmpty(), ranks=4, timeout=3, pool=spatial._registry.get(4)
+        SkipsCollectiveWhenEmpty(), ranks=4, timeout=3, pool=spatial.pool(4)
     )
     assert "timeout" in report.quantities
     waiting = [m for m in report.mismatches if m.quantity == "timeout"]
     assert {m.rank for m in waiting} == {0, 1, 2}
     assert all("all_reduce" in m.detail for m in waiting)
-    assert check_equivalence(CoupledMLPCase(), ranks=4, pool=spatial._registry.get(4)).ok
+    assert check_equivalence(CoupledMLPCase(), ranks=4, pool=spatial.pool(4)).ok
 
 
 class Overlapping(CoupledMLPCase):
@@ -170,14 +172,14 @@ class Overlapping(CoupledMLPCase):
 
 
 def test_positions_owned_twice_or_never_are_a_coverage_mismatch(spatial):
-    report = check_equivalence(Overlapping(npos=8), ranks=4, pool=spatial._registry.get(4))
+    report = check_equivalence(Overlapping(npos=8), ranks=4, pool=spatial.pool(4))
     cov = [m for m in report.mismatches if m.quantity == "coverage"]
     assert cov and "owned by no rank" in cov[0].where and "1 by several" in cov[0].where
 
 
 def test_a_float32_case_uses_float32_tolerances(spatial):
     report = check_equivalence(
-        CoupledMLPCase(dtype=torch.float32), ranks=4, pool=spatial._registry.get(4)
+        CoupledMLPCase(dtype=torch.float32), ranks=4, pool=spatial.pool(4)
     )
     assert report.ok, report
     assert report.tolerance == Tolerance.for_dtype(torch.float32)

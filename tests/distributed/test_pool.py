@@ -91,6 +91,7 @@ def test_run_returns_every_ranks_result_in_rank_order(spatial, ranks):
     assert results == [(r, ranks, expected_sum) for r in range(ranks)]
 
 
+@pytest.mark.spatial_pool
 def test_a_rank_that_raises_is_named_with_its_traceback_and_the_pool_survives(spatial):
     with pytest.raises(RankError) as info:
         spatial.run(raise_on, 2)
@@ -105,8 +106,9 @@ def test_a_rank_that_raises_is_named_with_its_traceback_and_the_pool_survives(sp
     ("how", "says"),
     [("exit", "exited with code 7"), ("SIGKILL", "killed by SIGKILL"), ("SIGSEGV", "SIGSEGV")],
 )
+@pytest.mark.spatial_pool
 def test_a_rank_that_dies_is_named_within_a_second_and_the_pool_restarts(spatial, how, says):
-    pool = spatial._registry.get(4)
+    pool = spatial.pool(4)
     spatial.run(rank_and_sum, 0.0)  # warm
     starts = pool.starts
     t0 = time.monotonic()
@@ -124,6 +126,7 @@ def test_a_rank_that_dies_is_named_within_a_second_and_the_pool_restarts(spatial
 
 
 @pytest.mark.spatial(timeout=3)
+@pytest.mark.spatial_pool
 def test_a_skipped_collective_times_out_with_every_ranks_stack(spatial):
     t0 = time.monotonic()
     with pytest.raises(RankTimeout) as info:
@@ -137,6 +140,7 @@ def test_a_skipped_collective_times_out_with_every_ranks_stack(spatial):
     assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0  # only that run failed
 
 
+@pytest.mark.spatial_pool
 def test_a_busy_loop_times_out_on_every_rank(spatial):
     with pytest.raises(RankTimeout) as info:
         spatial.run(spin_forever, timeout=1.5)
@@ -144,11 +148,13 @@ def test_a_busy_loop_times_out_on_every_rank(spatial):
     assert all("spin_forever" in p.detail for p in info.value.problems)
 
 
+@pytest.mark.spatial_pool
 def test_an_unpicklable_result_names_the_rank_and_type(spatial):
     with pytest.raises(RankError, match=r"rank 0 returned a builtins.function that cannot be"):
         spatial.run(return_lambda, ranks=2)
 
 
+@pytest.mark.spatial_pool
 def test_a_function_defined_inside_a_test_gets_advice_to_move_it(spatial):
     def local_fn() -> None:
         pass
@@ -157,11 +163,13 @@ def test_a_function_defined_inside_a_test_gets_advice_to_move_it(spatial):
         spatial.run(local_fn)
 
 
+@pytest.mark.spatial_pool
 def test_unpicklable_arguments_are_refused_before_any_rank_runs(spatial):
     with pytest.raises(PicklingProblem, match="arguments picklable"):
         spatial.run(print_and_return, lambda: 0)
 
 
+@pytest.mark.spatial_pool
 def test_a_run_cannot_leak_dtype_rng_or_grad_mode_into_the_next(spatial):
     before = spatial.run(read_state, ranks=2)
     spatial.run(leave_state_behind, ranks=2)
@@ -170,9 +178,10 @@ def test_a_run_cannot_leak_dtype_rng_or_grad_mode_into_the_next(spatial):
     assert after == before  # the RNG was put back too: the same draw again
 
 
+@pytest.mark.spatial_pool
 def test_what_ranks_print_is_kept_per_rank(spatial):
     spatial.run(print_and_return, "hello", ranks=3)
-    outputs = spatial._registry.get(3).last_outputs
+    outputs = spatial.pool(3).last_outputs
     assert outputs == [f"hello from rank {r}\n" for r in range(3)]
 
 
@@ -190,6 +199,7 @@ def test_topology_groups_consecutive_ranks_into_spatial_groups(spatial, spatial_
     assert [(g["spatial_rank"], g["data_rank"], g["spatial_sum"]) for g in got] == expected
 
 
+@pytest.mark.spatial_pool
 def test_two_pools_run_side_by_side_without_colliding():
     # One of each start method: spawn is the portable default, forkserver the fast one.
     with RankPool(2, timeout=60) as a, RankPool(3, timeout=60, start_method="forkserver") as b:
