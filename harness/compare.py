@@ -271,6 +271,24 @@ class QuantityStats:
 
 
 @dataclass
+class FieldError:
+    """Where a reassembled field differs: the largest error at each global position.
+
+    ``error`` and ``owners`` (the rank that owns each position) run along the sharded
+    dimension; with ``grid`` (rows, cols) they are flattened lat x lon, and with
+    ``unit == "cell"`` they are HEALPix cells in nested order. What error maps are drawn from.
+    """
+
+    name: str
+    step: int
+    data_group: int
+    error: torch.Tensor
+    owners: torch.Tensor
+    grid: tuple[int, int] | None
+    unit: str
+
+
+@dataclass
 class EquivalenceReport:
     """What ``check_equivalence`` found. ``ok`` is true when nothing mismatched.
 
@@ -287,6 +305,7 @@ class EquivalenceReport:
     mismatches: list[Mismatch] = field(default_factory=list)
     stats: dict[str, QuantityStats] = field(default_factory=dict)
     reference: dict[str, torch.Tensor] = field(default_factory=dict)
+    field_errors: list[FieldError] = field(default_factory=list)
     seconds: float = 0.0
 
     @property

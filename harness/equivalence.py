@@ -20,6 +20,7 @@ import torch
 from harness.compare import (
     Difference,
     EquivalenceReport,
+    FieldError,
     Mismatch,
     QuantityStats,
     Tolerance,
@@ -585,7 +586,13 @@ class _Comparer:
             lead = f"[{', '.join(map(str, others))}] " if others else ""
             return f"{lead}{_position_text(pos, grid, unit)} on rank {int(owners[pos])}"
 
-        self.numeric("field", name, step, None, out, ref, where)
+        d = self.numeric("field", name, step, None, out, ref, where)
+        if not d.ok and not d.problem:
+            err = (out - ref).abs().double()
+            err = err.movedim(dim, -1).reshape(-1, size).amax(0) if err.dim() > 1 else err
+            self.report.field_errors.append(
+                FieldError(name, step, first // self.S, err, owners.clone(), grid, unit)
+            )
 
     def params(self, step: int, ref_step: dict[str, Any], steps: list[dict[str, Any]]) -> None:
         ref = ref_step["params"]

@@ -122,6 +122,10 @@ class GoldenStore:
                 torch.save(data, f)
                 f.flush()
                 os.fsync(f.fileno())
+            # mkstemp makes the file private (0600); a golden is a normal project file
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):

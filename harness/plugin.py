@@ -161,7 +161,7 @@ def _launcher_registry(config: pytest.Config, env: dict[str, int], timeout: floa
     if env["rank"] != 0:
         # Only rank 0 reports. The terminal reporter is made after this hook (we run
         # first) from sys.stdout; give it a sink, then put stdout back for the tests.
-        sink = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the session
+        sink = open(os.devnull, "w")  # lives as long as the session
         real, sys.stdout = sys.stdout, sink
         config.add_cleanup(sink.close)
         config.stash[_stdout_key] = real

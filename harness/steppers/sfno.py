@@ -1,7 +1,7 @@
 """An SFNO-style stepper: one model code path for the reference and a lat x lon partitioned run.
 
-Pointwise encoder -> per block [global-mean removal, real SHT, spectral filter, inverse SHT,
-pointwise MLP, residual] -> pointwise decoder, residual on the state. The reference
+Pointwise encoder -> per block [global-mean conditioning, real SHT, spectral filter, inverse
+SHT, pointwise MLP, residual] -> pointwise decoder, residual on the state. The reference
 (``Topology.single()``) uses torch-harmonics' ``RealSHT``; a partitioned run splits the grid
 over an ``h`` (polar) x ``w`` (azimuth) process grid and uses ``DistributedRealSHT``.
 
@@ -13,21 +13,26 @@ Sharding through one block (torch-harmonics 0.8.0, read from ``distributed_sht.p
   polar group, orders ``m`` (``mmax = nlon // 2 + 1``) over the azimuth group, same rule.
 
 In between, the SHT's transposes split the ``E`` channels over each group, and 0.8.0 cannot
-split fewer channels than ranks: ``embed >= max(h, w)`` is required (checked).
+split fewer channels than ranks: ``embed >= max(h, w)`` is required (checked). Its transposes
+use ``dist.all_to_all``, which gloo refuses for chunks of unequal shape, so on the ranks they
+are routed through ``all_to_all_single`` (``_transpose_uneven``; same numbers).
 
 Everything that must be identical on every rank is made so by construction: parameters are
 full size on every rank (the spectral weights are sliced to the rank's (l, m) modes in
-forward), noise is drawn for the whole globe from one seeded generator and sliced, the area
-weights are the global quadrature weights sliced to the rank's latitudes.
+forward), noise is drawn for the whole globe and batch from one seeded generator and sliced,
+the area weights are the global quadrature weights sliced to the rank's latitudes. The global
+mean of the conditioning is a ``spatial_sum`` (summed backward); the loss's sums go through
+``reduce_loss`` (identity backward) and parameter gradients are summed by ``sync_gradients``.
 
-``faults=`` switches on the SFNO bugs of FAULTS.md, each where that bug really lives:
-``SFNO_FAULTS`` lists them.
+``faults=`` switches on the SFNO bugs of FAULTS.md, each in the code path where that bug
+really lives (loss reduction, conditioning, gradient hooks, forward, data partition, noise
+generator); ``FAULT_CHECKS`` says which quantity catches each, on which layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -41,19 +46,27 @@ from harness.errors import ConfigError
 from harness.partition import LatLonPartition
 from harness.topology import Topology
 
-SFNO_FAULTS = frozenset({
-    "reduce-not-differentiable",
-    "reduce-double-count",
-    "coupling-identity-backward",
-    "no-grad-sync",
-    "grad-sync-mean",
-    "buffer-broadcast",
-    "mean-of-means",
-    "split-mismatch",
-    "per-rank-noise",
-    "local-weights",
-    "reduce-over-world",
-})
+_UNEVEN_LAT = {"nlat": 30, "nlon": 16, "h": 4, "w": 1}  # bands [8, 8, 8, 6], unequal areas
+_H2W2 = {"h": 2, "w": 2}
+
+#: fault id -> (quantities FAULTS.md says catch it, ``SFNOCase`` kwargs of the smallest layout
+#: on 4 ranks that shows it, spatial_size). Measured with check_equivalence, float64, 2 steps.
+FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
+    "reduce-not-differentiable": ({"grad"}, _H2W2, None),
+    "reduce-double-count": ({"grad"}, _H2W2, None),
+    "coupling-identity-backward": ({"grad"}, _H2W2, None),
+    "no-grad-sync": ({"grad", "sync"}, _H2W2, None),
+    "grad-sync-mean": ({"grad"}, _H2W2, None),
+    # even m split (nlon 30: mmax 16 = 8 + 8): with an uneven one the broadcast's sizes
+    # differ between ranks and gloo aborts the process (a crash)
+    "buffer-broadcast": ({"error", "field", "buffer"}, {"nlon": 30, **_H2W2}, None),
+    "mean-of-means": ({"loss"}, _UNEVEN_LAT, None),
+    "split-mismatch": ({"field", "error"}, _UNEVEN_LAT, None),
+    "per-rank-noise": ({"field"}, {"noise": 1, **_H2W2}, None),
+    "local-weights": ({"loss", "error"}, _UNEVEN_LAT, None),
+    "reduce-over-world": ({"loss"}, {"h": 2, "w": 1}, 2),
+}
+SFNO_FAULTS = frozenset(FAULT_CHECKS)
 GRIDS = ("equiangular", "legendre-gauss")
 
 
@@ -242,6 +255,10 @@ class SFNOStepper(nn.Module):
     rank's block; ``train_on_batch`` and ``predict`` are the ACE-like stepper API.
     """
 
+    area_weights: torch.Tensor
+    sht: Any  # torch-harmonics transforms: lmax, mmax (and l_shapes, m_shapes when split)
+    isht: Any
+
     def __init__(self, config: SFNOConfig, topo: Topology) -> None:
         super().__init__()
         cfg = self.config = config
@@ -255,7 +272,8 @@ class SFNOStepper(nn.Module):
         self.sht, self.isht = _make_transforms(cfg, topo, h, w)
         lmax, mmax = self.sht.lmax, self.sht.mmax
         if topo.spatial_size > 1:  # the SHT's own split of the modes (polar: l, azimuth: m)
-            l_slice, m_slice = _offset_slice(self.sht.l_shapes, p), _offset_slice(self.sht.m_shapes, a)
+            l_slice = _offset_slice(self.sht.l_shapes, p)
+            m_slice = _offset_slice(self.sht.m_shapes, a)
         else:
             l_slice, m_slice = slice(0, lmax), slice(0, mmax)
 
@@ -269,7 +287,8 @@ class SFNOStepper(nn.Module):
             SpectralFilter(cfg.embed, lmax, mmax, l_slice, m_slice) for _ in range(cfg.blocks)
         )
         self.mlps = nn.ModuleList(Pointwise(cfg.embed, cfg.embed, 0.5) for _ in range(cfg.blocks))
-        # how much of the global mean each block removes before its SHT, per channel
+        # share of the global mean each block adds before its SHT, per channel (about -1/2:
+        # half removed, a learned coupling of every point to the whole sphere)
         self.mean_gains = nn.Parameter(-0.5 + 0.1 * torch.randn(cfg.blocks, cfg.embed))
         self.decoder = Pointwise(cfg.embed, cfg.channels, 0.2)
 
@@ -403,12 +422,15 @@ class SFNOStepper(nn.Module):
         return Shard.grid(local, self.lat_slice, self.lon_slice, self.config.nlat, self.config.nlon)
 
 
-def _make_transforms(cfg: SFNOConfig, topo: Topology, h: int, w: int) -> tuple[nn.Module, nn.Module]:
+def _make_transforms(cfg: SFNOConfig, topo: Topology, h: int, w: int) -> tuple[Any, Any]:
     """Serial SHT pair for one spatial rank, torch-harmonics' distributed pair otherwise."""
     if topo.spatial_size == 1:
-        from torch_harmonics import InverseRealSHT, RealSHT
+        import torch_harmonics as th
 
-        return RealSHT(cfg.nlat, cfg.nlon, grid=cfg.grid), InverseRealSHT(cfg.nlat, cfg.nlon, grid=cfg.grid)
+        return (
+            th.RealSHT(cfg.nlat, cfg.nlon, grid=cfg.grid),
+            th.InverseRealSHT(cfg.nlat, cfg.nlon, grid=cfg.grid),
+        )
     import torch_harmonics.distributed as thd
 
     _use_uneven_transposes()
@@ -466,9 +488,13 @@ def _use_uneven_transposes() -> None:
 
     Results are identical on every backend; only the transport differs.
     """
+    import torch_harmonics
     from torch_harmonics.distributed import primitives
 
-    if getattr(primitives, "_transpose", None) is not None:
+    # Only 0.8.x needs it: 0.9 pads uneven gloo transposes itself, and its _transpose may
+    # have another contract.
+    version = tuple(int(p) for p in torch_harmonics.__version__.split(".")[:2] if p.isdigit())
+    if version < (0, 9) and getattr(primitives, "_transpose", None) is not None:
         primitives._transpose = _transpose_uneven
 
 
@@ -476,8 +502,9 @@ def _sync_gradients_mean(module: nn.Module, topo: Topology) -> None:
     """The ``grad-sync-mean`` fault: gradients averaged, not summed, over the spatial group."""
 
     def hook(param: torch.Tensor) -> None:
-        reduce_gradient(param.grad, topo)
-        param.grad.div_(topo.spatial_size)  # the bug
+        if param.grad is not None:
+            reduce_gradient(param.grad, topo)
+            param.grad.div_(topo.spatial_size)  # the bug
 
     if topo.spatial_group is None:
         return
@@ -546,14 +573,17 @@ class SFNOCase(SpatialCase):
         p, a = topo.grid_position(h, w)
         lats, lons = data_partition(cfg, h, w).slices(p * w + a)
         # the whole globe and batch, drawn identically everywhere, then this rank's share
-        state = torch.randn(self.batch_size, cfg.forward_steps + 1, cfg.channels, cfg.nlat, cfg.nlon)
+        times = cfg.forward_steps + 1
+        state = torch.randn(self.batch_size, times, cfg.channels, cfg.nlat, cfg.nlon)
         return {"state": state[data_share(self.batch_size, topo), ..., lats, lons]}
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], topo: Topology) -> Outputs:
-        out = model.train_on_batch(batch)
-        fields = {"prediction": model.shard(out.prediction.detach())}
+        stepper = cast(SFNOStepper, model)
+        out = stepper.train_on_batch(batch)
+        fields = {"prediction": stepper.shard(out.prediction.detach())}
         if self.rollout:
-            fields["rollout"] = model.shard(model.predict(batch["state"][:, 0], self.rollout))
+            rollout = stepper.predict(batch["state"][:, 0], self.rollout)
+            fields["rollout"] = stepper.shard(rollout)
         return Outputs(out.loss, fields)
 
     def describe(self, topo: Topology | None = None) -> str:
