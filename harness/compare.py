@@ -141,7 +141,10 @@ class Mismatch:
 
 @dataclass
 class Difference:
-    """How two tensors differ under a bound (``ok`` if every element is within it)."""
+    """How two tensors differ under a bound (``ok`` if every element is within it).
+
+    ``max_rel`` leaves out entries whose reference is within ``atol`` of zero.
+    """
 
     ok: bool
     max_abs: float
@@ -184,13 +187,16 @@ def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, bound: Bound) 
     diff = torch.where(nan_mismatch, torch.full_like(diff, math.inf), diff)
     allowed = bound.atol + bound.rtol * e.abs()
     over = diff > allowed
+    # Relative error is meaningless for entries that cancel to ~0 (their rounding is relative
+    # to the terms summed, not to the result): those are judged by atol alone and left out.
     rel = diff / e.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    rel = torch.where((diff == 0) | (e.abs() <= bound.atol), torch.zeros_like(rel), rel)
     excess = diff - allowed
     worst = int(torch.argmax(excess).item())
     return Difference(
         ok=not bool(over.any()),
         max_abs=float(diff.max().item()),
-        max_rel=float(torch.where(diff == 0, torch.zeros_like(rel), rel).max().item()),
+        max_rel=float(rel.max().item()),
         count=int(over.sum().item()),
         total=a.numel(),
         worst=worst,

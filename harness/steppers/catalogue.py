@@ -28,17 +28,48 @@ MLP_FAULTS: dict[str, set[str]] = {
 }
 
 
-def main_configs(ranks: int) -> list[tuple[str, Maker, dict[str, Any], int | None]]:
+def _sfno(**kw: Any) -> SpatialCase:
+    from harness.steppers.sfno import SFNOCase
+
+    return SFNOCase(**kw)
+
+
+Config = tuple[str, Maker, dict[str, Any], int | None]
+Fault = tuple[str, Maker, dict[str, Any], int | None, str, set[str]]
+
+
+def main_configs(ranks: int) -> list[Config]:
     """(label, case factory, kwargs, spatial_size) for each check of the main job."""
-    out: list[tuple[str, Maker, dict[str, Any], int | None]] = [
-        ("coupled-mlp", _mlp, {"npos": 37, "batch_size": 4}, None),
-    ]
+    import torch
+
+    out: list[Config] = [("coupled-mlp", _mlp, {"npos": 37, "batch_size": 4}, None)]
+    if ranks == 4:
+        out += [
+            ("sfno", _sfno, {"nlat": 16, "nlon": 32, "h": 2, "w": 2}, None),
+            ("sfno uneven", _sfno,
+             {"nlat": 30, "nlon": 62, "h": 4, "w": 1, "grid": "legendre-gauss", "noise": 1},
+             None),
+            ("sfno float32", _sfno,
+             {"nlat": 16, "nlon": 32, "h": 1, "w": 4, "dtype": torch.float32}, None),
+            ("sfno s×d", _sfno, {"nlat": 16, "nlon": 32, "h": 2, "w": 1, "batch_size": 4}, 2),
+        ]
+    else:
+        out.append(("sfno", _sfno, {"nlat": 16, "nlon": 32, "h": ranks, "w": 1}, None))
     if ranks % 2 == 0 and ranks > 2:
         out.append(("coupled-mlp s×d", _mlp, {"npos": 37, "batch_size": 4}, ranks // 2))
     return out
 
 
-def fault_matrix(ranks: int) -> Iterator[tuple[str, Maker, dict[str, Any], int | None, str, set[str]]]:
-    """(stepper, factory, kwargs, spatial_size, fault id, expected quantities) per fault."""
+def fault_matrix(ranks: int) -> Iterator[Fault]:
+    """(stepper, factory, kwargs, spatial_size, fault id, expected quantities) per fault.
+
+    The stepper layouts are sized for 4 ranks; with another count only the MLP's run.
+    """
     for fault, expected in MLP_FAULTS.items():
         yield "coupled-mlp", _mlp, {"npos": 37}, None, fault, expected
+    if ranks != 4:
+        return
+    from harness.steppers.sfno import FAULT_CHECKS
+
+    for fault, (expected, kwargs, spatial_size) in FAULT_CHECKS.items():
+        yield "sfno", _sfno, kwargs, spatial_size, fault, expected
