@@ -1,0 +1,71 @@
+"""False-alarm sweep: the correct steppers must pass everywhere, not on hand-picked cases.
+
+Hypothesis draws partitions (uneven, and with empty ranks where the stepper allows them),
+grid sizes, batch sizes, data × spatial layouts and float32 / float64; every draw must be
+equivalent under the default tolerances. Profile ``ci`` runs 25 examples per stepper;
+``--hypothesis-profile thorough`` runs 250 for a nightly job.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness import check_equivalence
+from harness.steppers.mlp import CoupledMLPCase
+from harness.strategies import process_grids
+
+RANKS = 4
+# a fixture-using test runs many examples through the one warm pool: that is the point
+FIXTURE_OK = settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+
+dtypes = st.sampled_from([torch.float64, torch.float32])
+layouts = st.sampled_from([None, 2])  # one spatial group of 4, or spatial 2 x data 2
+
+
+@FIXTURE_OK
+@given(
+    npos=st.integers(1, 40),  # fewer positions than ranks: empty ranks
+    batch=st.integers(1, 3),
+    dtype=dtypes,
+    spatial_size=layouts,
+)
+def test_the_coupled_mlp_passes_on_every_drawn_layout(spatial, npos, batch, dtype, spatial_size):
+    batch_size = batch * (RANKS // (spatial_size or RANKS))
+    report = check_equivalence(
+        CoupledMLPCase(npos=npos, batch_size=batch_size, dtype=dtype),
+        ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS),
+    )
+    assert report.ok, report
+
+
+@st.composite
+def sfno_layouts(draw: st.DrawFn) -> dict:
+    spatial_size = draw(layouts)
+    s = spatial_size or RANKS
+    h, w = draw(process_grids(s))
+    return {
+        "nlat": draw(st.integers(max(h, 4), 24)),
+        "nlon": draw(st.integers(max(w, 8), 40)),
+        "h": h,
+        "w": w,
+        "grid": draw(st.sampled_from(["equiangular", "legendre-gauss"])),
+        "noise": draw(st.integers(0, 1)),
+        "batch_size": draw(st.integers(1, 2)) * (RANKS // s),
+        "dtype": draw(dtypes),
+        "spatial_size": spatial_size,
+    }
+
+
+@FIXTURE_OK
+@given(layout=sfno_layouts())
+def test_the_sfno_stepper_passes_on_every_drawn_grid_and_process_grid(spatial, layout):
+    pytest.importorskip("torch_harmonics")
+    from harness.steppers.sfno import SFNOCase
+
+    spatial_size = layout.pop("spatial_size")
+    report = check_equivalence(SFNOCase(**layout), ranks=RANKS, spatial_size=spatial_size,
+                               pool=spatial.pool(RANKS))
+    assert report.ok, report
