@@ -29,13 +29,18 @@ ranks check together that every parameter is in every rank's graph: the gradient
 it, and a rank that left one out would leave the others waiting.
 
 ``faults=`` switches on the HEALPix bugs of FAULTS.md, each where that bug lives:
-``HEALPIX_FAULTS`` lists them.
+``HEALPIX_FAULTS`` lists them. Some need a private variant of a collective (a plain
+``dist.all_gather``, a gather over the world, a group ranked in reverse). A neighbour table
+with healpy's ``-1`` left in is not among them: the reference would read the same wrong
+cell, so no equivalence check can see it; ``CellPartition.neighbours()`` replaces them and
+its unit tests say so.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -116,7 +121,9 @@ def _pad_to(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim).contiguous()
 
 
-def _gather_without_autograd(x: torch.Tensor, topo: Topology, dim: int, sizes: list[int]):
+def _gather_without_autograd(
+    x: torch.Tensor, topo: Topology, dim: int, sizes: list[int]
+) -> torch.Tensor:
     """The ``non-autograd-gather`` fault: ``dist.all_gather``, own shard put back by hand.
 
     Autograd sees only this rank's own shard: the other ranks' uses of it (their losses
@@ -196,8 +203,9 @@ class HealpixStepper(nn.Module):
         rows = np.arange(self.lo, self.hi)
         if "local-neighbour-index" in self.faults:
             rows = rows - self.lo  # the bug: the rank's first cell taken to be cell 0
+        self.neighbourhood: torch.Tensor  # (n_local, 9) global cell ids
         neighbours = torch.from_numpy(partition.neighbours()[rows].copy())
-        self.register_buffer("neighbourhood", neighbours, persistent=False)  # (n_local, 9)
+        self.register_buffer("neighbourhood", neighbours, persistent=False)
 
         self.latent_topo = topo
         if "rank-order" in self.faults and topo.spatial_group is not None:
@@ -318,7 +326,7 @@ class HealpixStepper(nn.Module):
 
     # ------------------------------------------------------------ one step
 
-    def step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward one batch: (replicated loss, replicated forecast ``(B, npix, C)``)."""
         b = batch["target"].shape[0]
         if "empty-skip" in self.faults and batch["obs"].shape[0] == 0:
@@ -447,6 +455,7 @@ class HealpixCase(SpatialCase):
         if not self.empty_ranks:
             return np.zeros(0, dtype=np.int64)
         b = self.bounds
+        assert b is not None  # checked in __init__
         return np.concatenate([np.arange(b[r], b[r + 1]) for r in self.empty_ranks])
 
     # ------------------------------------------------------------ contract
@@ -491,15 +500,17 @@ class HealpixCase(SpatialCase):
             slots.append(k * len(cells) + cell[mine] - cells.start)
         dtype = torch.get_default_dtype()
         own = slice(cells.start, cells.stop)
+        obs = np.concatenate(feats).reshape(-1, self.channels + 3)
         return {
-            "obs": torch.as_tensor(np.concatenate(feats).reshape(-1, self.channels + 3), dtype=dtype),
+            "obs": torch.as_tensor(obs, dtype=dtype),
             "slot": torch.as_tensor(np.concatenate(slots), dtype=torch.long),
             "target": torch.as_tensor(target[rows.start : rows.stop, own], dtype=dtype),
             "mask": torch.as_tensor(mask[rows.start : rows.stop, own], dtype=dtype),
         }
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], topo: Topology) -> Outputs:
-        loss, full = model.step(batch)
+        assert isinstance(model, HealpixStepper), type(model)
+        loss, full = model(batch)
         if topo.spatial_group is None:
             return Outputs(loss, {"prediction": full})
         # each rank reports its own cells of the replicated forecast
@@ -517,7 +528,7 @@ class HealpixCase(SpatialCase):
             bounds = self.bounds
         else:
             return text
-        text += ", cells [" + "|".join(f"{a}:{b}" for a, b in zip(bounds, bounds[1:])) + "]"
+        text += ", cells [" + "|".join(f"{a}:{b}" for a, b in pairwise(bounds)) + "]"
         if self.empty_ranks:
             text += f", nothing observed on ranks {list(self.empty_ranks)}"
         return text
