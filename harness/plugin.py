@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,6 +55,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         dest="update_goldens",
         help="write golden files (atomically) instead of comparing with them",
+    )
+    group.addoption(
+        "--spatial-plots",
+        dest="spatial_plots",
+        default=None,
+        metavar="DIR",
+        help="write a PNG error map of each failing field to DIR (needs matplotlib)",
     )
     group.addoption(
         "--goldens-unused",
@@ -406,7 +414,12 @@ class SpatialFixture:
             row["golden"] = result.status
         self._node.user_properties.append((_EQUIV_PROP, row))
         if not report.ok:
-            pytest.fail(str(report), pytrace=False)
+            text = str(report)
+            plots = self._node.config.getoption("spatial_plots")
+            if plots and report.field_errors:
+                maps = write_error_maps(report, plots, self._node.nodeid)
+                text += "\n\nError maps:\n" + "\n".join(f"  {p}" for p in maps)
+            pytest.fail(text, pytrace=False)
         if golden and not result.ok:
             pytest.fail(str(result), pytrace=False)
         return report
@@ -495,6 +508,46 @@ class GoldenFixture:
         result = self._store.check(path, tensors, bound=bound, provenance=provenance)
         self._node.user_properties.append((_GOLDEN_PROP, (str(path), result.status)))
         return result
+
+
+def write_error_maps(report: Any, directory: str, nodeid: str) -> list[str]:
+    """One PNG per failing field of ``report`` under ``directory``; returns the paths."""
+    import numpy as np
+
+    from harness import plots
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = golden_stem(nodeid).replace("/", ".")
+    paths = []
+    for fe in report.field_errors:
+        owners = fe.owners.numpy()
+        first = int(owners.min()) if owners.size else 0
+        title = f"{report.case}: |partitioned - reference| of {fe.name!r}, step {fe.step}"
+        path = out / f"{stem}.{fe.name}.step{fe.step}.png"
+        err = fe.error.numpy()
+        if fe.grid is not None:
+            rows, cols = fe.grid
+            grid = owners.reshape(rows, cols)
+            paths.append(str(plots.plot_latlon_error(
+                err.reshape(rows, cols), path, lat_sizes=_run_lengths(grid[:, 0]),
+                lon_sizes=_run_lengths(grid[0, :]), title=title)))
+        elif fe.unit == "cell":
+            counts = np.bincount(owners - first, minlength=report.spatial_size)
+            bounds = [0, *np.cumsum(counts).tolist()]
+            paths.append(str(plots.plot_healpix_error(err, path, bounds=bounds, title=title)))
+    return paths
+
+
+def _run_lengths(values: Any) -> list[int]:
+    """Lengths of the runs of equal values: ``[0, 0, 1, 1, 1] -> [2, 3]``."""
+    lengths: list[int] = []
+    for i, v in enumerate(values):
+        if i and v == values[i - 1]:
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    return lengths
 
 
 def _golden_fixture(request: pytest.FixtureRequest) -> GoldenFixture:

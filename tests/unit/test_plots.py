@@ -1,0 +1,152 @@
+"""Error maps: each writes a PNG, and the faulty rank's cells show up where that rank is."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness.errors import ConfigError
+from harness.partition import CellPartition, LatLonPartition
+
+plots = pytest.importorskip("harness.plots")
+pytest.importorskip("matplotlib")
+
+PNG = b"\x89PNG\r\n\x1a\n"
+# Faulty cells get half the colour scale (one cell holds the maximum, so the colour bar is the
+# same as for a map without errors, whose scale ends at 1): pixels of that colour that the
+# error-free picture lacks locate the faulty region.
+HALF = 0.5
+
+
+def _pixels(path: Path) -> np.ndarray:
+    from matplotlib.image import imread
+
+    return imread(path)[..., :3]
+
+
+def _half_colour_mask(image: np.ndarray) -> np.ndarray:
+    from matplotlib import colormaps
+
+    colour = np.asarray(colormaps[plots._CMAP](HALF)[:3])
+    return np.abs(image - colour).max(axis=-1) < 0.02
+
+
+def _latlon_error(part: LatLonPartition, rank: int | None) -> np.ndarray:
+    error = np.zeros((part.nlat, part.nlon))
+    if rank is not None:
+        lat, lon = part.slices(rank)
+        error[lat, lon] = HALF
+        error[lat.start, lon.start] = 1.0
+    return error
+
+
+def _healpix_error(part: CellPartition, rank: int | None) -> np.ndarray:
+    error = np.zeros(part.npix)
+    if rank is not None:
+        cells = part.cells(rank)
+        error[cells.start : cells.stop] = HALF
+        error[cells.start] = 1.0
+    return error
+
+
+def _assert_png(path: Path, returned: Path) -> None:
+    assert returned == path
+    assert path.read_bytes()[:8] == PNG
+    assert path.stat().st_size > 10_000  # a real picture, not an empty canvas
+
+
+def test_latlon_error_map_is_saved_as_png_in_a_new_directory(tmp_path):
+    part = LatLonPartition(19, 36, h=2, w=2)
+    path = tmp_path / "plots" / "latlon.png"
+    returned = plots.plot_latlon_error(
+        _latlon_error(part, 1),
+        path,
+        lat_sizes=part.lat_sizes,
+        lon_sizes=part.lon_sizes,
+        title="field 'y' at step 0",
+    )
+    _assert_png(path, returned)
+
+
+def test_healpix_error_map_is_saved_as_png_with_an_empty_rank(tmp_path):
+    part = CellPartition(4, (0, 64, 64, 150, 192))
+    path = tmp_path / "healpix.png"
+    returned = plots.plot_healpix_error(
+        _healpix_error(part, 2), str(path), bounds=part.bounds, title="field 'pred' at step 1"
+    )
+    _assert_png(path, returned)
+
+
+@pytest.mark.parametrize(("rank", "right", "top"), [(2, True, True), (3, False, False)])
+def test_latlon_error_map_shows_the_faulty_rank_block_where_that_rank_is(
+    tmp_path, rank, right, top
+):
+    # h2 x w3: ranks 0 1 2 in the north row, 3 4 5 in the south row
+    part = LatLonPartition(18, 36, h=2, w=3)
+    kwargs = {"lat_sizes": part.lat_sizes, "lon_sizes": part.lon_sizes, "title": "t"}
+    clean = plots.plot_latlon_error(_latlon_error(part, None), tmp_path / "clean.png", **kwargs)
+    faulty = plots.plot_latlon_error(_latlon_error(part, rank), tmp_path / "faulty.png", **kwargs)
+
+    mask = _half_colour_mask(_pixels(faulty)) & ~_half_colour_mask(_pixels(clean))
+    rows, cols = np.nonzero(mask)
+    assert mask.sum() > 2000, "the faulty block should cover a visible area"
+    # the block is a sixth of the map: its pixels span about a third of the plot's width
+    height, width = mask.shape
+    assert (cols.mean() > 0.5 * width) == right
+    assert (rows.mean() < 0.5 * height) == top
+
+
+@pytest.mark.parametrize(("rank", "north"), [(0, True), (3, False)])
+def test_healpix_error_map_shows_the_faulty_rank_cells_where_that_rank_is(tmp_path, rank, north):
+    # nside 2, 4 ranks: rank 0 owns the northern base cells 0-2, rank 3 the southern 9-11
+    part = CellPartition.even(nside=2, ranks=4)
+    kwargs = {"bounds": part.bounds, "title": "t"}
+    clean = plots.plot_healpix_error(_healpix_error(part, None), tmp_path / "clean.png", **kwargs)
+    faulty = plots.plot_healpix_error(_healpix_error(part, rank), tmp_path / "faulty.png", **kwargs)
+
+    mask = _half_colour_mask(_pixels(faulty)) & ~_half_colour_mask(_pixels(clean))
+    assert mask.sum() > 2000
+    rows, _ = np.nonzero(mask)
+    # the error panel's ellipse is centred about half way down the image
+    assert (rows.mean() < 0.5 * mask.shape[0]) == north
+
+
+def test_non_finite_differences_are_drawn_not_dropped(tmp_path):
+    part = LatLonPartition(8, 16, h=2, w=1)
+    error = np.zeros((8, 16))
+    error[1, 2] = np.nan
+    kwargs = {"lat_sizes": part.lat_sizes, "lon_sizes": part.lon_sizes, "title": "t"}
+    clean = _pixels(plots.plot_latlon_error(np.zeros((8, 16)), tmp_path / "a.png", **kwargs))
+    marked = _pixels(plots.plot_latlon_error(error, tmp_path / "b.png", **kwargs))
+    green = np.abs(marked - np.array([0.0, 0.75, 0.0])).max(axis=-1) < 0.02
+    assert green.sum() > 50
+    assert not (np.abs(clean - np.array([0.0, 0.75, 0.0])).max(axis=-1) < 0.02).any()
+
+
+def test_latlon_error_map_names_a_shape_that_does_not_match_the_partition(tmp_path):
+    with pytest.raises(ConfigError, match=r"shape \(8, 16\).*describe a 9x16 grid"):
+        plots.plot_latlon_error(
+            np.zeros((8, 16)), tmp_path / "x.png", lat_sizes=[5, 4], lon_sizes=[16], title="t"
+        )
+
+
+def test_healpix_error_map_rejects_a_map_that_is_not_healpix(tmp_path):
+    with pytest.raises(ConfigError, match="13 values is not a HEALPix map"):
+        plots.plot_healpix_error(np.zeros(13), tmp_path / "x.png", bounds=(0, 13), title="t")
+
+
+def test_healpix_error_map_rejects_bounds_that_do_not_cover_the_cells(tmp_path):
+    with pytest.raises(ConfigError, match="npix=48"):
+        plots.plot_healpix_error(np.zeros(48), tmp_path / "x.png", bounds=(0, 20, 40), title="t")
+
+
+def test_missing_matplotlib_is_a_config_error_naming_the_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install matplotlib \(or harness\[plots\]\)"):
+        plots.plot_latlon_error(
+            np.zeros((2, 2)), tmp_path / "x.png", lat_sizes=[2], lon_sizes=[2], title="t"
+        )
+    assert not (tmp_path / "x.png").exists()
