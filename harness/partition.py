@@ -23,29 +23,59 @@ import numpy as np
 
 from harness.errors import ConfigError
 
-__all__ = ["CellPartition", "LatLonPartition", "cell_of", "split_sizes"]
+__all__ = ["CellPartition", "LatLonPartition", "cell_of", "sht_split_rule", "split_sizes"]
 
 
-def split_sizes(size: int, parts: int) -> list[int]:
+SPLIT_RULES = ("ceil", "balanced")
+
+
+@functools.cache
+def sht_split_rule() -> str:
+    """The split rule of the installed torch-harmonics' distributed SHT.
+
+    Up to 0.8 ``compute_split_shapes`` splits with ceil (``ceil`` here); from 0.9 it balances
+    the chunks (``balanced``). Read from the package metadata, so torch-harmonics is not
+    imported (that takes seconds). Without torch-harmonics: ``ceil``.
+    """
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch-harmonics")
+    except metadata.PackageNotFoundError:
+        return "ceil"
+    major_minor = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    return "balanced" if major_minor >= (0, 9) else "ceil"
+
+
+def split_sizes(size: int, parts: int, rule: str | None = None) -> list[int]:
     """Split ``size`` items over ``parts`` ranks the way torch-harmonics does.
 
-    Ceil split (``ceil(size / parts)`` per rank, the remainder last); if that would leave
-    the last rank nothing, floor split instead (the remainder then goes to the last rank).
-    Identical to ``torch_harmonics.distributed.compute_split_shapes``: the single source of
-    truth for uneven splits, so data scattered here matches the distributed SHT's shapes.
+    ``rule="ceil"`` (torch-harmonics <= 0.8): ``ceil(size / parts)`` per rank, the
+    remainder last; if that would leave the last rank nothing, floor split instead (the
+    remainder then goes to the last rank). ``rule="balanced"`` (torch-harmonics >= 0.9, and
+    ``numpy.array_split``): sizes differ by at most one, the first ranks get the extra.
+    The default is the installed torch-harmonics' rule (``sht_split_rule``), so data
+    scattered here lines up with the distributed SHT's shapes: the single source of truth
+    for uneven splits.
 
-    >>> split_sizes(10, 4)
-    [3, 3, 3, 1]
-    >>> split_sizes(5, 4)
+    >>> split_sizes(10, 4, rule="ceil"), split_sizes(10, 4, rule="balanced")
+    ([3, 3, 3, 1], [3, 3, 2, 2])
+    >>> split_sizes(5, 4, rule="ceil")
     [1, 1, 1, 2]
-    >>> split_sizes(2, 4)     # fewer items than parts: leading ranks get nothing
+    >>> split_sizes(2, 4, rule="ceil")     # fewer items than parts: leading ranks get nothing
     [0, 0, 0, 2]
     """
     _check_int("size", size, 0)
     _check_int("parts", parts, 1)
+    rule = sht_split_rule() if rule is None else rule
+    if rule not in SPLIT_RULES:
+        raise ConfigError(f"unknown split rule {rule!r}; use one of {SPLIT_RULES}")
     size, parts = int(size), int(parts)
     if parts == 1:
         return [size]
+    if rule == "balanced":
+        base, extra = divmod(size, parts)
+        return [base + (r < extra) for r in range(parts)]
     chunk = -(-size // parts)
     last = size - chunk * (parts - 1)
     if last <= 0:
@@ -93,6 +123,7 @@ class LatLonPartition:
     nlon: int
     h: int = 1
     w: int = 1
+    rule: str | None = None  # split rule; None: the installed torch-harmonics' (sht_split_rule)
     lat_sizes: list[int] = field(init=False, repr=False, compare=False)
     lon_sizes: list[int] = field(init=False, repr=False, compare=False)
 
@@ -100,6 +131,10 @@ class LatLonPartition:
         for name in ("nlat", "nlon", "h", "w"):
             _check_int(name, getattr(self, name), 1)
             object.__setattr__(self, name, int(getattr(self, name)))
+        if self.rule is None:
+            object.__setattr__(self, "rule", sht_split_rule())
+        elif self.rule not in SPLIT_RULES:
+            raise ConfigError(f"unknown split rule {self.rule!r}; use one of {SPLIT_RULES}")
         for dim, n, parts, axis in (
             ("nlat", self.nlat, self.h, "h"),
             ("nlon", self.nlon, self.w, "w"),
@@ -107,12 +142,12 @@ class LatLonPartition:
             if n < parts:
                 raise ConfigError(
                     f"LatLonPartition: {dim}={n} does not fit {axis}={parts} ranks: "
-                    f"{split_sizes(n, parts)} would leave ranks without a "
+                    f"{split_sizes(n, parts, self.rule)} would leave ranks without a "
                     f"{'latitude' if dim == 'nlat' else 'longitude'}; choose {axis} <= {n} "
                     f"or a grid with {dim} >= {parts}"
                 )
-        object.__setattr__(self, "lat_sizes", split_sizes(self.nlat, self.h))
-        object.__setattr__(self, "lon_sizes", split_sizes(self.nlon, self.w))
+        object.__setattr__(self, "lat_sizes", split_sizes(self.nlat, self.h, self.rule))
+        object.__setattr__(self, "lon_sizes", split_sizes(self.nlon, self.w, self.rule))
 
     @property
     def ranks(self) -> int:
@@ -242,8 +277,8 @@ class CellPartition:
     range(5, 12)
     >>> part.rank_of(5), part.rank_of(np.array([0, 4, 11])).tolist()
     (2, [0, 0, 2])
-    >>> CellPartition.even(nside=1, ranks=5).sizes    # split_sizes' rule
-    [2, 2, 2, 2, 4]
+    >>> CellPartition.even(nside=1, ranks=5).sizes    # balanced: sizes differ by <= 1
+    [3, 3, 2, 2, 2]
     >>> part.halo(1).tolist()                         # an empty rank needs nothing
     []
     >>> part.packed_slice(np.arange(12), 2)           # cell c holds c values
@@ -285,10 +320,14 @@ class CellPartition:
 
     @classmethod
     def even(cls, nside: int, ranks: int) -> CellPartition:
-        """Split the cells over ``ranks`` with ``split_sizes`` (the lat/lon rule)."""
+        """Split the cells over ``ranks`` as evenly as possible (sizes differ by <= 1).
+
+        Fixed, whatever torch-harmonics is installed: HEALPix has no SHT to line up with.
+        """
         nside = _check_nside(nside)
         _check_int("ranks", ranks, 1)
-        return cls(nside, tuple(_offsets(split_sizes(12 * nside * nside, int(ranks)))))
+        sizes = split_sizes(12 * nside * nside, int(ranks), rule="balanced")
+        return cls(nside, tuple(_offsets(sizes)))
 
     @property
     def npix(self) -> int:

@@ -8,9 +8,10 @@ over an ``h`` (polar) x ``w`` (azimuth) process grid and uses ``DistributedRealS
 Sharding through one block (torch-harmonics 0.8.0, read from ``distributed_sht.py``):
 
 - grid space ``(B, E, nlat_local, nlon_local)``: latitudes split over the polar group and
-  longitudes over the azimuth group, both with ``split_sizes`` (the SHT's ceil rule);
-- spectral space ``(B, E, l_local, m_local)``: degrees ``l`` (``lmax = nlat``) split over the
-  polar group, orders ``m`` (``mmax = nlon // 2 + 1``) over the azimuth group, same rule.
+  longitudes over the azimuth group, both with ``split_sizes`` (the SHT's rule);
+- spectral space ``(B, E, l_local, m_local)``: degrees ``l`` split over the polar group,
+  orders ``m`` over the azimuth group, same rule; triangular truncation
+  ``lmax = mmax = min(nlat - 1, nlon // 2 + 1)``, explicit so both torch-harmonics agree.
 
 In between, the SHT's transposes split the ``E`` channels over each group, and 0.8.0 cannot
 split fewer channels than ranks: ``embed >= max(h, w)`` is required (checked). Its transposes
@@ -43,7 +44,7 @@ from torch import nn
 from harness.collectives import reduce_gradient, reduce_loss, spatial_sum, sync_gradients
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
-from harness.partition import LatLonPartition
+from harness.partition import LatLonPartition, sht_split_rule
 from harness.topology import Topology
 
 _UNEVEN_LAT = {"nlat": 30, "nlon": 16, "h": 4, "w": 1}  # bands [8, 8, 8, 6], unequal areas
@@ -57,9 +58,11 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
     "coupling-identity-backward": ({"grad"}, _H2W2, None),
     "no-grad-sync": ({"grad", "sync"}, _H2W2, None),
     "grad-sync-mean": ({"grad"}, _H2W2, None),
-    # even m split (nlon 30: mmax 16 = 8 + 8): with an uneven one the broadcast's sizes
-    # differ between ranks and gloo aborts the process (a crash)
-    "buffer-broadcast": ({"error", "field", "buffer"}, {"nlon": 30, **_H2W2}, None),
+    # even l and m splits (nlat 17: lmax 16 = 8 + 8; nlon 30: mmax 16 = 8 + 8): with uneven
+    # ones the broadcast's sizes differ between ranks and gloo aborts the process (a crash)
+    "buffer-broadcast": (
+        {"error", "field", "buffer", "crash"}, {"nlat": 17, "nlon": 30, **_H2W2}, None
+    ),
     "mean-of-means": ({"loss"}, _UNEVEN_LAT, None),
     "split-mismatch": ({"field", "error"}, _UNEVEN_LAT, None),
     "per-rank-noise": ({"field"}, {"noise": 1, **_H2W2}, None),
@@ -133,10 +136,10 @@ class SFNOConfig:
                 f"process grid h={self.h} x w={self.w} does not fit a spatial group of {s} "
                 f"ranks; choose h * w == {s}"
             )
-        mmax = self.nlon // 2 + 1
-        if self.nlat < h or mmax < w:
+        lmax = mmax = _triangular(self.nlat, self.nlon)
+        if lmax < h or self.nlon < w or mmax < w:
             raise ConfigError(
-                f"a {self.nlat}x{self.nlon} grid has {self.nlat} latitudes and {mmax} orders m; "
+                f"a {self.nlat}x{self.nlon} grid has {lmax} degrees l and {mmax} orders m; "
                 f"they cannot be split over h={h} x w={w} ranks; use a larger grid"
             )
         if self.embed < max(h, w):
@@ -160,24 +163,13 @@ def lat_weights(nlat: int, grid: str) -> torch.Tensor:
     return torch.flip(torch.as_tensor(weights, dtype=torch.float64), dims=(0,))
 
 
-def _array_split_sizes(size: int, parts: int) -> list[int]:
-    return [len(c) for c in np.array_split(np.arange(size), parts)]
-
-
-@dataclass(frozen=True)
-class _ArraySplitPartition(LatLonPartition):
-    """The ``split-mismatch`` fault: numpy's rule (remainder to the first ranks), not the SHT's."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "lat_sizes", _array_split_sizes(self.nlat, self.h))
-        object.__setattr__(self, "lon_sizes", _array_split_sizes(self.nlon, self.w))
-
-
 def data_partition(config: SFNOConfig, h: int, w: int) -> LatLonPartition:
     """How grid data are scattered: the SHT's own split (unless ``split-mismatch``)."""
     if "split-mismatch" in config.faults:
-        return _ArraySplitPartition(config.nlat, config.nlon, h, w)
+        # The bug: a split rule other than the SHT's (numpy.array_split's balanced rule
+        # where torch-harmonics 0.8 splits with ceil, ceil where 0.9 balances).
+        other = "ceil" if sht_split_rule() == "balanced" else "balanced"
+        return LatLonPartition(config.nlat, config.nlon, h, w, rule=other)
     return LatLonPartition(config.nlat, config.nlon, h, w)
 
 
@@ -428,8 +420,8 @@ def _make_transforms(cfg: SFNOConfig, topo: Topology, h: int, w: int) -> tuple[A
         import torch_harmonics as th
 
         return (
-            th.RealSHT(cfg.nlat, cfg.nlon, grid=cfg.grid),
-            th.InverseRealSHT(cfg.nlat, cfg.nlon, grid=cfg.grid),
+            th.RealSHT(cfg.nlat, cfg.nlon, **_truncation(cfg)),
+            th.InverseRealSHT(cfg.nlat, cfg.nlon, **_truncation(cfg)),
         )
     import torch_harmonics.distributed as thd
 
@@ -438,9 +430,22 @@ def _make_transforms(cfg: SFNOConfig, topo: Topology, h: int, w: int) -> tuple[A
     # forward: set them on this rank (the rank pool resets them after each run).
     thd.init(*topo.grid(h, w))
     return (
-        thd.DistributedRealSHT(cfg.nlat, cfg.nlon, grid=cfg.grid),
-        thd.DistributedInverseRealSHT(cfg.nlat, cfg.nlon, grid=cfg.grid),
+        thd.DistributedRealSHT(cfg.nlat, cfg.nlon, **_truncation(cfg)),
+        thd.DistributedInverseRealSHT(cfg.nlat, cfg.nlon, **_truncation(cfg)),
     )
+
+
+def _truncation(cfg: SFNOConfig) -> dict[str, Any]:
+    """Explicit ``lmax``/``mmax``, the same on every torch-harmonics: 0.9 changed the default
+    truncation (triangular, lmax capped at nlat - 1), and the stepper must be one model on
+    both, so that one set of goldens serves both."""
+    t = _triangular(cfg.nlat, cfg.nlon)
+    return {"lmax": t, "mmax": t, "grid": cfg.grid}
+
+
+def _triangular(nlat: int, nlon: int) -> int:
+    """Triangular truncation both torch-harmonics versions accept: l, m < min(nlat - 1, ...)."""
+    return min(nlat - 1, nlon // 2 + 1)
 
 
 def _transpose_uneven(

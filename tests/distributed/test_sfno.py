@@ -173,7 +173,7 @@ def test_in_float32_the_stepper_agrees_to_a_few_eps(spatial, kwargs):
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
     part=st.sampled_from([2, 4]).flatmap(
-        lambda r: latlon_partitions(ranks=r, min_nlat=2, max_nlat=24, min_nlon=8, max_nlon=40)
+        lambda r: latlon_partitions(ranks=r, min_nlat=5, max_nlat=24, min_nlon=8, max_nlon=40)
     ),
     grid=st.sampled_from(GRIDS),
 )

@@ -47,7 +47,7 @@ def sfno_layouts(draw: st.DrawFn) -> dict:
     s = spatial_size or RANKS
     h, w = draw(process_grids(s))
     return {
-        "nlat": draw(st.integers(max(h, 4), 24)),
+        "nlat": draw(st.integers(max(h + 1, 4), 24)),  # lmax = nlat - 1 degrees over h ranks
         "nlon": draw(st.integers(max(w, 8), 40)),
         "h": h,
         "w": w,
