@@ -294,7 +294,7 @@ class FieldError:
     unit: str
 
 
-@dataclass
+@dataclass(repr=False)
 class EquivalenceReport:
     """What ``check_equivalence`` found. ``ok`` is true when nothing mismatched.
 
@@ -325,6 +325,10 @@ class EquivalenceReport:
 
     def __bool__(self) -> bool:
         return self.ok
+
+    def __repr__(self) -> str:
+        # ``assert report.ok, report`` shows the repr: make it the table, not the fields
+        return str(self)
 
     def worst(self, quantity: str) -> float | None:
         s = self.stats.get(quantity)

@@ -362,6 +362,13 @@ class _Comparer:
         d = compare_tensors(actual, expected, self.tol.bound(quantity))
         if not d.problem:
             self.report.stats[quantity].add(d)
+        if not d.ok and not d.problem and expected.dim() == 0:
+            # a scalar has no position: say what the two values are
+            loc = f"{float(actual):.6g} vs reference {float(expected):.6g}"
+            hint = scale_hint(actual, expected, self.S) if quantity in ("grad", "loss") else ""
+            self.add(Mismatch(quantity, name, step, rank, d.max_abs, d.max_rel, loc,
+                              d.count, d.total, hint=hint))
+            return d
         if not d.ok:
             loc = d.problem or (
                 where(d.worst)

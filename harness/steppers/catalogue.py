@@ -38,6 +38,12 @@ Config = tuple[str, Maker, dict[str, Any], int | None]
 Fault = tuple[str, Maker, dict[str, Any], int | None, str, set[str]]
 
 
+def _healpix(**kw: Any) -> SpatialCase:
+    from harness.steppers.healpix import HealpixCase
+
+    return HealpixCase(**kw)
+
+
 def main_configs(ranks: int) -> list[Config]:
     """(label, case factory, kwargs, spatial_size) for each check of the main job."""
     import torch
@@ -53,8 +59,15 @@ def main_configs(ranks: int) -> list[Config]:
              {"nlat": 16, "nlon": 32, "h": 1, "w": 4, "dtype": torch.float32}, None),
             ("sfno s×d", _sfno, {"nlat": 16, "nlon": 32, "h": 2, "w": 1, "batch_size": 4}, 2),
         ]
+        out += [
+            ("healpix", _healpix, {"nside": 4}, None),
+            ("healpix empty rank", _healpix,
+             {"nside": 2, "bounds": (0, 20, 20, 30, 48), "empty_ranks": (3,)}, None),
+            ("healpix s×d", _healpix, {"nside": 2, "batch_size": 4}, 2),
+        ]
     else:
         out.append(("sfno", _sfno, {"nlat": 16, "nlon": 32, "h": ranks, "w": 1}, None))
+        out.append(("healpix", _healpix, {"nside": 2}, None))
     if ranks % 2 == 0 and ranks > 2:
         out.append(("coupled-mlp s×d", _mlp, {"npos": 37, "batch_size": 4}, ranks // 2))
     return out
@@ -73,3 +86,7 @@ def fault_matrix(ranks: int) -> Iterator[Fault]:
 
     for fault, (expected, kwargs, spatial_size) in FAULT_CHECKS.items():
         yield "sfno", _sfno, kwargs, spatial_size, fault, expected
+    from harness.steppers.healpix import FAULT_CHECKS as HEALPIX_CHECKS
+
+    for fault, (expected, kwargs, spatial_size) in HEALPIX_CHECKS.items():
+        yield "healpix", _healpix, kwargs, spatial_size, fault, expected

@@ -69,6 +69,32 @@ HEALPIX_FAULTS = frozenset({
     "same-batch-violated",  # the data loader seeds its draws with the world rank
 })
 
+# Layouts of 4 ranks that show each bug: two samples per data group (rank-major flattening
+# needs batch >= 2), an uneven partition whose first rank is short (padding moves the later
+# ranks' rows), two data groups (the world is not the spatial group), and a rank that owns
+# cells but sees no observation and no target (empty-domain bugs).
+EVEN: dict[str, Any] = {"nside": 2}
+UNEVEN: dict[str, Any] = {"nside": 2, "bounds": (0, 8, 20, 34, 48)}
+DATA2: dict[str, Any] = {"nside": 2, "batch_size": 4}
+QUIET: dict[str, Any] = {"nside": 2, "bounds": (0, 12, 24, 36, 48), "empty_ranks": (1,)}
+
+#: fault id -> (quantities that catch it, ``HealpixCase`` kwargs, spatial_size) on 4 ranks.
+FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
+    "rank-major-gather": ({"field"}, EVEN, None),
+    "padding-kept": ({"field", "error"}, UNEVEN, None),
+    "gather-over-world": ({"field"}, DATA2, 2),
+    "rank-order": ({"field"}, EVEN, None),
+    "local-neighbour-index": ({"field"}, EVEN, None),
+    "empty-skip": ({"timeout"}, QUIET, None),
+    # caught as error: the stepper's graph check makes every rank raise the same error
+    # (with only gradient hooks a rank whose parameter never gets a gradient hangs the rest)
+    "empty-none-grad": ({"grad", "error"}, QUIET, None),
+    "non-autograd-gather": ({"grad"}, EVEN, None),
+    "grad-scale": ({"grad"}, EVEN, None),
+    "rank-local-nan-check": ({"timeout", "field"}, QUIET, None),
+    "same-batch-violated": ({"field", "loss"}, EVEN, None),
+}
+
 # Observation points are sub-cell centres this many levels below nside: strictly inside
 # their cell, so cell_of gives back the cell they were drawn for.
 _DEPTH = 4

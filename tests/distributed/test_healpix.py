@@ -39,7 +39,7 @@ def test_the_stepper_is_equivalent_to_its_reference_on_every_cell_partition(
 ):
     report = check_equivalence(
         HealpixCase(**kwargs), ranks=RANKS, spatial_size=spatial_size,
-        pool=spatial._registry.get(RANKS),
+        pool=spatial.pool(RANKS),
     )
     assert report.ok, str(report)
     # float64: the partitioned run only reorders sums (per-rank partial sums, then the
@@ -56,7 +56,7 @@ def test_any_drawn_partition_and_observation_set_is_equivalent(spatial, data, ns
     sets = observation_sets(nside=nside, channels=2, max_points=24, partition=part)
     samples = data.draw(st.lists(sets, min_size=2, max_size=2), label="observations")
     case = HealpixCase(nside=nside, bounds=part.bounds, observations=samples, channels=2)
-    report = check_equivalence(case, ranks=RANKS, pool=spatial._registry.get(RANKS))
+    report = check_equivalence(case, ranks=RANKS, pool=spatial.pool(RANKS))
     assert report.ok, str(report)
 
 

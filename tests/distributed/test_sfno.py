@@ -136,7 +136,7 @@ def test_the_stepper_is_equivalent_to_its_reference_on_every_process_grid(
 ):
     case = SFNOCase(**{"nlat": 16, "nlon": 32, **kwargs})
     report = check_equivalence(case, ranks=ranks, spatial_size=spatial_size,
-                               pool=spatial._registry.get(ranks))
+                               pool=spatial.pool(ranks))
     assert report.ok, str(report)
     # float64: the default bounds (rtol 1e-10, atol 1e-12, see Tolerance.for_dtype) hold
     # with room to spare; the worst absolute error measured is ~1e-13.
@@ -164,7 +164,7 @@ FLOAT32 = Tolerance(
 )
 def test_in_float32_the_stepper_agrees_to_a_few_eps(spatial, kwargs):
     case = SFNOCase(**kwargs, dtype=torch.float32)
-    report = check_equivalence(case, ranks=4, tolerance=FLOAT32, pool=spatial._registry.get(4))
+    report = check_equivalence(case, ranks=4, tolerance=FLOAT32, pool=spatial.pool(4))
     assert report.ok, str(report)
     assert report.dtype == "float32"
 
@@ -179,7 +179,7 @@ def test_in_float32_the_stepper_agrees_to_a_few_eps(spatial, kwargs):
 )
 def test_any_drawn_grid_and_process_grid_is_equivalent(spatial, part, grid):
     case = SFNOCase(part.nlat, part.nlon, part.h, part.w, grid=grid, embed=4, blocks=2)
-    report = check_equivalence(case, ranks=part.ranks, pool=spatial._registry.get(part.ranks))
+    report = check_equivalence(case, ranks=part.ranks, pool=spatial.pool(part.ranks))
     assert report.ok, str(report)
 
 

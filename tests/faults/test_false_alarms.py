@@ -47,8 +47,9 @@ def sfno_layouts(draw: st.DrawFn) -> dict:
     s = spatial_size or RANKS
     h, w = draw(process_grids(s))
     return {
-        "nlat": draw(st.integers(max(h + 1, 4), 24)),  # lmax = nlat - 1 degrees over h ranks
-        "nlon": draw(st.integers(max(w, 8), 40)),
+        # truncation lmax = mmax = min(nlat - 1, nlon // 2 + 1) modes over h and w ranks
+        "nlat": draw(st.integers(max(h, w, 3) + 1, 24)),
+        "nlon": draw(st.integers(max(2 * max(h, w), 8), 40)),
         "h": h,
         "w": w,
         "grid": draw(st.sampled_from(["equiangular", "legendre-gauss"])),

@@ -1,10 +1,10 @@
-"""Every SFNO fault of FAULTS.md fails check_equivalence with the quantity that shows it."""
+"""The SFNO fault switches: one per SFNO row of FAULTS.md, unknown ids refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness import ConfigError, check_equivalence
+from harness import ConfigError
 from harness.steppers.sfno import FAULT_CHECKS, SFNOCase
 
 # The SFNO rows of FAULTS.md, in the order they appear there.
@@ -13,27 +13,11 @@ CATALOGUE = [
     "no-grad-sync", "grad-sync-mean", "buffer-broadcast", "mean-of-means", "split-mismatch",
     "per-rank-noise", "local-weights", "reduce-over-world",
 ]
-RANKS = 4  # FAULT_CHECKS layouts are sized for 4 ranks
+# Each fault is run, on and off, by tests/faults/test_catalogue.py from FAULT_CHECKS.
 
 
 def test_every_sfno_fault_of_the_catalogue_has_a_switch_and_a_check():
     assert sorted(FAULT_CHECKS) == sorted(CATALOGUE)
-
-
-@pytest.mark.parametrize("fault", CATALOGUE)
-def test_each_fault_fails_with_its_quantity_and_the_same_layout_passes_without_it(
-    spatial, fault
-):
-    expected, kwargs, spatial_size = FAULT_CHECKS[fault]
-    ranks = RANKS
-    pool = spatial._registry.get(ranks)
-    broken = check_equivalence(SFNOCase(**kwargs, faults={fault}), ranks=ranks,
-                               spatial_size=spatial_size, pool=pool)
-    assert not broken.ok, f"{fault} went unnoticed"
-    assert broken.quantities & expected, str(broken)
-    fixed = check_equivalence(SFNOCase(**kwargs), ranks=ranks, spatial_size=spatial_size,
-                              pool=pool)
-    assert fixed.ok, str(fixed)
 
 
 def test_an_unknown_fault_id_is_refused_with_the_valid_ones_listed():

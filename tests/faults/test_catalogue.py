@@ -1,0 +1,51 @@
+"""The fault catalogue (FAULTS.md): every fault is caught, with the quantity it names.
+
+One table (harness.steppers.catalogue) drives this test, the main job's fault matrix and the
+README's catalogue, so they cannot disagree. Each fault must make check_equivalence fail
+with an expected quantity and a message naming the rank, the step and where; the same
+layout without the fault must pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import check_equivalence
+from harness.steppers.catalogue import fault_matrix
+
+RANKS = 4
+HANG_TIMEOUT = 8  # seconds for faults caught as a hang: ample on a loaded 2-core machine
+MATRIX = list(fault_matrix(RANKS))
+
+
+@pytest.mark.parametrize(
+    "entry", MATRIX, ids=[f"{stepper}:{fault}" for stepper, *_, fault, _ in MATRIX]
+)
+def test_each_fault_is_caught_with_its_quantity_and_a_message_that_locates_it(spatial, entry):
+    stepper, make, kwargs, spatial_size, fault, expected = entry
+    timeout = HANG_TIMEOUT if "timeout" in expected else None
+    report = check_equivalence(make(**kwargs, faults=(fault,)), ranks=RANKS,
+                               spatial_size=spatial_size, pool=spatial.pool(RANKS),
+                               timeout=timeout)
+    assert not report.ok, f"{stepper} {fault} went unnoticed"
+    assert report.quantities & expected, report
+    caught = next(m for m in report.mismatches if m.quantity in expected)
+    assert caught.where, caught  # where: a position, a cell, a traceback's summary
+    if caught.quantity in ("error", "crash", "timeout"):
+        assert caught.rank is not None and caught.detail  # the rank and its traceback/stack
+    else:
+        assert caught.step is not None  # the step it first shows at
+        text = str(report)
+        assert f"First: {report.mismatches[0].headline()}" in text and "What to do:" in text
+
+
+CLEAN = {(stepper, repr(sorted(kwargs.items())), spatial_size): (make, kwargs, spatial_size)
+         for stepper, make, kwargs, spatial_size, _, _ in MATRIX}
+
+
+@pytest.mark.parametrize("key", sorted(CLEAN), ids=[f"{k[0]}:{k[1]}:{k[2]}" for k in sorted(CLEAN)])
+def test_every_fault_layout_passes_without_its_fault(spatial, key):
+    make, kwargs, spatial_size = CLEAN[key]
+    report = check_equivalence(make(**kwargs), ranks=RANKS, spatial_size=spatial_size,
+                               pool=spatial.pool(RANKS))
+    assert report.ok, report
