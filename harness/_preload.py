@@ -9,16 +9,16 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-import torch.distributed  # noqa: E402, F401
-import torch._dynamo  # noqa: E402, F401  # what init_process_group pulls in lazily: ~2 s a rank
+import torch
+import torch._dynamo  # what init_process_group pulls in lazily: ~2 s a rank
+import torch.distributed
 
 try:  # cheap once torch._dynamo is loaded (~10 ms), ~7 s per rank otherwise
-    import torch_harmonics.distributed  # noqa: E402, F401
+    import torch_harmonics.distributed  # noqa: F401
 except ImportError:
     pass
 
-import harness.pool  # noqa: E402, F401
-import harness.topology  # noqa: E402, F401
+import harness.pool
+import harness.topology  # noqa: F401
 
 del torch

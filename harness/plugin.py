@@ -203,8 +203,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome: Any = yield
     runner = _runner(item.config)
     if runner is None:
         return
@@ -251,6 +251,7 @@ class HarnessSession:
         self.nodeids.add(report.nodeid)
         if report.when != "call":  # setup and teardown reports repeat the same properties
             return
+        value: Any
         for key, value in report.user_properties:
             if key == _GOLDEN_PROP:
                 path, status = value

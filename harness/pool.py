@@ -40,6 +40,7 @@ import traceback
 import types
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -76,7 +77,7 @@ def _close_all_pools() -> None:
     from multiprocessing import forkserver
 
     with contextlib.suppress(Exception):
-        forkserver._forkserver._stop()
+        forkserver._forkserver._stop()  # type: ignore[attr-defined]  # private, 3.8+
 
 
 class RankPool:
@@ -715,11 +716,19 @@ def _exc_summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
+@dataclass
 class _RankState:
     """Process-wide state a run may change, put back after it."""
 
-    def __init__(self, **state: Any) -> None:
-        self.__dict__.update(state)
+    torch_rng: Any
+    np_rng: Any
+    py_rng: Any
+    dtype: Any
+    grad: bool
+    anomaly: bool
+    deterministic: bool
+    threads: int
+    cwd: str
 
     @classmethod
     def save(cls) -> _RankState:
@@ -760,9 +769,12 @@ class _RankState:
         # must not find the previous run's (destroyed) groups there.
         th = sys.modules.get("torch_harmonics.distributed.utils")
         if th is not None:
-            th._POLAR_PARALLEL_GROUP = None
-            th._AZIMUTH_PARALLEL_GROUP = None
-            th._IS_INITIALIZED = False
+            for name, value in (
+                ("_POLAR_PARALLEL_GROUP", None),
+                ("_AZIMUTH_PARALLEL_GROUP", None),
+                ("_IS_INITIALIZED", False),
+            ):
+                setattr(th, name, value)
 
 
 class PoolRegistry:

@@ -31,16 +31,19 @@ def _default_group_id() -> int:
     return id(dist.distributed_c10d._get_default_group())
 
 
-def cached_groups(key: tuple[Any, ...], rank_lists: list[list[int]]) -> list[Any]:
+def cached_groups(
+    key: tuple[Any, ...], rank_lists: list[list[int]], *, sort_ranks: bool = True
+) -> list[Any]:
     """Create (once) one process group per list of global ranks, in list order, on every rank.
 
     Every rank of the world must call this with the same ``key`` and ``rank_lists`` in the
     same order. Returns the groups in the order given; a rank uses the ones it belongs to.
+    With ``sort_ranks=False`` a group's ranks are numbered in list order, not sorted.
     """
     full_key = (_default_group_id(), key)
     groups = _GROUP_CACHE.get(full_key)
     if groups is None:
-        groups = [dist.new_group(ranks=list(ranks)) for ranks in rank_lists]
+        groups = [dist.new_group(ranks=list(ranks), sort_ranks=sort_ranks) for ranks in rank_lists]
         _GROUP_CACHE[full_key] = groups
     return groups
 

@@ -16,6 +16,9 @@ _EXPORTS = {
     "SFNOConfig": "harness.steppers.sfno",
     "SFNOStepper": "harness.steppers.sfno",
     "CoupledMLPCase": "harness.steppers.mlp",
+    "HEALPIX_FAULTS": "harness.steppers.healpix",
+    "HealpixCase": "harness.steppers.healpix",
+    "HealpixStepper": "harness.steppers.healpix",
 }
 
 __all__ = sorted(_EXPORTS)

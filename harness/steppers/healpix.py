@@ -48,12 +48,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import topology as _topology
 from harness.collectives import all_gather_uneven, reduce_loss, sync_gradients
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.partition import CellPartition, cell_of
-from harness.topology import Topology
+from harness.topology import Topology, cached_groups
 
 HEALPIX_FAULTS = frozenset({
     "rank-major-gather",  # gathered predictions viewed rank-major as (B, npix, C)
@@ -118,17 +117,11 @@ def check_faults(faults: Any) -> frozenset[str]:
 def _reversed_order(topo: Topology) -> Topology:
     """The ``rank-order`` fault: ``topo`` with a spatial group ranked in reverse.
 
-    Every rank creates the groups, in the same order. ``cached_groups`` always sorts the
-    ranks (``dist.new_group``'s default), so this keeps its unsorted groups in the same
-    cache, under its own key: they are dropped with the default group like every other.
+    Every rank creates the groups, in the same order (``cached_groups``).
     """
     s, d = topo.spatial_size, topo.data_size
-    key = (_topology._default_group_id(), ("healpix-reversed", topo.world_size, s))
-    groups = _topology._GROUP_CACHE.get(key)
-    if groups is None:
-        lists = [[g * s + s - 1 - k for k in range(s)] for g in range(d)]
-        groups = [dist.new_group(ranks=ranks, sort_ranks=False) for ranks in lists]
-        _topology._GROUP_CACHE[key] = groups
+    lists = [[g * s + s - 1 - k for k in range(s)] for g in range(d)]
+    groups = cached_groups(("healpix-reversed", topo.world_size, s), lists, sort_ranks=False)
     return replace(
         topo, spatial_group=groups[topo.data_rank], spatial_rank=s - 1 - topo.spatial_rank
     )
