@@ -270,3 +270,28 @@ def test_ctrl_c_leaves_no_rank_process_behind(pytester):
     out, _ = proc.communicate(timeout=60)
     assert b"KeyboardInterrupt" in out
     assert _wait_gone(tag) == []
+
+
+ERROR_MAPS = """
+from harness.steppers.healpix import HealpixCase
+from harness.steppers.sfno import SFNOCase
+
+def test_healpix_rank_order(spatial):
+    spatial.check(HealpixCase(nside=2, faults=("rank-order",)))
+
+def test_sfno_per_rank_noise(spatial):
+    spatial.check(SFNOCase(nlat=12, nlon=20, h=2, w=2, noise=1, faults=("per-rank-noise",)))
+"""
+
+
+def test_spatial_plots_writes_an_error_map_per_failing_field_and_names_it(pytester):
+    pytest.importorskip("matplotlib")
+    pytester.makepyfile(test_maps=ERROR_MAPS)
+    result = pytester.runpytest_subprocess("--spatial-ranks=4", "--spatial-plots=maps")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*Error maps:*", "*maps/test_maps.test_healpix_rank_order.*png"])
+    maps = sorted(p.name for p in (pytester.path / "maps").glob("*.png"))
+    assert any(name.startswith("test_maps.test_healpix_rank_order.prediction.step0") for name in maps)
+    assert any(name.startswith("test_maps.test_sfno_per_rank_noise.") for name in maps)
+    for name in maps:
+        assert (pytester.path / "maps" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
