@@ -83,9 +83,10 @@ def _close_all_pools() -> None:
 class RankPool:
     """``world_size`` warm rank processes that run a function together.
 
-    >>> with RankPool(4) as pool:                      # doctest: +SKIP
-    ...     pool.run(my_module.rank_fn, 3, timeout=30)
-    [result_rank0, result_rank1, result_rank2, result_rank3]
+    Usage (``rank_fn`` a module-level function)::
+
+        with RankPool(4) as pool:
+            results = pool.run(rank_fn, 3, timeout=30)  # [rank 0's result, ..., rank 3's]
 
     Inside ``fn`` the default process group (gloo, world = pool size) is initialised.
     ``fn`` and its arguments are pickled, so ``fn`` must be importable by module and name
