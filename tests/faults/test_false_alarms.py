@@ -70,3 +70,23 @@ def test_the_sfno_stepper_passes_on_every_drawn_grid_and_process_grid(spatial, l
     report = check_equivalence(SFNOCase(**layout), ranks=RANKS, spatial_size=spatial_size,
                                pool=spatial.pool(RANKS))
     assert report.ok, report
+
+
+@FIXTURE_OK
+@given(data=st.data(), nside=st.sampled_from([1, 2, 4]), dtype=dtypes, spatial_size=layouts)
+def test_the_healpix_stepper_passes_on_every_drawn_partition_and_observation_set(
+    spatial, data, nside, dtype, spatial_size
+):
+    from harness.steppers.healpix import HealpixCase
+    from harness.strategies import cell_partitions, observation_sets
+
+    s = spatial_size or RANKS
+    part = data.draw(cell_partitions(nside=nside, ranks=s), label="partition")  # empty ranks too
+    per_group = data.draw(st.integers(1, 2), label="samples per data group")
+    sets = observation_sets(nside=nside, channels=2, max_points=32, partition=part)
+    samples = data.draw(st.lists(sets, min_size=1, max_size=3), label="observations")
+    case = HealpixCase(nside=nside, bounds=part.bounds, observations=samples, channels=2,
+                       batch_size=per_group * (RANKS // s), dtype=dtype)
+    report = check_equivalence(case, ranks=RANKS, spatial_size=spatial_size,
+                               pool=spatial.pool(RANKS))
+    assert report.ok, report
