@@ -158,23 +158,10 @@ class Difference:
 def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, bound: Bound) -> Difference:
     """Compare elementwise under ``bound``; dtype and shape must match exactly."""
     if actual.dtype != expected.dtype:
-        return Difference(
-            False,
-            math.nan,
-            math.nan,
-            0,
-            expected.numel(),
-            None,
-            f"dtype {actual.dtype} where the reference has {expected.dtype}",
-        )
+        return _unlike(expected, f"dtype {actual.dtype} where the reference has {expected.dtype}")
     if actual.shape != expected.shape:
-        return Difference(
-            False,
-            math.nan,
-            math.nan,
-            0,
-            expected.numel(),
-            None,
+        return _unlike(
+            expected,
             f"shape {tuple(actual.shape)} where the reference has {tuple(expected.shape)}",
         )
     a = _real(actual.detach()).double().reshape(-1)
@@ -201,6 +188,11 @@ def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, bound: Bound) 
         total=a.numel(),
         worst=worst,
     )
+
+
+def _unlike(expected: torch.Tensor, problem: str) -> Difference:
+    """Tensors that cannot be compared elementwise: every element counts as different."""
+    return Difference(False, math.nan, math.nan, 0, expected.numel(), None, problem)
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
