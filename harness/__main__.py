@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> int:
     matrix = list(fault_configs(args.ranks))
     print("\nInjected faults (FAULTS.md): each must make the check fail with the named quantity")
-    header = ("stepper", "fault", "expected", "caught as", "verdict")
+    header = ("stepper", "fault", "expected", "caught as (first, then the rest)", "verdict")
     rows = []
     missed = 0
     for stepper, cfg, fault, expected in matrix:
@@ -130,8 +130,10 @@ def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> int:
                                    timeout=min(args.timeout, 10.0))
         caught = report.quantities & expected
         missed += not caught
-        rows.append((stepper, fault, ",".join(sorted(expected)),
-                     ",".join(sorted(report.quantities)) or "-",
+        first = report.mismatches[0].quantity if report.mismatches else "-"
+        rest = sorted(report.quantities - {first})
+        shown = first + (f" (+{','.join(rest)})" if rest else "")
+        rows.append((stepper, fault, ",".join(sorted(expected)), shown,
                      "caught" if caught else "MISSED"))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     for row in [header, tuple("-" * w for w in widths), *rows]:
