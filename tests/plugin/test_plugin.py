@@ -291,7 +291,8 @@ def test_spatial_plots_writes_an_error_map_per_failing_field_and_names_it(pytest
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(["*Error maps:*", "*maps/test_maps.test_healpix_rank_order.*png"])
     maps = sorted(p.name for p in (pytester.path / "maps").glob("*.png"))
-    assert any(name.startswith("test_maps.test_healpix_rank_order.prediction.step0") for name in maps)
+    healpix = "test_maps.test_healpix_rank_order.prediction.step0"
+    assert any(name.startswith(healpix) for name in maps)
     assert any(name.startswith("test_maps.test_sfno_per_rank_noise.") for name in maps)
     for name in maps:
         assert (pytester.path / "maps" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
