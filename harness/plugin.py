@@ -315,6 +315,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     real = session.config.stash.get(_stdout_key, None)
     if real is not None:  # the terminal reporter has its sink by now
         sys.stdout = real
+    if _runner(session.config) is not None:
+        _same_examples_on_every_rank()
+
+
+def _same_examples_on_every_rank() -> None:
+    """Under a launcher every rank runs each Hypothesis test itself: the ranks must draw the
+    same examples in the same order, or their collectives do not match. Derandomize (on top
+    of whatever --hypothesis-profile loaded) and keep the example database, which each rank
+    may replay differently, out of it."""
+    from hypothesis import settings
+
+    settings.register_profile(
+        "harness-launcher", parent=settings.default, derandomize=True, database=None
+    )
+    settings.load_profile("harness-launcher")
 
 
 @pytest.hookimpl(trylast=True)

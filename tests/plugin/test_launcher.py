@@ -12,12 +12,25 @@ from harness.launcher import launcher_env
 TESTS = """
 import pytest
 import torch, torch.distributed as dist
+from hypothesis import HealthCheck, given, settings, strategies as st
 from harness.steppers.mlp import CoupledMLPCase
 
 def total():
     t = torch.ones(1)
     dist.all_reduce(t)
     return t.item()
+
+def gathered(n):
+    t = torch.ones(n + 1)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)  # refuses (or hangs) if the ranks drew different sizes
+    return sum(float(p.sum()) for p in parts)
+
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(0, 50))
+def test_every_rank_draws_the_same_examples(spatial, n):
+    assert spatial.run(gathered, n) == [4.0 * (n + 1)] * 4
 
 def test_run_in_place(spatial):
     assert spatial.launcher
@@ -59,7 +72,7 @@ def test_torchrun_runs_spatial_tests_in_place_and_only_rank_0_reports(pytester):
     proc = _torchrun(pytester.path, "test_tr.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("harness: launched ranks 4 (torchrun/srun, in place)") == 1
-    assert proc.stdout.count("3 passed, 2 skipped") == 1
+    assert proc.stdout.count("4 passed, 2 skipped") == 1
     assert "coupled-mlp" in proc.stdout and "equivalent" in proc.stdout
 
 
@@ -71,7 +84,7 @@ def test_a_test_failing_on_one_rank_fails_on_every_rank_without_a_hang(pytester)
     out = proc.stdout
     assert "failed on rank 1 of 4 (this is rank 0)" in out
     assert "rank 1 is unhappy" in out
-    assert "1 failed, 3 passed, 2 skipped" in out  # the test after it still ran everywhere
+    assert "1 failed, 4 passed, 2 skipped" in out  # the test after it still ran everywhere
 
 
 @pytest.mark.spatial_pool
