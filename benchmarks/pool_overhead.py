@@ -30,6 +30,17 @@ def _stats(xs: list[float]) -> str:
             f"max {max(xs) * 1e3:8.1f} ms")
 
 
+def _cold(ranks: int, start_method: str, jobs: int) -> list[float]:
+    """Seconds per job with a pool started for that job alone (start, run, close)."""
+    times = []
+    for _ in range(jobs):
+        t0 = time.perf_counter()
+        with RankPool(ranks, start_method=start_method) as pool:
+            pool.run(trivial_job)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def measure(ranks: int, jobs: int, cold: int) -> dict[str, float]:
     warm = []
     with RankPool(ranks, start_method="forkserver") as pool:
@@ -38,18 +49,8 @@ def measure(ranks: int, jobs: int, cold: int) -> dict[str, float]:
             t0 = time.perf_counter()
             assert pool.run(trivial_job) == [float(ranks)] * ranks
             warm.append(time.perf_counter() - t0)
-    spawn = []
-    for _ in range(cold):
-        t0 = time.perf_counter()
-        with RankPool(ranks, start_method="spawn") as pool:
-            pool.run(trivial_job)
-        spawn.append(time.perf_counter() - t0)
-    fork = []
-    for _ in range(cold):
-        t0 = time.perf_counter()
-        with RankPool(ranks, start_method="forkserver") as pool:
-            pool.run(trivial_job)
-        fork.append(time.perf_counter() - t0)
+    spawn = _cold(ranks, "spawn", cold)
+    fork = _cold(ranks, "forkserver", cold)
     print(f"{ranks} ranks")
     print(f"  warm pool, {jobs} jobs:            {_stats(warm)}")
     print(f"  spawn per job, {cold} jobs:          {_stats(spawn)}")
