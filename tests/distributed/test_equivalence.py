@@ -149,7 +149,7 @@ def test_an_exception_on_one_rank_becomes_an_error_mismatch_with_its_traceback(s
 @pytest.mark.spatial_pool  # a rank that raises or hangs in place takes pytest with it
 def test_a_skipped_collective_becomes_a_timeout_mismatch_with_the_waiting_stacks(spatial):
     report = check_equivalence(
-        SkipsCollectiveWhenEmpty(), ranks=4, timeout=3, pool=spatial.pool(4)
+        SkipsCollectiveWhenEmpty(), ranks=4, timeout=5, pool=spatial.pool(4)
     )
     assert "timeout" in report.quantities
     waiting = [m for m in report.mismatches if m.quantity == "timeout"]

@@ -131,7 +131,9 @@ def test_a_skipped_collective_times_out_with_every_ranks_stack(spatial):
     t0 = time.monotonic()
     with pytest.raises(RankTimeout) as info:
         spatial.run(skip_collective_on, 3)
-    assert time.monotonic() - t0 < 3 + 5  # timeout plus stack collection, not the PG timeout
+    # ended by the run's timeout (3 s) plus stack collection, not by the process group's
+    # own timeout (>= 60 s): a logic check, with room for a loaded machine
+    assert time.monotonic() - t0 < 30
     err = info.value
     assert err.ranks == [0, 1, 2]
     for problem in err.problems[:3]:
