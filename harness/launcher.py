@@ -19,8 +19,9 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from harness._rank import _exc_summary
 from harness.errors import ConfigError, RankProblem
-from harness.pool import _exc_summary, _failure
+from harness.pool import _failure
 
 _SLURM = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
 
