@@ -139,14 +139,14 @@ def _worker_main(
         keep = False
         try:
             conn.send_bytes(pickle.dumps(("done", run_id, ok, body)))
-            if ok:
-                # Keep the process group up until every rank is done: a rank that returned
-                # while others still wait in a collective (it skipped one) must leave them
-                # hanging, as it would in production, not break them by tearing down.
-                reply = pickle.loads(conn.recv_bytes())
-                if reply[0] != "release":
-                    return
-                keep = reply[1]
+            # Keep the process group up until every rank is done: a rank that returned while
+            # others still wait in a collective (it skipped one) must leave them hanging, as
+            # it would in production, not break them by tearing down. (A rank whose function
+            # raised has torn its group down already, to free peers blocked on it.)
+            reply = pickle.loads(conn.recv_bytes())
+            if reply[0] != "release":
+                return
+            keep = ok and reply[1]
         except (EOFError, OSError):
             return
         finally:
@@ -192,13 +192,17 @@ def _run_one(
         )
     if not (reuse and dist.is_initialized()):
         _end_group()
-        dist.init_process_group(
-            backend,
-            store=dist.FileStore(store_path, world),
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=max(timeout * 2, 60)),
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                store=dist.FileStore(store_path, world),
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=max(timeout * 2, 60)),
+            )
+        except Exception as exc:  # noqa: BLE001 - e.g. a peer that failed at once and left
+            _end_group()
+            return False, (_exc_summary(exc), traceback.format_exc())
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - a rank's SystemExit is a failure too

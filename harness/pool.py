@@ -260,6 +260,7 @@ class RankPool:
     def _collect(self, run_id: int, timeout: float, offsets: list[int]) -> list[Any]:
         n = self.world_size
         results: dict[int, Any] = {}
+        replied: set[int] = set()
         problems: list[RankProblem] = []
         pending = set(range(n))
         start = time.monotonic()
@@ -285,6 +286,7 @@ class RankPool:
                         msg = None
                     if msg is not None:
                         pending.discard(r)
+                        replied.add(r)
                         self._idle[r] = True
                         _, rid, ok, body = msg
                         assert rid == run_id, (rid, run_id)
@@ -327,7 +329,7 @@ class RankPool:
         else:
             release = _RELEASE_DROP if problems else _RELEASE_KEEP
             for r, conn in enumerate(self._conns):
-                if r in results:
+                if r in replied:  # every rank that answered waits for this, error or not
                     with contextlib.suppress(OSError):
                         conn.send_bytes(release)
         outputs = [o or self._read_log(r, offsets[r]) for r, o in enumerate(outputs)]
