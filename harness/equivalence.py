@@ -518,46 +518,31 @@ class _Comparer:
         counts = torch.zeros(size, dtype=torch.long)
         out = torch.zeros_like(ref)
         ok = True
+
+        def refuse(quantity: str, rank: int | None, where: str) -> None:
+            self.add(Mismatch(quantity, name, step, rank, where=where))
+
         for k, f in enumerate(shards):
             rank = first + k
             if f["index"] is None:
-                self.add(
-                    Mismatch(
-                        "field",
-                        name,
-                        step,
-                        rank,
-                        where="a full tensor where other ranks return a Shard",
-                    )
-                )
+                refuse("field", rank, "a full tensor where other ranks return a Shard")
                 return
             idx = f["index"]
             idx = torch.arange(size)[idx] if isinstance(idx, slice) else idx
             vals = f["values"]
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= size):
-                self.add(
-                    Mismatch(
-                        "coverage",
-                        name,
-                        step,
-                        rank,
-                        where=f"index out of range [0, {size}): {idx.min()}..{idx.max()}",
-                    )
-                )
+                refuse("coverage", rank, f"index out of range [0, {size}): "
+                       f"{idx.min()}..{idx.max()}")
                 ok = False
                 continue
             expected_shape = list(ref.shape)
             expected_shape[dim] = idx.numel()
             if list(vals.shape) != expected_shape or vals.dtype != ref.dtype:
-                self.add(
-                    Mismatch(
-                        "field",
-                        name,
-                        step,
-                        rank,
-                        where=f"shard {vals.dtype} {tuple(vals.shape)} where the reference gives "
-                        f"{ref.dtype} {tuple(expected_shape)} for its {idx.numel()} positions",
-                    )
+                refuse(
+                    "field",
+                    rank,
+                    f"shard {vals.dtype} {tuple(vals.shape)} where the reference gives "
+                    f"{ref.dtype} {tuple(expected_shape)} for its {idx.numel()} positions",
                 )
                 ok = False
                 continue

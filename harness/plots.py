@@ -87,6 +87,14 @@ def _colormap() -> Any:
     return colormaps[_CMAP].with_extremes(bad=_NONFINITE)
 
 
+def _rank_label(ax: Any, x: float, y: float, rank: int, *, fontsize: int) -> None:
+    """A boxed "rank N" at (x, y), in the colour of the rank boundaries."""
+    ax.text(
+        x, y, f"rank {rank}", ha="center", va="center", fontsize=fontsize, color=_BOUNDARY,
+        bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": _BOUNDARY, "alpha": 0.8},
+    )
+
+
 def plot_latlon_error(
     error: Any,
     path: str | os.PathLike[str],
@@ -135,15 +143,12 @@ def plot_latlon_error(
         for a in range(len(lons)):
             if not (lats[p] and lons[a]):
                 continue
-            ax.text(
+            _rank_label(
+                ax,
                 (lon_off[a] + lon_off[a + 1]) / 2,
                 (lat_off[p] + lat_off[p + 1]) / 2,
-                f"rank {p * len(lons) + a}",
-                ha="center",
-                va="center",
+                p * len(lons) + a,
                 fontsize=9,
-                color=_BOUNDARY,
-                bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": _BOUNDARY, "alpha": 0.8},
             )
     worst = _worst(values)
     if worst is not None:
@@ -269,16 +274,7 @@ def plot_healpix_error(
             if part.sizes[r] == 0:
                 continue
             x, y = _label_xy(proj, hp, nside, part, r)
-            ax.text(
-                x,
-                y,
-                f"rank {r}",
-                ha="center",
-                va="center",
-                fontsize=8,
-                color=_BOUNDARY,
-                bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": _BOUNDARY, "alpha": 0.8},
-            )
+            _rank_label(ax, x, y, r, fontsize=8)
         ax.set_xlim(extent[0] - 0.02, extent[1] + 0.02)
         ax.set_ylim(extent[2] - 0.02, extent[3] + 0.02)
         ax.set_aspect("equal")

@@ -529,10 +529,6 @@ class PoolRegistry:
             self._pools.pop(oldest).close()
         return pool
 
-    @property
-    def pools(self) -> dict[int, RankPool]:
-        return dict(self._pools)
-
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()

@@ -190,3 +190,36 @@ def test_bad_sizes_are_refused_with_the_fix():
         check_equivalence(CoupledMLPCase(), ranks=4, spatial_size=3)
     with pytest.raises(harness.ConfigError, match="subclass SpatialCase"):
         check_equivalence(object(), ranks=2)  # type: ignore[arg-type]
+
+
+class ShortShard(CoupledMLPCase):
+    """Rank 1 claims one position fewer than it returns values for."""
+
+    def forward(self, model, batch, topo):
+        out = super().forward(model, batch, topo)
+        if topo.spatial_rank != 1:
+            return out
+        shard = out.fields["out"]
+        return Outputs(out.loss, {"out": Shard(shard.values, shard.index[:-1], dim=1)})
+
+
+class OutOfRange(CoupledMLPCase):
+    """Rank 3 reports a position past the end of the field."""
+
+    def forward(self, model, batch, topo):
+        out = super().forward(model, batch, topo)
+        if topo.spatial_rank != 3:
+            return out
+        shard = out.fields["out"]
+        return Outputs(out.loss, {"out": Shard(shard.values, shard.index + 1, dim=1)})
+
+
+@pytest.mark.parametrize(
+    ("case", "quantity", "says"),
+    [(ShortShard, "field", "where the reference gives"), (OutOfRange, "coverage", "out of range")],
+    ids=["shape", "range"],
+)
+def test_a_malformed_shard_is_named_with_its_rank(spatial, case, quantity, says):
+    report = check_equivalence(case(npos=8), ranks=4, pool=spatial.pool(4))
+    bad = [m for m in report.mismatches if m.quantity == quantity and says in m.where]
+    assert {m.rank for m in bad} == {1 if case is ShortShard else 3}
