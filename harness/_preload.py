@@ -20,5 +20,11 @@ except ImportError:
 
 import harness.pool
 import harness.topology  # noqa: F401
+from harness._compat import exit_fast_at_exit, inside_forkserver_start
+
+# When the session that owns this fork server dies (SIGKILL included), the server gets EOF
+# and exits; skip tearing down torch then, which otherwise kept it alive for seconds.
+if inside_forkserver_start():
+    exit_fast_at_exit()
 
 del torch

@@ -1,14 +1,24 @@
 """What runs inside a rank process of a ``RankPool``.
 
 The pool's parent side (``harness.pool``) starts ``_worker_main`` in each rank process and
-talks to it over a pipe: ``("run", ...)`` messages in, ``("done", ...)`` replies out, then
-``("release", keep)`` once every rank is done. This module imports neither pytest nor,
-until a rank starts, torch.
+talks to it over a pipe in named events with keyword fields (``send(conn, "done",
+run_id=3, ok=True, result=...)``), one handler each on either side:
+
+    parent -> rank: run, fence, release, stop
+    rank -> parent: ready, started, progress, done, fenced, released
+
+A run: ``run`` -> ``started``, ``progress``..., ``done``. Once every rank is done, the
+parent proves the process group clean before anything reuses it: ``fence`` -> ``fenced``
+(operations left in flight, operation counts per group), then ``release`` (keep the group or
+not; ``verify`` runs one collective with the run id and a short deadline) -> ``released``.
+
+This module imports neither pytest nor, until a rank starts, torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import faulthandler
 import importlib
 import importlib.util
@@ -24,6 +34,43 @@ import types
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
+
+from harness.errors import exception_summary
+
+#: How long a rank waits for the operations it started asynchronously to complete once
+#: every rank has returned (an isend completes when its peer's recv arrives: milliseconds).
+FENCE_GRACE = 1.0
+#: Deadline of the fence collective that proves a kept group still pairs every rank.
+VERIFY_TIMEOUT = 10.0
+
+
+def send(conn: Connection, event: str, **fields: Any) -> None:
+    """Send one named event over a pool pipe."""
+    conn.send_bytes(pickle.dumps((event, fields), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(conn: Connection) -> tuple[str, dict[str, Any]]:
+    """The next named event from a pool pipe."""
+    event, fields = pickle.loads(conn.recv_bytes())
+    return event, fields
+
+
+# ---------------------------------------------------------------------- progress
+
+
+_CURRENT: _Rank | None = None
+
+
+def report_progress(phase: str, step: int | None = None) -> None:
+    """Tell the pool what this rank is doing now ("step 0 forward"), so that a failure, a
+    crash or a hang can say where it happened. A no-op outside a pool's rank process."""
+    rank = _CURRENT
+    if rank is not None and rank.run_id is not None:
+        with contextlib.suppress(OSError, ValueError):
+            send(rank.conn, "progress", run_id=rank.run_id, phase=phase, step=step)
+
+
+# ---------------------------------------------------------------------- loading functions
 
 
 def _ensure_module(name: str | None, file: str | None) -> None:
@@ -76,7 +123,7 @@ def _ensure_module(name: str | None, file: str | None) -> None:
     spec.loader.exec_module(module)
 
 
-# ---------------------------------------------------------------------- rank side
+# ---------------------------------------------------------------------- the rank
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -122,35 +169,10 @@ def _worker_main(
     # Several ranks share a few cores: one thread each avoids oversubscription.
     torch.set_num_threads(1)
     _warm_up(torch, os.path.join(workdir, f"warmup{rank}"), backend)
-    conn.send_bytes(pickle.dumps(("ready", os.getpid())))
-    while True:
-        try:
-            msg = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return
-        if msg[0] == "stop":
-            return
-        _, run_id, payload, store, parent_path, timeout, reuse = msg
-        for p in parent_path:
-            if p not in sys.path:
-                sys.path.append(p)
-        saved = _RankState.save()
-        ok, body = _run_one(rank, world, payload, store, backend, timeout, reuse)
-        keep = False
-        try:
-            conn.send_bytes(pickle.dumps(("done", run_id, ok, body)))
-            # Keep the process group up until every rank is done: a rank that returned while
-            # others still wait in a collective (it skipped one) must leave them hanging, as
-            # it would in production, not break them by tearing down. (A rank whose function
-            # raised has torn its group down already, to free peers blocked on it.)
-            reply = pickle.loads(conn.recv_bytes())
-            if reply[0] != "release":
-                return
-            keep = ok and reply[1]
-        except (EOFError, OSError):
-            return
-        finally:
-            _end_run(saved, keep_group=keep)
+    global _CURRENT
+    _CURRENT = _Rank(rank, world, conn, backend)
+    send(conn, "ready", pid=os.getpid())
+    _CURRENT.serve()
 
 
 def _warm_up(torch: Any, store_path: str, backend: str) -> None:
@@ -163,7 +185,103 @@ def _warm_up(torch: Any, store_path: str, backend: str) -> None:
     dist.init_process_group(backend, store=dist.FileStore(store_path, 1), rank=0, world_size=1)
     t = torch.ones(1)
     dist.all_reduce(t)
-    _end_run(_RankState.save())  # its first call imports for a second too
+    _end_group()
+    _RankState.save().restore()  # its first call imports for a second too
+
+
+class _Rank:
+    """One rank's side of the protocol: a handler per event from the parent."""
+
+    def __init__(self, rank: int, world: int, conn: Connection, backend: str) -> None:
+        from harness._compat import WorkTracker
+
+        self.rank, self.world, self.conn, self.backend = rank, world, conn, backend
+        self.run_id: int | None = None
+        self.saved: _RankState | None = None
+        self.ok = False
+        self.works = WorkTracker()
+        self.works.install()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                event, fields = receive(self.conn)
+            except (EOFError, OSError):
+                return
+            if event == "stop":
+                return
+            try:
+                getattr(self, f"on_{event}")(**fields)
+            except (EOFError, OSError):  # the parent is gone: nothing left to serve
+                return
+
+    def on_run(
+        self,
+        run_id: int,
+        payload: bytes,
+        store: str,
+        sys_path: list[str],
+        timeout: float,
+        reuse: bool,
+    ) -> None:
+        send(self.conn, "started", run_id=run_id)
+        self.run_id = run_id
+        for p in sys_path:
+            if p not in sys.path:
+                sys.path.append(p)
+        self.saved = _RankState.save()
+        self.works.clear()
+        ok, fields = _run_one(self.rank, self.world, payload, store, self.backend, timeout, reuse)
+        self.ok = ok
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        # Keep the process group up until every rank is done: a rank that returned while
+        # others still wait in a collective (it skipped one) must leave them hanging, as it
+        # would in production, not break them by tearing down. (A rank whose function
+        # raised has torn its group down already, to free peers blocked on it.)
+        send(self.conn, "done", run_id=run_id, ok=ok, **fields)
+
+    def on_fence(self, run_id: int) -> None:
+        """Every rank returned: report what this rank left in flight, and its counts."""
+        from harness._compat import group_sequence_numbers
+
+        pending = self.works.pending(FENCE_GRACE)
+        send(self.conn, "fenced", run_id=run_id, pending=pending,
+             sequences=group_sequence_numbers())
+
+    def on_release(self, run_id: int, keep: bool, verify: bool) -> None:
+        """The run is over: keep the group for the next run (after proving it still pairs
+        every rank, if asked) or tear it down; then put back what the run changed."""
+        ok, detail = True, ""
+        if keep and verify:
+            ok, detail = _verify_group(run_id, self.world)
+        self.works.clear()
+        self.run_id = None
+        if self.saved is not None:
+            _end_run(self.saved, keep_group=keep and ok and self.ok)
+            self.saved = None
+        send(self.conn, "released", run_id=run_id, ok=ok, detail=detail)
+
+
+def _verify_group(run_id: int, world: int) -> tuple[bool, str]:
+    """One all-reduce of (run id, 1) on the default group, with a short deadline: a group
+    whose ranks are out of step (a collective left pending somewhere) fails it."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False, "no process group"
+    t = torch.tensor([float(run_id), 1.0], dtype=torch.float64)
+    try:
+        work = dist.all_reduce(t, async_op=True)
+        work.wait(timeout=datetime.timedelta(seconds=VERIFY_TIMEOUT))
+    except Exception as exc:  # noqa: BLE001 - a timed-out or broken fence: not clean
+        return False, f"fence collective failed: {exception_summary(exc)}"
+    expected = [float(run_id) * world, float(world)]
+    if t.tolist() != expected:
+        return False, f"fence collective gave {t.tolist()}, expected {expected}"
+    return True, ""
 
 
 def _run_one(
@@ -174,9 +292,7 @@ def _run_one(
     backend: str,
     timeout: float,
     reuse: bool,
-) -> tuple[bool, Any]:
-    import datetime
-
+) -> tuple[bool, dict[str, Any]]:
     import torch.distributed as dist
 
     try:
@@ -184,12 +300,12 @@ def _run_one(
         _ensure_module(module, file)
         fn, args, kwargs = pickle.loads(call)
     except Exception as exc:  # noqa: BLE001
-        return False, (
-            f"could not load the rank function on rank {rank}: {exc!r}. "
+        return False, {
+            "summary": f"could not load the rank function on rank {rank}: {exc!r}. "
             "Rank processes import it by module and name: define it at module level "
             "in an importable module.",
-            traceback.format_exc(),
-        )
+            "detail": traceback.format_exc(),
+        }
     if not (reuse and dist.is_initialized()):
         _end_group()
         try:
@@ -202,27 +318,27 @@ def _run_one(
             )
         except Exception as exc:  # noqa: BLE001 - e.g. a peer that failed at once and left
             _end_group()
-            return False, (_exc_summary(exc), traceback.format_exc())
+            return False, {"summary": exception_summary(exc), "detail": traceback.format_exc()}
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - a rank's SystemExit is a failure too
         # Tear the group down at once: peers blocked in a collective with this rank then
         # fail fast ("Connection closed by peer") instead of waiting for the timeout.
         _end_group()
-        return False, (_exc_summary(exc), traceback.format_exc())
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
+        return False, {
+            "summary": exception_summary(exc),
+            "detail": traceback.format_exc(),
+            "phase": getattr(exc, "harness_phase", None),
+        }
     try:
-        return True, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        return True, {"result": pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)}
     except Exception as exc:  # noqa: BLE001
-        return False, (
-            f"PicklingProblem: rank {rank} returned a {type(result).__module__}."
+        return False, {
+            "summary": f"PicklingProblem: rank {rank} returned a {type(result).__module__}."
             f"{type(result).__qualname__} that cannot be pickled ({exc}); return tensors, "
             "numbers, lists or dicts of them",
-            traceback.format_exc(),
-        )
+            "detail": traceback.format_exc(),
+        }
 
 
 def _end_group() -> None:
@@ -243,12 +359,6 @@ def _end_run(saved: _RankState, *, keep_group: bool = False) -> None:
     saved.restore()
 
 
-def _exc_summary(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
 @dataclass
 class _RankState:
     """Process-wide state a run may change, put back after it."""
@@ -262,6 +372,7 @@ class _RankState:
     deterministic: bool
     threads: int
     cwd: str
+    environ: dict[str, str]
 
     @classmethod
     def save(cls) -> _RankState:
@@ -280,6 +391,7 @@ class _RankState:
             deterministic=torch.are_deterministic_algorithms_enabled(),
             threads=torch.get_num_threads(),
             cwd=os.getcwd(),
+            environ=dict(os.environ),
         )
 
     def restore(self) -> None:
@@ -287,6 +399,8 @@ class _RankState:
 
         import numpy as np
         import torch
+
+        from harness._compat import reset_torch_harmonics_groups
 
         torch.set_rng_state(self.torch_rng)
         np.random.set_state(self.np_rng)
@@ -298,13 +412,7 @@ class _RankState:
         torch.set_num_threads(self.threads)
         with contextlib.suppress(OSError):
             os.chdir(self.cwd)
-        # torch-harmonics keeps its polar/azimuth groups in module globals; a later run
-        # must not find the previous run's (destroyed) groups there.
-        th = sys.modules.get("torch_harmonics.distributed.utils")
-        if th is not None:
-            for name, value in (
-                ("_POLAR_PARALLEL_GROUP", None),
-                ("_AZIMUTH_PARALLEL_GROUP", None),
-                ("_IS_INITIALIZED", False),
-            ):
-                setattr(th, name, value)
+        if os.environ != self.environ:  # what a run set, unset or changed goes back
+            os.environ.clear()
+            os.environ.update(self.environ)
+        reset_torch_harmonics_groups()

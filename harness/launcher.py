@@ -19,9 +19,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from harness._rank import _exc_summary
-from harness.errors import ConfigError, RankProblem
-from harness.pool import _failure
+from harness.errors import ConfigError, RankProblem, exception_summary, failure_from
 
 _SLURM = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
 
@@ -91,17 +89,24 @@ class LauncherRunner:
     def run(
         self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
     ) -> list[Any]:
-        """Call ``fn`` here, on every rank; every rank gets all results or the same failure."""
+        """Call ``fn`` here, on every rank; every rank gets all results or the same failure.
+
+        A ``BaseException`` from ``fn`` (``pytest.fail``, ``pytest.skip``, ``SystemExit``) is
+        a failure like any other: agreed on by every rank, so no rank goes on out of step.
+        Only ``KeyboardInterrupt`` leaves at once (the launcher interrupts every rank).
+        """
         try:
             status: tuple[bool, Any] = (True, fn(*args, **kwargs))
-        except Exception as exc:  # noqa: BLE001 - any failure is shared with the other ranks
-            status = (False, (_exc_summary(exc), traceback.format_exc()))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - shared with the other ranks
+            status = (False, (exception_summary(exc), traceback.format_exc()))
         statuses = self.gather(status)
         problems = [
             RankProblem(r, "error", s[1][0], s[1][1]) for r, s in enumerate(statuses) if not s[0]
         ]
         if problems:
-            raise _failure(problems, self.world_size, timeout or self.timeout)
+            raise failure_from(problems, self.world_size, timeout or self.timeout)
         return [s[1] for s in statuses]
 
     def close(self) -> None:

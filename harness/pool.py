@@ -38,16 +38,12 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from harness._rank import _worker_main
-from harness.errors import (
-    ConfigError,
-    PicklingProblem,
-    RankCrash,
-    RankError,
-    RankFailure,
-    RankProblem,
-    RankTimeout,
-)
+from harness._compat import stop_forkserver
+from harness._rank import _worker_main, receive, report_progress, send
+from harness._run import DiedIdle, Run
+from harness.errors import ConfigError, PicklingProblem, RankCrash, RankProblem
+
+__all__ = ["PoolRegistry", "RankPool", "report_progress", "shared_registry"]
 
 DEFAULT_TIMEOUT = 120.0
 #: How long healthy ranks get to finish after another rank raised, before they are taken to
@@ -57,22 +53,21 @@ ERROR_GRACE = 3.0
 START_TIMEOUT = 180.0
 START_METHODS = ("spawn", "forkserver")
 
-_RELEASE_KEEP = pickle.dumps(("release", True))  # the run went well: keep the group
-_RELEASE_DROP = pickle.dumps(("release", False))  # something failed: next run starts afresh
+#: More rank processes than this many per core is refused unless asked for: they would
+#: time-slice every collective and turn minutes into hours (and timeouts into false alarms).
+OVERSUBSCRIBE_LIMIT = 4
 _LIVE_POOLS: weakref.WeakSet[RankPool] = weakref.WeakSet()
 
 
 @atexit.register
 def _close_all_pools() -> None:
+    """The one owner of pool lifetimes at exit: every live pool, whoever made it, closes."""
     for pool in list(_LIVE_POOLS):
         pool.close()
     # The fork server would notice our exit within a second or so; stop it now, so that
     # nothing of ours is left running once this process is gone. (Only at exit: its
     # children are the ranks of live pools, which watch for being re-parented.)
-    from multiprocessing import forkserver
-
-    with contextlib.suppress(Exception):
-        forkserver._forkserver._stop()  # type: ignore[attr-defined]  # private, 3.8+
+    stop_forkserver()
 
 
 class RankPool:
@@ -180,7 +175,7 @@ class RankPool:
             ready = wait([conn, self._procs[rank].sentinel], timeout=left)
             if conn in ready:
                 with contextlib.suppress(EOFError, OSError):
-                    conn.recv_bytes()
+                    receive(conn)
                     continue
             output = self._read_log(rank, 0)
             self._kill()
@@ -196,7 +191,7 @@ class RankPool:
         """Stop every rank process and remove the pool's temporary directory."""
         for conn in self._conns:
             with contextlib.suppress(OSError, ValueError):
-                conn.send_bytes(pickle.dumps(("stop",)))
+                send(conn, "stop")
         deadline = time.monotonic() + 2.0
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -226,122 +221,53 @@ class RankPool:
     ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
 
-        Raises ``RankError`` (a rank raised), ``RankCrash`` (a rank died) or ``RankTimeout``
-        (the run took longer than ``timeout`` seconds; every rank's stack is attached), each a
-        ``RankFailure`` listing every rank's problem. ``PicklingProblem`` if ``fn``, its
-        arguments or a result cannot cross the process boundary.
+        Raises ``RankError`` (a rank raised), ``RankCrash`` (a rank died), ``RankTimeout``
+        (the run took longer than ``timeout`` seconds; every rank's stack is attached) or
+        ``RankPending`` (every rank returned but left a collective or send in flight), each
+        a ``RankFailure`` listing every rank's problem. ``PicklingProblem`` if ``fn``, its
+        arguments or a result cannot cross the process boundary. A rank that died while
+        idle is replaced, silently, and the run goes to fresh processes.
         """
         payload = _dump_call(fn, args, kwargs)
         timeout = self.timeout if timeout is None else float(timeout)
         with self._lock:
-            if not self.alive:
-                self.start()
-            assert self._workdir is not None
-            self.runs += 1
-            run_id = self.runs
-            store = os.path.join(self._workdir, f"store-{run_id}")
-            offsets = [self._log_size(r) for r in range(self.world_size)]
-            reuse = self._group_ok
-            self._group_ok = False
-            message = pickle.dumps(
-                ("run", run_id, payload, store, list(sys.path), timeout, reuse)
-            )
-            self._idle = [False] * self.world_size
+            for attempt in (1, 2):
+                if not self.alive:
+                    self.start()
+                run = self._begin(payload, timeout)
+                try:
+                    return run.collect()
+                except DiedIdle:
+                    self._kill()  # killed from outside between runs: not this run's fault
+                    if attempt == 2:
+                        raise
+                except BaseException:
+                    # KeyboardInterrupt or a bug here: never leave ranks running behind us.
+                    if self.alive and not all(self._idle):
+                        self._kill()
+                    raise
+        raise AssertionError("unreachable")
+
+    def _begin(self, payload: bytes, timeout: float) -> Run:
+        assert self._workdir is not None
+        self.runs += 1
+        run = Run(self, self.runs, timeout)
+        reuse = self._group_ok
+        self._group_ok = False
+        self._idle = [False] * self.world_size
+        store = os.path.join(self._workdir, f"store-{run.run_id}")
+        for conn in self._conns:
             try:
-                for conn in self._conns:
-                    conn.send_bytes(message)
-                return self._collect(run_id, timeout, offsets)
-            except BaseException:
-                # KeyboardInterrupt or a bug here: never leave ranks running behind us.
-                if self.alive and not all(self._idle):
-                    self._kill()
-                raise
+                send(conn, "run", run_id=run.run_id, payload=payload, store=store,
+                     sys_path=list(sys.path), timeout=timeout, reuse=reuse)
+            except OSError:  # a rank that died since the last run: its pipe is closed
+                pass  # its sentinel tells the run, which then starts afresh
+        return run
 
-    def _collect(self, run_id: int, timeout: float, offsets: list[int]) -> list[Any]:
-        n = self.world_size
-        results: dict[int, Any] = {}
-        replied: set[int] = set()
-        problems: list[RankProblem] = []
-        pending = set(range(n))
-        start = time.monotonic()
-        deadline = start + timeout
-        first_failure: float | None = None
-        crashed = False
-        while pending:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            if first_failure is not None and (crashed or now - first_failure >= self.error_grace):
-                break
-            waitables: list[Any] = []
-            for r in pending:
-                waitables += [self._conns[r], self._procs[r].sentinel]
-            ready = wait(waitables, timeout=min(0.2, max(0.0, deadline - now)))
-            for r in sorted(pending):
-                conn, proc = self._conns[r], self._procs[r]
-                if conn in ready:
-                    try:
-                        msg = pickle.loads(conn.recv_bytes())
-                    except (EOFError, OSError):
-                        msg = None
-                    if msg is not None:
-                        pending.discard(r)
-                        replied.add(r)
-                        self._idle[r] = True
-                        _, rid, ok, body = msg
-                        assert rid == run_id, (rid, run_id)
-                        if ok:
-                            try:
-                                results[r] = pickle.loads(body)
-                            except Exception as exc:  # noqa: BLE001 - any unpickling failure
-                                problems.append(
-                                    RankProblem(
-                                        r, "error", f"result could not be unpickled: {exc!r}"
-                                    )
-                                )
-                        else:
-                            summary, detail = body
-                            problems.append(RankProblem(r, "error", summary, detail))
-                        continue
-                if proc.sentinel in ready or not proc.is_alive():
-                    proc.join(0.5)
-                    pending.discard(r)
-                    crashed = True
-                    problems.append(
-                        RankProblem(r, "crash", _describe_exit(proc.exitcode), self._crash_log(r))
-                    )
-            if problems and first_failure is None:
-                first_failure = time.monotonic()
-
-        outputs = [self._read_log(r, offsets[r]) for r in range(n)]
-        if pending:
-            stacks = self._dump_stacks(sorted(pending))
-            kind = "stopped" if problems else "timeout"
-            waited = time.monotonic() - start
-            for r in sorted(pending):
-                why = (
-                    f"still running after {waited:.1f}s (timeout {timeout:g}s)"
-                    if kind == "timeout"
-                    else "still running after another rank failed (waiting in a collective?)"
-                )
-                problems.append(RankProblem(r, kind, why, stacks.get(r, "(no stack collected)")))
-            self._kill()  # ranks stuck in a collective cannot be reused: start afresh next run
-        else:
-            release = _RELEASE_DROP if problems else _RELEASE_KEEP
-            for r, conn in enumerate(self._conns):
-                if r in replied:  # every rank that answered waits for this, error or not
-                    with contextlib.suppress(OSError):
-                        conn.send_bytes(release)
-        outputs = [o or self._read_log(r, offsets[r]) for r, o in enumerate(outputs)]
-        self.last_outputs = outputs
-        for p in problems:
-            p.output = outputs[p.rank]
-        if not problems:
-            self._group_ok = True
-            return [results[r] for r in range(n)]
-        if crashed:
-            self._kill()
-        raise _failure(problems, n, timeout)
+    def discard(self) -> None:
+        """Stop the rank processes now; the next run starts brand-new ones."""
+        with self._lock:
+            self.close()
 
     # ------------------------------------------------------------------ diagnostics
 
@@ -417,57 +343,6 @@ def _clean_stack(text: str) -> str:
     return "\n\n".join(keep or blocks)
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "process died (exit status unknown)"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"process killed by {name}"
-    return f"process exited with code {code}"
-
-
-#: Messages of errors that a rank gets because a peer left a collective (it raised or
-#: died): consequences, not causes, so they are listed after the rank that failed first.
-_PEER_LOST = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Socket closed",
-    "Connection refused",
-)
-
-
-def _failure(problems: list[RankProblem], world: int, timeout: float) -> RankFailure:
-    def order(p: RankProblem) -> int:
-        if p.kind == "error" and any(m in p.summary for m in _PEER_LOST):
-            return 3
-        return {"crash": 0, "timeout": 1, "error": 2, "stopped": 4}[p.kind]
-
-    first = min(problems, key=order)  # min() keeps the earliest arrival among equals
-    failing = sorted(p.rank for p in problems if order(p) == order(first))
-    where = ", ".join(f"{r}/{world}" for r in failing)
-    if first.kind == "crash":
-        cls: type[RankFailure] = RankCrash
-        msg = f"rank {where} died during the run: {first.summary}"
-    elif first.kind == "timeout":
-        cls = RankTimeout
-        msg = (
-            f"run timed out after {timeout:g}s on rank {where}; every rank's stack follows. "
-            "A rank that skips a collective the others enter hangs like this; "
-            "raise the timeout (--spatial-timeout) only if the work is really that slow."
-        )
-    else:
-        cls = RankError
-        msg = f"rank {where} raised {first.summary}"
-    # Within a kind, arrival order: the rank that failed first is the likely cause.
-    arrival = {id(p): i for i, p in enumerate(problems)}
-    problems = sorted(problems, key=lambda p: (order(p), arrival[id(p)]))
-    return cls(msg, world, problems)
-
-
 # ---------------------------------------------------------------------- pickling
 
 
@@ -493,6 +368,23 @@ def _dump_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         ) from exc
     file = getattr(sys.modules.get(module or ""), "__file__", None)
     return pickle.dumps((module, file, call))
+
+
+def check_oversubscription(ranks: int, *, allow: bool = False, how: str = "allow=True") -> None:
+    """Refuse far more rank processes than cores, unless ``allow``.
+
+    Up to ``OVERSUBSCRIBE_LIMIT`` per core (and at least 8) is fine: ranks mostly wait in
+    collectives. Beyond that every collective time-slices and the timeouts turn into false
+    alarms, so it is an error that says how to insist (``how``).
+    """
+    cores = os.cpu_count() or 1
+    limit = max(8, OVERSUBSCRIBE_LIMIT * cores)
+    if ranks > limit and not allow:
+        raise ConfigError(
+            f"{ranks} rank processes on a machine with {cores} CPU core(s) is more than "
+            f"{OVERSUBSCRIBE_LIMIT} per core ({limit}): every collective would time-slice and "
+            f"runs would crawl into their timeouts. Use fewer ranks, or {how} to insist."
+        )
 
 
 class PoolRegistry:
@@ -545,6 +437,5 @@ def shared_registry() -> PoolRegistry:
     """
     global _SHARED
     if _SHARED is None:
-        _SHARED = PoolRegistry(start_method="forkserver")
-        atexit.register(_SHARED.close)
+        _SHARED = PoolRegistry(start_method="forkserver")  # its pools close at exit with all
     return _SHARED

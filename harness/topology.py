@@ -28,7 +28,7 @@ def clear_group_cache() -> None:
 
 
 def _default_group_id() -> int:
-    return id(dist.distributed_c10d._get_default_group())
+    return id(dist.group.WORLD)
 
 
 def cached_groups(

@@ -16,7 +16,8 @@ Sharding through one block (torch-harmonics 0.8.0, read from ``distributed_sht.p
 In between, the SHT's transposes split the ``E`` channels over each group, and 0.8.0 cannot
 split fewer channels than ranks: ``embed >= max(h, w)`` is required (checked). Its transposes
 use ``dist.all_to_all``, which gloo refuses for chunks of unequal shape, so on the ranks they
-are routed through ``all_to_all_single`` (``_transpose_uneven``; same numbers).
+are routed through ``all_to_all_single`` (``harness._compat.use_uneven_transposes``; same
+numbers).
 
 Everything that must be identical on every rank is made so by construction: parameters are
 full size on every rank (the spectral weights are sliced to the rank's (l, m) modes in
@@ -35,12 +36,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from harness._compat import use_uneven_transposes
 from harness.collectives import reduce_gradient, reduce_loss, spatial_sum, sync_gradients
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
@@ -425,7 +426,7 @@ def _make_transforms(cfg: SFNOConfig, topo: Topology, h: int, w: int) -> tuple[A
         )
     import torch_harmonics.distributed as thd
 
-    _use_uneven_transposes()
+    use_uneven_transposes()  # torch-harmonics 0.8 on gloo: see harness._compat
     # The distributed SHT reads its groups from module globals, at build and in every
     # forward: set them on this rank (the rank pool resets them after each run).
     thd.init(*topo.grid(h, w))
@@ -446,61 +447,6 @@ def _truncation(cfg: SFNOConfig) -> dict[str, Any]:
 def _triangular(nlat: int, nlon: int) -> int:
     """Triangular truncation both torch-harmonics versions accept: l, m < min(nlat - 1, ...)."""
     return min(nlat - 1, nlon // 2 + 1)
-
-
-def _transpose_uneven(
-    tensor: torch.Tensor, dim0: int, dim1: int, dim1_split_sizes: list[int],
-    group: Any = None, async_op: bool = False,
-) -> tuple[list[torch.Tensor], list[int], None]:
-    """torch-harmonics' ``primitives._transpose`` on ``all_to_all_single``: same contract.
-
-    0.8.0 exchanges a list of chunks with ``dist.all_to_all``, which gloo only accepts when
-    every chunk has the same shape, so any uneven split (``mmax = nlon // 2 + 1`` is odd,
-    so even a 2-way azimuth split) fails there. ``all_to_all_single`` takes uneven split
-    sizes on every backend, so the chunks travel flattened and are reshaped on arrival.
-    """
-    from torch_harmonics.distributed import split_tensor_along_dim
-
-    size, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-    send = [c.contiguous() for c in split_tensor_along_dim(tensor, dim=dim0, num_chunks=size)]
-    dim0_split_sizes = [c.shape[dim0] for c in send]
-    recv_shapes = []
-    for n in dim1_split_sizes:  # from each rank: my chunk of dim0, its part of dim1
-        shape = list(send[rank].shape)
-        shape[dim1] = n
-        recv_shapes.append(shape)
-    flat = [torch.view_as_real(c) if c.is_complex() else c for c in send]
-    real_dtype = flat[0].dtype
-    pair = 2 if tensor.is_complex() else 1
-    recv_numels = [int(np.prod(s)) * pair for s in recv_shapes]
-    recv = torch.empty(sum(recv_numels), dtype=real_dtype, device=tensor.device)
-    dist.all_to_all_single(
-        recv, torch.cat([c.reshape(-1) for c in flat]),
-        output_split_sizes=recv_numels, input_split_sizes=[c.numel() for c in flat],
-        group=group,
-    )
-    out = []
-    for chunk, shape in zip(recv.split(recv_numels), recv_shapes):
-        if tensor.is_complex():
-            out.append(torch.view_as_complex(chunk.view(*shape, 2)))
-        else:
-            out.append(chunk.view(shape))
-    return out, dim0_split_sizes, None
-
-
-def _use_uneven_transposes() -> None:
-    """Route torch-harmonics' SHT transposes through ``_transpose_uneven`` (idempotent).
-
-    Results are identical on every backend; only the transport differs.
-    """
-    import torch_harmonics
-    from torch_harmonics.distributed import primitives
-
-    # Only 0.8.x needs it: 0.9 pads uneven gloo transposes itself, and its _transpose may
-    # have another contract.
-    version = tuple(int(p) for p in torch_harmonics.__version__.split(".")[:2] if p.isdigit())
-    if version < (0, 9) and getattr(primitives, "_transpose", None) is not None:
-        primitives._transpose = _transpose_uneven
 
 
 def _sync_gradients_mean(module: nn.Module, topo: Topology) -> None:

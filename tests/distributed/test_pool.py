@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from harness import PicklingProblem, RankCrash, RankError, RankPool, RankTimeout, Topology
+from harness.errors import RankPending
 
 # ---------------------------------------------------------------- rank functions
 
@@ -68,6 +69,60 @@ def leave_state_behind() -> None:
 
 def read_state() -> tuple[torch.dtype, bool, float]:
     return torch.get_default_dtype(), torch.is_grad_enabled(), torch.rand(1).item()
+
+
+def leave_collective_pending(bad_rank: int) -> int:
+    if dist.get_rank() == bad_rank:
+        dist.all_reduce(torch.ones(1), async_op=True)  # never waited on; peers never enter it
+    return 0
+
+
+def leave_isend_unmatched() -> int:
+    if dist.get_rank() == 0:
+        dist.isend(torch.full((3,), 7.0), 1)  # rank 1 never receives it
+    return 0
+
+
+def send_and_receive() -> list[float]:
+    """A send from rank 0 to rank 1: what the next test after an unmatched isend does."""
+    t = torch.zeros(3)
+    if dist.get_rank() == 0:
+        dist.send(torch.ones(3), 1)
+    elif dist.get_rank() == 1:
+        dist.recv(t, 0)
+    return t.tolist()
+
+
+def uneven_point_to_point() -> int:
+    """A legitimate exchange whose operation counts differ per rank (an edge of a halo)."""
+    rank = dist.get_rank()
+    reqs = []
+    if rank == 0:
+        reqs.append(dist.isend(torch.ones(2), 1))
+    if rank == 1:
+        reqs.append(dist.irecv(torch.zeros(2), 0))
+    for req in reqs:
+        req.wait()
+    return rank
+
+
+def set_environment() -> str | None:
+    os.environ["HARNESS_TEST_LEAK"] = "from the previous test"
+    return os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def read_environment() -> tuple[str | None, str | None]:
+    return os.environ.get("HARNESS_TEST_LEAK"), os.environ.get("OMP_NUM_THREADS")
+
+
+def set_module_global() -> int:
+    global LEFT_BEHIND
+    LEFT_BEHIND = os.getpid()  # type: ignore[name-defined]
+    return os.getpid()
+
+
+def read_module_global() -> int | None:
+    return globals().get("LEFT_BEHIND")
 
 
 def topology_of(spatial_size: int | None) -> dict[str, int]:
@@ -136,7 +191,13 @@ def test_a_skipped_collective_times_out_with_every_ranks_stack(spatial):
     assert time.monotonic() - t0 < 30
     err = info.value
     assert err.ranks == [0, 1, 2]
-    for problem in err.problems[:3]:
+    # the rank that returned is the culprit: listed first, with when it returned
+    assert err.returned == [3] and err.problems[0].rank == 3
+    assert "returned without error after" in err.problems[0].summary
+    assert "while rank 3/4 had returned" in str(err)
+    waiting = [p for p in err.problems if p.kind == "timeout"]
+    assert [p.rank for p in waiting] == [0, 1, 2]
+    for problem in waiting:
         assert "skip_collective_on" in problem.detail  # each waiting rank's stack
         assert "all_reduce" in problem.detail
     assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0  # only that run failed
@@ -219,3 +280,95 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+# ---------------------------------------------------------------- a clean rank for every test
+
+
+@pytest.mark.spatial_pool
+def test_a_collective_left_pending_fails_its_own_run_and_not_the_next(spatial):
+    with pytest.raises(RankPending) as info:
+        spatial.run(leave_collective_pending, 2)
+    err = info.value
+    assert err.ranks == [2]
+    assert "rank 2/4 returned with communication still pending: all_reduce(async_op=True)" in str(
+        err)
+    assert "test_pool.py" in err.problems[0].summary  # where it was issued
+    assert "in leave_collective_pending" in err.problems[0].summary
+    assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0  # the next run is innocent and passes
+
+
+@pytest.mark.spatial_pool
+def test_an_unmatched_isend_fails_its_own_run_and_not_the_next(spatial):
+    with pytest.raises(RankPending) as info:
+        spatial.run(leave_isend_unmatched, timeout=20)
+    assert info.value.ranks == [0]
+    assert "isend to rank 1 (tag 0)" in info.value.problems[0].summary
+    # before the fence this next exchange hung (and was blamed for a skipped collective)
+    assert spatial.run(send_and_receive, timeout=20)[1] == [1.0, 1.0, 1.0]
+
+
+def test_uneven_but_matched_point_to_point_passes_and_so_does_the_next_run(spatial):
+    for _ in range(2):
+        assert spatial.run(uneven_point_to_point) == [0, 1, 2, 3]
+        assert spatial.run(send_and_receive)[1] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.spatial_pool
+def test_environment_variables_set_by_a_run_do_not_reach_the_next(spatial):
+    before = spatial.run(read_environment, ranks=2)
+    spatial.run(set_environment, ranks=2)
+    assert spatial.run(read_environment, ranks=2) == before
+    assert before[0] == (None, "1")  # the ranks' OMP_NUM_THREADS, which the run popped
+
+
+@pytest.mark.spatial_pool
+@pytest.mark.parametrize("victim", [0, 3])
+def test_a_rank_killed_while_idle_is_replaced_silently(spatial, victim):
+    pool = spatial.pool(4)
+    for _ in range(5):  # at once after the kill: the race that used to fail every time
+        spatial.run(rank_and_sum, 0.0)
+        starts = pool.starts
+        os.kill(pool.pids[victim], signal.SIGKILL)
+        assert spatial.run(rank_and_sum, 0.0)[3] == (3, 4, 6.0)
+        assert pool.starts == starts + 1
+
+
+@pytest.mark.spatial_pool
+def test_warm_ranks_keep_module_globals_between_tests(spatial):
+    spatial.run(set_module_global, ranks=2)
+    assert spatial.run(read_module_global, ranks=2) == spatial.pool(2).pids
+
+
+@pytest.mark.spatial(ranks=2, fresh=True)
+@pytest.mark.spatial_pool
+def test_a_fresh_test_gets_brand_new_rank_processes(spatial):
+    assert spatial.run(read_module_global) == [None, None]
+    pids = spatial.run(set_module_global)
+    assert spatial.run(read_module_global) == pids  # fresh for the test, warm within it
+
+
+@pytest.mark.spatial_pool
+def test_the_processes_of_a_fresh_test_do_not_outlive_it(pytester):
+    pytester.makepyfile(
+        """
+        import os
+        import pytest
+
+        def pid():
+            return os.getpid()
+
+        def test_warm(spatial):
+            pytest.shared = spatial.run(pid, ranks=2)
+
+        @pytest.mark.spatial(ranks=2, fresh=True)
+        def test_fresh(spatial):
+            pytest.fresh = spatial.run(pid)
+            assert set(pytest.fresh).isdisjoint(pytest.shared)
+
+        def test_after(spatial):
+            after = spatial.run(pid, ranks=2)
+            assert set(after).isdisjoint(pytest.fresh) and set(after).isdisjoint(pytest.shared)
+        """
+    )
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=3)

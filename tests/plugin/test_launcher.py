@@ -58,6 +58,22 @@ def test_fails_on_rank_1():
 """
 
 
+BASE_EXCEPTION_ON_RANK_1 = """
+from harness import RankError
+
+def give_up_on_rank_1(how):
+    if dist.get_rank() == 1:
+        getattr(pytest, how)("rank 1 gives up")
+    return dist.get_rank()
+
+@pytest.mark.parametrize("how", ["fail", "skip", "exit"])
+def test_a_base_exception_in_a_rank_function_is_agreed_on(spatial, how):
+    with pytest.raises(RankError, match="rank 1/4 raised") as info:
+        spatial.run(give_up_on_rank_1, how)
+    assert "rank 1 gives up" in str(info.value)
+"""
+
+
 def _torchrun(path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
@@ -85,6 +101,14 @@ def test_a_test_failing_on_one_rank_fails_on_every_rank_without_a_hang(pytester)
     assert "failed on rank 1 of 4 (this is rank 0)" in out
     assert "rank 1 is unhappy" in out
     assert "1 failed, 4 passed, 2 skipped" in out  # the test after it still ran everywhere
+
+
+@pytest.mark.spatial_pool
+def test_pytest_fail_or_skip_inside_a_rank_function_fails_every_rank_alike(pytester):
+    pytester.makepyfile(test_tr=TESTS.format(extra=BASE_EXCEPTION_ON_RANK_1))
+    proc = _torchrun(pytester.path, "test_tr.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "7 passed, 2 skipped" in proc.stdout  # and the test after them still ran
 
 
 @pytest.mark.spatial_pool
