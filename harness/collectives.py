@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from harness.errors import ConfigError
-from harness.partition import CellPartition
+from harness.partition import CellPartition, ownership
 from harness.topology import Topology
 
 # ---------------------------------------------------------------------- sums
@@ -201,24 +201,13 @@ def _index_problem(index: Any, n: int, size: int) -> int:
 
 def _check_coverage(index: torch.Tensor, sizes: list[int], size: int) -> None:
     """Raise unless the gathered ``index`` names every position in ``[0, size)`` exactly once."""
-    counts = torch.bincount(index, minlength=size)
-    if index.numel() == size and bool((counts == 1).all()):
+    per_rank = torch.split(index.cpu(), sizes)
+    own = ownership([i.numpy() for i in per_rank], size)
+    if own.complete:
         return
-    owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    missing = torch.nonzero(counts == 0).flatten()
-    twice = torch.nonzero(counts > 1).flatten()
-    evidence = []
-    if missing.numel():
-        evidence.append(f"{missing.numel()} missing (first {missing[:5].tolist()})")
-    if twice.numel():
-        pos = int(twice[0])
-        evidence.append(
-            f"{twice.numel()} owned more than once (position {pos} by ranks "
-            f"{owner[index == pos].tolist()})"
-        )
     raise ConfigError(
         f"assemble: the ranks' indices do not own each of the {size} positions exactly once: "
-        f"{'; '.join(evidence)}; shard lengths per rank {sizes}. Give every global position "
+        f"{own.describe()}; shard lengths per rank {sizes}. Give every global position "
         "to exactly one rank (see LatLonPartition.index / CellPartition.cells)"
     )
 

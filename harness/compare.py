@@ -1,9 +1,15 @@
 """Tolerances, tensor comparison and the mismatch table.
 
 A comparison is elementwise ``|actual - expected| <= atol + rtol * |expected|`` (numpy's
-``allclose`` rule, the reference being ``expected``). Both terms matter: partitioned runs
-reorder sums, so errors scale with magnitude (``rtol``), and many gradient entries sit near
-zero, where only an absolute term can hold (``atol``).
+``allclose`` rule, the reference being ``expected``; for complex values ``|.|`` is the
+modulus). Both terms matter: partitioned runs reorder sums, so errors scale with magnitude
+(``rtol``), and many gradient entries sit near zero, where only an absolute term can hold
+(``atol``).
+
+Non-finite values are findings, never matches: where either side holds a NaN or an inf, the
+bound says nothing (``NaN > x`` is false, ``inf - inf`` is NaN), so such a position fails
+unless the caller declares non-finite values expected (``allow_nonfinite``); then it passes
+only where both sides hold the same non-finite value.
 """
 
 from __future__ import annotations
@@ -16,19 +22,16 @@ from typing import Any
 
 import torch
 
-QUANTITIES = (
-    "loss",
-    "grad",
-    "field",
-    "coverage",
-    "param",
-    "sync",
-    "buffer",
-    "crash",
-    "error",
-    "timeout",
-)
 NUMERIC = ("loss", "grad", "field", "param")
+#: Quantities that say a run failed (a rank raised, died, hung or left work in flight),
+#: where ``Mismatch.where`` is the rank's own summary rather than a position.
+FAILURES = ("crash", "error", "timeout", "deadlock", "pending")
+
+_REAL_OF = {
+    torch.complex128: torch.float64,
+    torch.complex64: torch.float32,
+    torch.complex32: torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class Bound:
     atol: float
 
     def __post_init__(self) -> None:
-        if self.rtol < 0 or self.atol < 0:
+        if not (self.rtol >= 0 and self.atol >= 0):  # also refuses NaN
             raise ValueError(f"tolerances must be >= 0, got rtol={self.rtol}, atol={self.atol}")
 
 
@@ -59,6 +62,8 @@ class Tolerance:
 
     @classmethod
     def for_dtype(cls, dtype: torch.dtype) -> Tolerance:
+        # A complex value carries two numbers of its real dtype: the same rounding applies.
+        dtype = _REAL_OF.get(dtype, dtype)
         if dtype == torch.float64:
             # A partitioned run computes the same sums in another order (per-rank partial sums,
             # then the all-reduce): rounding differs by about sqrt(n)*eps relative, with
@@ -68,7 +73,7 @@ class Tolerance:
             # terms summed, not to the result).
             b = Bound(rtol=1e-10, atol=1e-12)
             return cls(loss=b, grad=b, field=b, param=b)
-        if dtype in (torch.float32, torch.complex64):
+        if dtype == torch.float32:
             # Measured on a real SFNO (float32, 4 ranks): fields differ from the serial run by
             # up to ~3e-7 absolute, gradients by ~3e-8 where many entries are ~0. eps is
             # 1.2e-7, so rtol 1e-5 allows ~100 eps of reordering; the atol values sit ~10x
@@ -101,16 +106,19 @@ class Tolerance:
         return dataclasses.replace(self, **fixed)
 
     def bound(self, quantity: str) -> Bound:
-        return getattr(self, quantity)
+        return getattr(self, quantity)  # type: ignore[no-any-return]
 
 
 @dataclass
 class Mismatch:
     """One thing the partitioned run got wrong.
 
-    ``quantity`` is one of ``loss, grad, field, coverage, param, sync, buffer, crash, error,
-    timeout``; ``step`` is ``None`` for the parameters right after ``build``; ``rank`` is
-    ``None`` when the mismatch belongs to no single rank.
+    ``quantity`` is one of ``loss, grad, field, coverage, param, sync, buffer, nonfinite,
+    crash, error, timeout, deadlock, pending``; ``step`` is ``None`` for the parameters right
+    after ``build``; ``rank`` is ``None`` when the mismatch belongs to no single rank.
+    ``run`` says whose values are at fault when that is not the partitioned run's
+    (``"reference"`` or ``"golden"``); ``of`` is the quantity a ``nonfinite`` value was found
+    in; ``phase`` is where a rank was when it failed (``"step 0 forward"``).
     """
 
     quantity: str
@@ -124,18 +132,39 @@ class Mismatch:
     total: int = 0
     detail: str = ""
     hint: str = ""
+    run: str = ""
+    of: str = ""
+    phase: str = ""
+
+    @property
+    def who(self) -> str:
+        if self.run:
+            return f"the {self.run}"
+        return f"rank {self.rank}" if self.rank is not None else "all ranks"
+
+    @property
+    def label(self) -> str:
+        """The name with the quantity it belongs to, for ``nonfinite``: ``grad w``."""
+        return f"{self.of} {self.name}" if self.of else self.name
 
     def headline(self) -> str:
-        """One line: ``rank 2/4: grad 'encoder.weight' differs ... at step 1: max abs ...``."""
-        who = f"rank {self.rank}" if self.rank is not None else "all ranks"
-        step = "after build" if self.step is None else f"at step {self.step}"
-        text = f"{who}: {self.quantity} '{self.name}' {step}"
+        """One line: ``rank 2: grad 'encoder.weight' at step 1: max abs ...``."""
+        if self.phase:
+            when = f"in {self.phase}"
+        else:
+            when = "after build" if self.step is None else f"at step {self.step}"
+        what = f"{self.quantity} {self.of} '{self.name}'" if self.of else (
+            f"{self.quantity} '{self.name}'")
+        text = f"{self.who}: {what} {when}"
+        if self.quantity in FAILURES:
+            return f"{text}: {self.where}" if self.where else text
         if not math.isnan(self.max_abs):
             text += f": max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}"
         if self.total:
-            text += f", {self.count}/{self.total} over tolerance"
+            text += f", {self.count}/{self.total} " + (
+                "not finite" if self.quantity == "nonfinite" else "over tolerance")
         if self.where:
-            text += f", worst at {self.where}"
+            text += f", {'first' if self.quantity == 'nonfinite' else 'worst'} at {self.where}"
         return text
 
 
@@ -143,7 +172,11 @@ class Mismatch:
 class Difference:
     """How two tensors differ under a bound (``ok`` if every element is within it).
 
-    ``max_rel`` leaves out entries whose reference is within ``atol`` of zero.
+    ``max_abs`` and ``max_rel`` are over the positions where both sides are finite (``inf``
+    when a non-finite value differs, with ``allow_nonfinite``); ``max_rel`` leaves out entries
+    whose reference is within ``atol`` of zero. ``count`` is the positions over tolerance,
+    non-finite ones included; ``nonfinite`` the positions where a NaN or inf was found and not
+    accepted, ``nonfinite_at`` the flat index of the first.
     """
 
     ok: bool
@@ -153,10 +186,19 @@ class Difference:
     total: int
     worst: int | None  # flat index of the worst element (by excess over the bound)
     problem: str = ""  # dtype/shape problem, if any
+    nonfinite: int = 0
+    nonfinite_at: int | None = None
 
 
-def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, bound: Bound) -> Difference:
-    """Compare elementwise under ``bound``; dtype and shape must match exactly."""
+def compare_tensors(
+    actual: torch.Tensor, expected: torch.Tensor, bound: Bound, *, allow_nonfinite: bool = False
+) -> Difference:
+    """Compare elementwise under ``bound``; dtype and shape must match exactly.
+
+    Floating and complex tensors use the bound; integer and bool tensors must be equal. A
+    NaN or inf on either side fails the position unless ``allow_nonfinite`` (then both sides
+    must hold the same non-finite value there).
+    """
     if actual.dtype != expected.dtype:
         return _unlike(expected, f"dtype {actual.dtype} where the reference has {expected.dtype}")
     if actual.shape != expected.shape:
@@ -164,30 +206,72 @@ def compare_tensors(actual: torch.Tensor, expected: torch.Tensor, bound: Bound) 
             expected,
             f"shape {tuple(actual.shape)} where the reference has {tuple(expected.shape)}",
         )
-    a = _real(actual.detach()).double().reshape(-1)
-    e = _real(expected.detach()).double().reshape(-1)
-    if a.numel() == 0:
+    total = expected.numel()
+    if total == 0:
         return Difference(True, 0.0, 0.0, 0, 0, None)
-    diff = (a - e).abs()
-    nan_mismatch = torch.isnan(a) != torch.isnan(e)
-    diff = torch.where(torch.isnan(a) & torch.isnan(e), torch.zeros_like(diff), diff)
-    diff = torch.where(nan_mismatch, torch.full_like(diff, math.inf), diff)
-    allowed = bound.atol + bound.rtol * e.abs()
-    over = diff > allowed
+    a = _flat(actual)
+    e = _flat(expected)
+    if not (a.is_floating_point() or a.is_complex()):
+        return _compare_exact(a, e)
+    finite = torch.isfinite(a) & torch.isfinite(e)
+    diff = torch.where(finite, (a - e).abs(), torch.zeros((), dtype=torch.float64))
+    mag = torch.where(finite, e.abs(), torch.zeros((), dtype=torch.float64))
+    allowed = bound.atol + bound.rtol * mag
+    nonfinite = ~finite
+    if allow_nonfinite:
+        nonfinite = nonfinite & ~_same_value(a, e)
+    over = (finite & (diff > allowed)) | nonfinite
     # Relative error is meaningless for entries that cancel to ~0 (their rounding is relative
     # to the terms summed, not to the result): those are judged by atol alone and left out.
-    rel = diff / e.abs().clamp_min(torch.finfo(torch.float64).tiny)
-    rel = torch.where((diff == 0) | (e.abs() <= bound.atol), torch.zeros_like(rel), rel)
-    excess = diff - allowed
-    worst = int(torch.argmax(excess).item())
+    # (``mag > 0`` rather than a clamp: a clamp at the smallest normal number would shrink
+    # the relative error of subnormal references.)
+    judged = (diff > 0) & (mag > bound.atol) & (mag > 0)
+    rel = torch.where(judged, diff / torch.where(mag > 0, mag, 1.0), torch.zeros_like(diff))
+    excess = torch.where(nonfinite, torch.full_like(diff, math.inf), diff - allowed)
+    bad_nonfinite = int(nonfinite.sum())
     return Difference(
         ok=not bool(over.any()),
-        max_abs=float(diff.max().item()),
-        max_rel=float(rel.max().item()),
-        count=int(over.sum().item()),
-        total=a.numel(),
-        worst=worst,
+        max_abs=math.inf if bad_nonfinite else float(diff.max()),
+        max_rel=math.inf if bad_nonfinite else float(rel.max()),
+        count=int(over.sum()),
+        total=total,
+        worst=int(torch.argmax(excess)),
+        nonfinite=bad_nonfinite,
+        nonfinite_at=int(torch.argmax(nonfinite.to(torch.uint8))) if bad_nonfinite else None,
     )
+
+
+def _compare_exact(a: torch.Tensor, e: torch.Tensor) -> Difference:
+    """Integers and bools must be equal (a bound on an index or a mask means nothing);
+    compared in their own dtype, since float64 cannot tell 2**53 from 2**53 + 1."""
+    over = a != e
+    diff = (a.to(torch.float64) - e.to(torch.float64)).abs()
+    diff = torch.where(over & (diff == 0), torch.ones_like(diff), diff)  # beyond float64
+    mag = e.to(torch.float64).abs()
+    rel = torch.where(over, diff / mag.clamp_min(1.0), torch.zeros_like(diff))
+    return Difference(
+        ok=not bool(over.any()),
+        max_abs=float(diff.max()),
+        max_rel=float(rel.max()),
+        count=int(over.sum()),
+        total=a.numel(),
+        worst=int(torch.argmax(diff)),
+    )
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().reshape(-1)
+    if t.is_complex():
+        return t.to(torch.complex128)
+    return t.to(torch.float64) if t.is_floating_point() else t
+
+
+def _same_value(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Where ``a`` and ``e`` hold the same value, NaN counting as equal to NaN."""
+    if a.is_complex():
+        ar, er = torch.view_as_real(a), torch.view_as_real(e)
+        return ((ar == er) | (torch.isnan(ar) & torch.isnan(er))).all(dim=-1)
+    return (a == e) | (torch.isnan(a) & torch.isnan(e))
 
 
 def _unlike(expected: torch.Tensor, problem: str) -> Difference:
@@ -195,8 +279,43 @@ def _unlike(expected: torch.Tensor, problem: str) -> Difference:
     return Difference(False, math.nan, math.nan, 0, expected.numel(), None, problem)
 
 
-def _real(t: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(t) if t.is_complex() else t
+def nonfinite_counts(t: torch.Tensor) -> tuple[int, int, int | None]:
+    """(NaN count, inf count, flat index of the first non-finite element or None)."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return 0, 0, None
+    flat = _flat(t)
+    nan = torch.isnan(flat)
+    inf = torch.isinf(flat)
+    bad = nan | inf
+    if not bool(bad.any()):
+        return 0, 0, None
+    return int(nan.sum()), int(inf.sum()), int(torch.argmax(bad.to(torch.uint8)))
+
+
+def nonfinite_text(nan: int, inf: int) -> str:
+    """``"2 NaN, 1 inf"`` (only the parts that are there)."""
+    return ", ".join(p for p in (f"{nan} NaN" if nan else "", f"{inf} inf" if inf else "") if p)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits: NaN equals the same NaN, ``-0.0`` differs from ``0.0``."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(torch.equal(_bits(a), _bits(b)))
+
+
+def bits_differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of two same-shaped tensors differ in their bits."""
+    x, y = _bits(a), _bits(b)
+    if a.element_size() > 1:
+        x = x.reshape(a.numel(), -1)
+        y = y.reshape(b.numel(), -1)
+        return int((x != y).any(dim=1).sum())
+    return int((x != y).sum())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def scale_hint(actual: torch.Tensor, expected: torch.Tensor, spatial_size: int) -> str:
@@ -205,10 +324,14 @@ def scale_hint(actual: torch.Tensor, expected: torch.Tensor, spatial_size: int) 
     Wrong reductions scale gradients by exactly the group size; saying so points straight at
     the bug (double-counted reduce, mean instead of sum).
     """
-    a = _real(actual.detach()).double().reshape(-1)
-    e = _real(expected.detach()).double().reshape(-1)
+    a = _flat(actual)
+    e = _flat(expected)
+    if a.is_complex():
+        a, e = torch.view_as_real(a).reshape(-1), torch.view_as_real(e).reshape(-1)
+    if a.shape != e.shape or not bool(torch.isfinite(a).all() and torch.isfinite(e).all()):
+        return ""
     ee = float((e * e).sum())
-    if ee == 0 or a.shape != e.shape:
+    if ee == 0:
         return ""
     if float((a * a).sum()) == 0:
         return (
@@ -244,11 +367,23 @@ REMEDIES = {
     "gradients were not synchronised (sum over the spatial group before stepping).",
     "buffer": "A buffer was modified in place during a step while the reference's was not: "
     "DDP-style broadcast_buffers copies into buffers between forwards.",
+    "nonfinite": "A NaN or inf: no comparison can vouch for a value that is not finite. If "
+    "the reference is not finite, make the case finite (inputs, initialisation, lr); if only "
+    "ranks are, look for a division by a per-rank count that is zero on an empty rank, or an "
+    "uninitialised halo or padding. If the model is meant to produce them, set "
+    "expect_nonfinite = True on the case: then they must match position for position.",
     "crash": "A rank process died: its exit code or signal and last output are above.",
     "error": "A rank raised: its traceback is above (listed first: the rank that failed "
     "first; ranks that lost a peer in a collective follow).",
     "timeout": "A rank did not finish in time: most often a rank with an empty domain skipped "
-    "a collective that the others entered. Every rank's stack is above.",
+    "a collective that the others entered (a rank listed as 'returned' is the likely "
+    "culprit). Every rank's stack is above.",
+    "deadlock": "The run could no longer finish: a rank returned or waits in a collective "
+    "that the others never enter. The rank that returned is the likely culprit; every "
+    "waiting rank's stack is above.",
+    "pending": "A rank returned with a collective or a send still pending (an async_op work "
+    "never waited on, an isend without its recv): wait on every work before returning, and "
+    "match every send with a receive on its peer.",
 }
 
 
@@ -355,7 +490,7 @@ class EquivalenceReport:
             f"First: {self.mismatches[0].headline()}",
             "",
         ]
-        table = _table(self.mismatches)
+        table = mismatch_table(self.mismatches)
         lines += table[:42]
         if len(table) > 42:
             lines.append(f"... and {len(table) - 42} more rows")
@@ -396,10 +531,10 @@ def _rank_text(ranks: list[int | None]) -> str:
 
 
 def _collapse(mismatches: Sequence[Mismatch]) -> list[tuple[Mismatch, list[int | None]]]:
-    """One row per (quantity, name, step): the worst rank's numbers, every rank listed."""
-    rows: dict[tuple[str, str, int | None], tuple[Mismatch, list[int | None]]] = {}
+    """One row per (quantity, run, name, step): the worst rank's numbers, every rank listed."""
+    rows: dict[tuple[Any, ...], tuple[Mismatch, list[int | None]]] = {}
     for m in mismatches:
-        key = (m.quantity, m.name, m.step)
+        key = (m.quantity, m.run, m.of, m.name, m.step)
         if key not in rows:
             rows[key] = (m, [m.rank])
             continue
@@ -410,68 +545,63 @@ def _collapse(mismatches: Sequence[Mismatch]) -> list[tuple[Mismatch, list[int |
     return list(rows.values())
 
 
-def _table(mismatches: Sequence[Mismatch]) -> list[str]:
+def format_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], *, free_last: bool = False
+) -> list[str]:
+    """Left-aligned columns two spaces apart, a dashed rule under the header.
+
+    ``free_last``: the last column is free-form text, so it sets no width.
+
+    >>> format_table(("a", "bb"), [("xyz", "1")])
+    ['a    bb', '---  --', 'xyz  1']
+    """
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    if free_last:
+        widths[-1] = len(header[-1])
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+
+
+def mismatch_table(mismatches: Sequence[Mismatch]) -> list[str]:
+    """The report's table: one row per quantity, name and step; ranks collapsed."""
     header = ("quantity", "name", "step", "rank", "max abs", "max rel", "over tol", "worst at")
-    rows = [
-        (
+    rows = []
+    for m, ranks in _collapse(mismatches):
+        owner = (
+            f" (rank {m.rank})"
+            if len(set(ranks)) > 1 and m.rank is not None and "rank" not in m.where
+            else ""
+        )
+        rows.append((
             m.quantity,
-            m.name,
+            m.label,
             "build" if m.step is None else str(m.step),
-            _rank_text(ranks),
+            m.run or _rank_text(ranks),
             _fmt(m.max_abs),
             _fmt(m.max_rel),
             f"{m.count}/{m.total}" if m.total else "-",
-            (m.where or "-")
-            + (
-                f" (rank {m.rank})"
-                if len(set(ranks)) > 1 and m.rank is not None and "rank" not in m.where
-                else ""
-            ),
-        )
-        for m, ranks in _collapse(mismatches)
-    ]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    widths[-1] = len(header[-1])  # last column is free-form: don't pad
-    fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return [fmt(header), fmt(tuple("-" * w for w in widths)), *map(fmt, rows)]
+            (m.where or "-") + owner,
+        ))
+    return format_table(header, rows, free_last=True)
 
 
 def equivalence_table(rows: list[dict[str, Any]]) -> list[str]:
     """The terminal table of every equivalence checked: one line per check."""
-    header = (
-        "case",
-        "ranks",
-        "partition",
-        "dtype",
-        "loss",
-        "grad",
-        "field",
-        "param",
-        "golden",
-        "verdict",
-    )
+    header = ("case", "ranks", "partition", "dtype", *NUMERIC, "golden", "verdict")
     body = []
     for r in rows:
         w = r["worst"]
-        body.append(
-            (
-                r["case"],
-                f"{r['ranks']}",
-                r["partition"],
-                r["dtype"],
-                *(
-                    ("-" if w.get(q) is None else f"{w[q]:.1e}")
-                    for q in ("loss", "grad", "field", "param")
-                ),
-                r.get("golden", "-"),
-                "equivalent" if r["ok"] else "MISMATCH: " + ",".join(r["problems"]),
-            )
-        )
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
-    return [
-        "worst relative error per quantity, partitioned vs reference:",
-        fmt(header),
-        fmt(tuple("-" * w for w in widths)),
-        *map(fmt, body),
-    ]
+        body.append((
+            r["case"],
+            f"{r['ranks']}",
+            r["partition"],
+            r["dtype"],
+            *("-" if w.get(q) is None else f"{w[q]:.1e}" for q in NUMERIC),
+            r.get("golden", "-"),
+            "equivalent" if r["ok"] else "MISMATCH: " + ",".join(r["problems"]),
+        ))
+    return ["worst relative error per quantity, partitioned vs reference:",
+            *format_table(header, body)]

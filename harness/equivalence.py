@@ -9,25 +9,19 @@ each SGD step.
 from __future__ import annotations
 
 import random
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from harness.compare import (
-    Difference,
-    EquivalenceReport,
-    FieldError,
-    Mismatch,
-    QuantityStats,
-    Tolerance,
-    compare_tensors,
-    scale_hint,
-)
+from harness.checks import compare_runs
+from harness.compare import EquivalenceReport, Mismatch, Tolerance
 from harness.errors import ConfigError, RankFailure
+from harness.records import FieldRecord, RunRecord, StepRecord, detached
 from harness.topology import Topology, validate_sizes
 
 # ---------------------------------------------------------------------- contract
@@ -92,6 +86,10 @@ class SpatialCase:
 
     name: str | None = None
     dtype: torch.dtype | None = None
+    #: Set to True if the model is meant to produce NaN or inf (a masked field, say). Then
+    #: non-finite values are not findings, but they must match the reference's position
+    #: for position. Otherwise any NaN or inf, in the reference or on a rank, fails the check.
+    expect_nonfinite: bool = False
 
     def build(self, topo: Topology) -> torch.nn.Module:
         raise NotImplementedError
@@ -131,6 +129,8 @@ def data_share(n: int, topo: Topology) -> slice:
 
 # ---------------------------------------------------------------------- running a case
 
+Progress = Callable[[str, "int | None"], None]
+
 
 def _seed(seed: int) -> None:
     torch.manual_seed(seed)
@@ -146,66 +146,135 @@ def _strip(name: str) -> str:
     return name[len("module.") :] if name.startswith("module.") else name
 
 
-def _detach(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu").clone()
-
-
-def _field_record(value: Any) -> dict[str, Any]:
+def _field_record(case: SpatialCase, name: str, value: Any) -> FieldRecord:
     if isinstance(value, Shard):
-        return {
-            "values": _detach(value.values),
-            "index": value.index
-            if isinstance(value.index, slice)
-            else _detach(torch.as_tensor(value.index, dtype=torch.long)),
-            "dim": value.dim,
-            "grid": value.grid_shape,
-            "unit": value.unit,
-        }
+        index = value.index
+        if not isinstance(index, slice):
+            index = detached(torch.as_tensor(index, dtype=torch.long))
+        return FieldRecord(detached(value.values), index, value.dim, value.grid_shape, value.unit)
     if isinstance(value, torch.Tensor):
-        return {
-            "values": _detach(value),
-            "index": None,
-            "dim": None,
-            "grid": None,
-            "unit": "position",
-        }
+        return FieldRecord(detached(value))
     raise ConfigError(
-        f"Outputs.fields values must be Shard or torch.Tensor, got {type(value).__name__}"
+        f"{case.label}.forward: Outputs.fields[{name!r}] is a {type(value).__name__}; give a "
+        "torch.Tensor (the whole field) or a harness.Shard (this rank's part of it)"
     )
 
 
-def run_case(case: SpatialCase, topo: Topology, steps: int, lr: float, seed: int) -> dict[str, Any]:
-    """Build, then ``steps`` times: batch, forward, backward, record, SGD step. Returns records.
+def _check_model(case: SpatialCase, model: Any) -> torch.nn.Module:
+    if model is None:
+        raise ConfigError(
+            f"{case.label}.build returned None; it must return the torch.nn.Module under test "
+            "(a missing `return model`?)"
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"{case.label}.build returned a {type(model).__name__}; it must return a "
+            "torch.nn.Module (wrap a function in a Module whose forward calls it)"
+        )
+    return model
 
-    Runs the same way for the reference (``Topology.single()``) and on each rank.
+
+def _check_loss(case: SpatialCase, out: Any, trainable: bool) -> torch.Tensor:
+    if not isinstance(out, Outputs):
+        raise ConfigError(
+            f"{case.label}.forward must return harness.Outputs(loss, fields), got "
+            f"{type(out).__name__}"
+        )
+    loss = out.loss
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            f"{case.label}.forward: Outputs.loss is a {type(loss).__name__}; it must be a "
+            "scalar torch.Tensor (keep it a tensor: the harness back-propagates it)"
+        )
+    if loss.numel() != 1:
+        raise ConfigError(
+            f"{case.label}.forward: Outputs.loss has shape {tuple(loss.shape)}; it must be a "
+            "scalar: reduce it to the one global loss (identical on every rank), e.g. with "
+            "reduce_loss(local.sum(), topo) / count"
+        )
+    if trainable and not loss.requires_grad:
+        raise ConfigError(
+            f"{case.label}.forward: Outputs.loss does not depend on any trainable parameter "
+            "(requires_grad is False): was it detached, computed under torch.no_grad(), or "
+            "reduced from detached values? The harness back-propagates it to compare gradients"
+        )
+    return loss
+
+
+@dataclass
+class _CallerState:
+    """What ``run_case`` changes in its process and puts back: RNG states, default dtype."""
+
+    torch_rng: torch.Tensor
+    np_rng: Any
+    py_rng: Any
+    dtype: torch.dtype
+
+    @classmethod
+    def save(cls) -> _CallerState:
+        return cls(torch.get_rng_state(), np.random.get_state(), random.getstate(),
+                   torch.get_default_dtype())
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch_rng)
+        np.random.set_state(self.np_rng)
+        random.setstate(self.py_rng)
+        torch.set_default_dtype(self.dtype)
+
+
+def run_case(
+    case: SpatialCase,
+    topo: Topology,
+    steps: int,
+    lr: float,
+    seed: int,
+    *,
+    progress: Progress | None = None,
+) -> RunRecord:
+    """Build, then ``steps`` times: batch, forward, backward, record, SGD step.
+
+    Runs the same way for the reference (``Topology.single()``) and on each rank, and leaves
+    the calling process's RNG states and default dtype as it found them. ``progress(phase,
+    step)`` is told each phase as it starts ("build", "step 0 batch", "step 0 forward",
+    "step 0 backward", "step 0 optimizer step"), so failures can say where they happened; an
+    exception leaves with that phase in ``exc.harness_phase``.
     """
-    old_dtype = torch.get_default_dtype()
+    phase: list[Any] = ["build", None]
+
+    def enter(name: str, step: int | None = None) -> None:
+        phase[:] = [name, step]
+        if progress is not None:
+            progress(name, step)
+
+    saved = _CallerState.save()
     if case.dtype is not None:
         torch.set_default_dtype(case.dtype)
     try:
+        enter("build")
         _seed(seed)
-        model = case.build(topo)
-        record: dict[str, Any] = {
-            "init": {_strip(n): _detach(p) for n, p in model.named_parameters()},
-            "steps": [],
-        }
+        model = _check_model(case, case.build(topo))
         params = dict(model.named_parameters())
+        trainable = any(p.requires_grad for p in params.values())
+        record = RunRecord(init={_strip(n): detached(p) for n, p in params.items()})
         for step in range(steps):
+            enter(f"step {step} batch", step)
             _seed(_step_seed(seed, step))
             batch = case.batch(topo, step)
             model.zero_grad(set_to_none=True)
-            buffers = {n: (b, b._version, _detach(b)) for n, b in model.named_buffers()}
+            buffers = {n: (b, b._version, detached(b)) for n, b in model.named_buffers()}
+            enter(f"step {step} forward", step)
             out = case.forward(model, batch, topo)
-            if not isinstance(out, Outputs):
-                raise ConfigError(
-                    f"{case.label}.forward must return harness.Outputs, got {type(out).__name__}"
-                )
-            out.loss.backward()
+            loss = _check_loss(case, out, trainable)
+            fields = {k: _field_record(case, k, v) for k, v in out.fields.items()}
+            if loss.requires_grad:  # a model without parameters has nothing to differentiate
+                enter(f"step {step} backward", step)
+                loss.backward()
             grads = {
-                _strip(n): (None if p.grad is None else _detach(p.grad))
+                _strip(n): (None if p.grad is None else detached(p.grad))
                 for n, p in params.items()
                 if p.requires_grad
             }
+            enter(f"step {step} optimizer step", step)
             with torch.no_grad():
                 for p in params.values():
                     if p.grad is not None:
@@ -215,33 +284,43 @@ def run_case(case: SpatialCase, topo: Topology, steps: int, lr: float, seed: int
                 for n, (b, version, before) in buffers.items()
                 if b._version != version or not torch.equal(b.detach().cpu(), before)
             )
-            record["steps"].append(
-                {
-                    "loss": _detach(out.loss),
-                    "grads": grads,
-                    "fields": {k: _field_record(v) for k, v in out.fields.items()},
-                    "params": {_strip(n): _detach(p) for n, p in params.items()},
-                    "mutated_buffers": mutated,
-                }
-            )
+            record.steps.append(StepRecord(
+                loss=detached(loss),
+                grads=grads,
+                fields=fields,
+                params={_strip(n): detached(p) for n, p in params.items()},
+                mutated_buffers=mutated,
+            ))
         return record
+    except BaseException as exc:
+        _mark_phase(exc, str(phase[0]))
+        raise
     finally:
-        torch.set_default_dtype(old_dtype)
+        saved.restore()
+
+
+def _mark_phase(exc: BaseException, phase: str) -> None:
+    """Say on the exception where in the run it was raised (once: the innermost wins)."""
+    if getattr(exc, "harness_phase", None) is None:
+        try:
+            exc.harness_phase = phase  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type with __slots__
+            return
+        if sys.version_info >= (3, 11):
+            exc.add_note(f"(harness: raised in {phase})")
 
 
 def _rank_entry(
     case: SpatialCase, spatial_size: int | None, steps: int, lr: float, seed: int
-) -> dict[str, Any]:
+) -> RunRecord:
     """What every rank of the pool runs (module level, so the pool can pickle it)."""
+    from harness.pool import report_progress
+
     topo = Topology.create(spatial_size)
-    record = run_case(case, topo, steps, lr, seed)
-    record["topology"] = {
-        "spatial_rank": topo.spatial_rank,
-        "data_rank": topo.data_rank,
-        "spatial_size": topo.spatial_size,
-        "data_size": topo.data_size,
-    }
-    record["describe"] = case.describe(topo)
+    record = run_case(case, topo, steps, lr, seed, progress=report_progress)
+    record.spatial_rank, record.data_rank = topo.spatial_rank, topo.data_rank
+    record.spatial_size, record.data_size = topo.spatial_size, topo.data_size
+    record.describe = case.describe(topo)
     return record
 
 
@@ -259,12 +338,15 @@ def check_equivalence(
     timeout: float | None = None,
     seed: int = 0,
     pool: Any = None,
+    allow_nonfinite: bool | None = None,
 ) -> EquivalenceReport:
     """Run ``case`` as the reference and on ``ranks`` ranks; compare everything.
 
     Returns an ``EquivalenceReport``; a crash, an exception or a timeout on any rank is a
     mismatch of the report (``crash``, ``error``, ``timeout``), not an exception. ``pool``
     defaults to a warm pool shared by the process (``harness.pool.shared_registry()``).
+    A NaN or inf anywhere is a ``nonfinite`` mismatch unless ``allow_nonfinite`` (default:
+    the case's ``expect_nonfinite``).
     """
     if not isinstance(case, SpatialCase):
         raise ConfigError(
@@ -274,6 +356,7 @@ def check_equivalence(
     s = validate_sizes(ranks, spatial_size)
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
+    allow = case.expect_nonfinite if allow_nonfinite is None else allow_nonfinite
     t0 = time.perf_counter()
     if pool is None:
         from harness.pool import shared_registry
@@ -283,7 +366,7 @@ def check_equivalence(
         raise ConfigError(f"pool has {pool.world_size} ranks but ranks={ranks} was asked for")
 
     reference = run_case(case, Topology.single(), steps, lr, seed)
-    dtype = reference["steps"][0]["loss"].dtype
+    dtype = reference.steps[0].loss.dtype
     tol = tolerance or Tolerance.for_dtype(dtype)
     report = EquivalenceReport(
         case=case.label,
@@ -293,361 +376,45 @@ def check_equivalence(
         steps=steps,
         dtype=str(dtype).replace("torch.", ""),
         tolerance=tol,
-        stats={q: QuantityStats() for q in ("loss", "grad", "field", "param")},
-        reference=flatten_record(reference),
+        reference=reference.flat(),
     )
     try:
         records = pool.run(_rank_entry, case, spatial_size, steps, lr, seed, timeout=timeout)
     except RankFailure as failure:
-        for p in failure.problems:
-            if p.kind == "stopped":
-                continue
-            detail = p.detail + (
-                f"\n--- rank {p.rank} output ---\n{p.output}" if p.output.strip() else ""
-            )
-            report.mismatches.append(
-                Mismatch(p.kind, case.label, None, p.rank, where=p.summary, detail=detail)
-            )
+        report.mismatches = failure_mismatches(failure, case.label)
         report.partition = _layout(case.describe(None), s, ranks // s)
         report.seconds = time.perf_counter() - t0
         return report
-    report.partition = _layout(records[0].get("describe", ""), s, ranks // s)
-    _Comparer(report, reference, records, tol).run()
+    report.partition = _layout(records[0].describe, s, ranks // s)
+    found = compare_runs(reference, records, tol, spatial_size=s, allow_nonfinite=allow)
+    report.mismatches, report.stats, report.field_errors = (
+        found.mismatches, found.stats, found.field_errors)
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def flatten_record(record: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def failure_mismatches(failure: RankFailure, label: str) -> list[Mismatch]:
+    """One mismatch per rank of a failed run (healthy ranks stopped after it left out)."""
+    hang = next((p.kind for p in failure.problems if p.kind in ("deadlock", "timeout")), "")
+    out = []
+    for p in failure.problems:
+        if p.kind == "stopped":
+            continue
+        quantity = hang if p.kind == "returned" else p.kind
+        detail = p.detail + (
+            f"\n--- rank {p.rank} output ---\n{p.output}" if p.output.strip() else ""
+        )
+        out.append(Mismatch(quantity, label, p.step, p.rank, where=p.summary, detail=detail,
+                            phase=p.phase if p.kind != "returned" else ""))
+    return out
+
+
+def flatten_record(record: RunRecord) -> dict[str, torch.Tensor]:
     """The reference's results as one flat ``{name: tensor}`` map (what goldens store)."""
-    flat: dict[str, torch.Tensor] = {}
-    for i, st in enumerate(record["steps"]):
-        flat[f"step{i}/loss"] = st["loss"]
-        for n, g in st["grads"].items():
-            if g is not None:
-                flat[f"step{i}/grad/{n}"] = g
-        for n, f in st["fields"].items():
-            flat[f"step{i}/field/{n}"] = f["values"]
-        for n, p in st["params"].items():
-            flat[f"step{i}/param/{n}"] = p
-    return flat
-
-
-class _Comparer:
-    """Compares the ranks' records with the reference's and fills the report."""
-
-    def __init__(
-        self,
-        report: EquivalenceReport,
-        ref: dict[str, Any],
-        records: list[dict[str, Any]],
-        tol: Tolerance,
-    ) -> None:
-        self.report, self.ref, self.records, self.tol = report, ref, records, tol
-        self.S = report.spatial_size
-        self.D = report.ranks // self.S
-
-    def add(self, m: Mismatch) -> None:
-        self.report.mismatches.append(m)
-
-    def numeric(
-        self,
-        quantity: str,
-        name: str,
-        step: int | None,
-        rank: int | None,
-        actual: torch.Tensor,
-        expected: torch.Tensor,
-        where: Any = None,
-    ) -> Difference:
-        d = compare_tensors(actual, expected, self.tol.bound(quantity))
-        if not d.problem:
-            self.report.stats[quantity].add(d)
-        if not d.ok and not d.problem and expected.dim() == 0:
-            # a scalar has no position: say what the two values are
-            loc = f"{float(actual):.6g} vs reference {float(expected):.6g}"
-            hint = scale_hint(actual, expected, self.S) if quantity in ("grad", "loss") else ""
-            self.add(Mismatch(quantity, name, step, rank, d.max_abs, d.max_rel, loc,
-                              d.count, d.total, hint=hint))
-            return d
-        if not d.ok:
-            loc = d.problem or (
-                where(d.worst)
-                if where and d.worst is not None
-                else _index_text(expected.shape, d.worst)
-            )
-            hint = scale_hint(actual, expected, self.S) if quantity in ("grad", "loss") else ""
-            self.add(
-                Mismatch(
-                    quantity,
-                    name,
-                    step,
-                    rank,
-                    d.max_abs,
-                    d.max_rel,
-                    loc,
-                    d.count,
-                    d.total,
-                    hint=hint,
-                )
-            )
-        return d
-
-    def run(self) -> None:
-        self.initial_params()
-        for step, ref_step in enumerate(self.ref["steps"]):
-            steps = [r["steps"][step] for r in self.records]
-            self.losses(step, ref_step, steps)
-            self.grads(step, ref_step, steps)
-            self.fields(step, ref_step, steps)
-            self.params(step, ref_step, steps)
-            self.buffers(step, ref_step, steps)
-
-    # -- parameters right after build: unseeded init shows here first
-    def initial_params(self) -> None:
-        ref = self.ref["init"]
-        for rank, rec in enumerate(self.records):
-            for name, p in rec["init"].items():
-                if name not in ref:
-                    self.add(
-                        Mismatch(
-                            "param", name, None, rank, where="parameter not in the reference model"
-                        )
-                    )
-                    continue
-                d = compare_tensors(p, ref[name], self.tol.param)
-                if not d.ok:
-                    self.add(
-                        Mismatch(
-                            "param",
-                            name,
-                            None,
-                            rank,
-                            d.max_abs,
-                            d.max_rel,
-                            d.problem or "initial value",
-                            d.count,
-                            d.total,
-                            hint="differs from the reference right after build: seed the "
-                            "initialisation identically on every rank (the harness seeds torch, "
-                            "numpy and random before build; a generator of your own is not).",
-                        )
-                    )
-            for name in ref.keys() - rec["init"].keys():
-                self.add(
-                    Mismatch(
-                        "param", name, None, rank, where="reference parameter missing on this rank"
-                    )
-                )
-
-    def losses(self, step: int, ref_step: dict[str, Any], steps: list[dict[str, Any]]) -> None:
-        ref = ref_step["loss"]
-        for rank, st in enumerate(steps):
-            first = steps[(rank // self.S) * self.S]["loss"]
-            if rank % self.S and not torch.equal(st["loss"], first):
-                self.numeric("loss", "loss (vs spatial rank 0)", step, rank, st["loss"], first)
-        if self.D == 1:
-            for rank, st in enumerate(steps):
-                self.numeric("loss", "loss", step, rank, st["loss"], ref)
-        else:
-            mean = torch.stack([steps[g * self.S]["loss"] for g in range(self.D)]).mean(0)
-            self.numeric("loss", "loss (mean over data groups)", step, None, mean, ref)
-
-    def grads(self, step: int, ref_step: dict[str, Any], steps: list[dict[str, Any]]) -> None:
-        ref = ref_step["grads"]
-        for rank, st in enumerate(steps):
-            for name, g in st["grads"].items():
-                r = ref.get(name)
-                if name not in ref:
-                    continue  # reported once as a parameter missing from the reference
-                if g is None and r is None:
-                    continue
-                if g is None or r is None:
-                    self.add(
-                        Mismatch(
-                            "grad",
-                            name,
-                            step,
-                            rank,
-                            where=(
-                                "no gradient (None) on this rank; the reference has one"
-                                if g is None
-                                else "a gradient where the reference has None"
-                            ),
-                            hint="a rank whose domain is empty must still run every module, "
-                            "giving zeros, not None"
-                            if g is None
-                            else "",
-                        )
-                    )
-                    continue
-                self.numeric("grad", name, step, rank, g, r)
-
-    def fields(self, step: int, ref_step: dict[str, Any], steps: list[dict[str, Any]]) -> None:
-        for name, ref_rec in ref_step["fields"].items():
-            ref = ref_rec["values"]
-            recs = [st["fields"].get(name) for st in steps]
-            missing = [r for r, f in enumerate(recs) if f is None]
-            for rank in missing:
-                self.add(Mismatch("field", name, step, rank, where="field missing on this rank"))
-            if missing:
-                continue
-            if all(f["index"] is None for f in recs):
-                for rank, f in enumerate(recs):  # replicated: every rank holds the whole field
-                    exp = _data_part(ref, rank // self.S, self.D)
-                    self.numeric("field", name, step, rank, f["values"], exp)
-                continue
-            for g in range(self.D):
-                self.assembled_field(
-                    name,
-                    step,
-                    _data_part(ref, g, self.D),
-                    recs[g * self.S : (g + 1) * self.S],
-                    g * self.S,
-                )
-
-    def assembled_field(
-        self, name: str, step: int, ref: torch.Tensor, shards: list[dict[str, Any]], first: int
-    ) -> None:
-        grid = next((f["grid"] for f in shards if f["grid"]), None)
-        unit = shards[0]["unit"]
-        if grid is not None and tuple(ref.shape[-2:]) == tuple(grid):
-            ref = ref.reshape(*ref.shape[:-2], -1)
-        dim = shards[0]["dim"] % ref.dim() if ref.dim() else 0
-        size = ref.shape[dim] if ref.dim() else 1
-        owners = torch.full((size,), -1, dtype=torch.long)
-        counts = torch.zeros(size, dtype=torch.long)
-        out = torch.zeros_like(ref)
-        ok = True
-
-        def refuse(quantity: str, rank: int | None, where: str) -> None:
-            self.add(Mismatch(quantity, name, step, rank, where=where))
-
-        for k, f in enumerate(shards):
-            rank = first + k
-            if f["index"] is None:
-                refuse("field", rank, "a full tensor where other ranks return a Shard")
-                return
-            idx = f["index"]
-            idx = torch.arange(size)[idx] if isinstance(idx, slice) else idx
-            vals = f["values"]
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= size):
-                refuse("coverage", rank, f"index out of range [0, {size}): "
-                       f"{idx.min()}..{idx.max()}")
-                ok = False
-                continue
-            expected_shape = list(ref.shape)
-            expected_shape[dim] = idx.numel()
-            if list(vals.shape) != expected_shape or vals.dtype != ref.dtype:
-                refuse(
-                    "field",
-                    rank,
-                    f"shard {vals.dtype} {tuple(vals.shape)} where the reference gives "
-                    f"{ref.dtype} {tuple(expected_shape)} for its {idx.numel()} positions",
-                )
-                ok = False
-                continue
-            counts.index_add_(0, idx, torch.ones_like(idx))
-            owners[idx] = rank
-            out.index_copy_(dim, idx, vals)
-        bad = (counts != 1).nonzero().reshape(-1)
-        if len(bad):
-            never = int((counts == 0).sum())
-            twice = int((counts > 1).sum())
-            pos = int(bad[0])
-            self.add(
-                Mismatch(
-                    "coverage",
-                    name,
-                    step,
-                    None,
-                    count=len(bad),
-                    total=size,
-                    where=f"{never} positions owned by no rank, {twice} by several; first: "
-                    f"{_position_text(pos, grid, unit)}",
-                )
-            )
-            return
-        if not ok:
-            return
-
-        def where(flat: int) -> str:
-            # flat indexes the whole tensor; find the position along dim and its owner
-            coords = np.unravel_index(flat, tuple(ref.shape))
-            pos = int(coords[dim])
-            others = [int(c) for i, c in enumerate(coords) if i != dim]
-            lead = f"[{', '.join(map(str, others))}] " if others else ""
-            return f"{lead}{_position_text(pos, grid, unit)} on rank {int(owners[pos])}"
-
-        d = self.numeric("field", name, step, None, out, ref, where)
-        if not d.ok and not d.problem:
-            err = (out - ref).abs().double()
-            err = err.movedim(dim, -1).reshape(-1, size).amax(0) if err.dim() > 1 else err
-            self.report.field_errors.append(
-                FieldError(name, step, first // self.S, err, owners.clone(), grid, unit)
-            )
-
-    def params(self, step: int, ref_step: dict[str, Any], steps: list[dict[str, Any]]) -> None:
-        ref = ref_step["params"]
-        for rank, st in enumerate(steps):
-            lead = steps[(rank // self.S) * self.S]["params"]
-            for name, p in st["params"].items():
-                if rank % self.S and name in lead and not torch.equal(p, lead[name]):
-                    d = compare_tensors(p, lead[name], self.tol.param)
-                    self.add(
-                        Mismatch(
-                            "sync",
-                            name,
-                            step,
-                            rank,
-                            d.max_abs,
-                            d.max_rel,
-                            f"differs from spatial rank 0 (rank {(rank // self.S) * self.S})",
-                            int(((p - lead[name]) != 0).sum())
-                            if p.shape == lead[name].shape
-                            else 0,
-                            p.numel(),
-                        )
-                    )
-                if name in ref:
-                    self.numeric("param", name, step, rank, p, ref[name])
-
-    def buffers(self, step: int, ref_step: dict[str, Any], steps: list[dict[str, Any]]) -> None:
-        ref = set(ref_step["mutated_buffers"])
-        for rank, st in enumerate(steps):
-            for name in sorted(set(st["mutated_buffers"]) - ref):
-                self.add(
-                    Mismatch(
-                        "buffer",
-                        name,
-                        step,
-                        rank,
-                        where="modified in place during the step; the reference's was not",
-                    )
-                )
+    return record.flat()
 
 
 def _layout(describe: str, spatial: int, data: int) -> str:
     """``"nside 2, ... · spatial 2 x data 2"``: the partition and, if any, the data groups."""
     groups = f"spatial {spatial} x data {data}" if data > 1 else ""
     return " · ".join(p for p in (describe, groups) if p) or f"spatial {spatial}"
-
-
-def _data_part(ref: torch.Tensor, group: int, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return ref
-    n = ref.shape[0]
-    k = n // groups
-    return ref[group * k : (group + 1) * k]
-
-
-def _position_text(pos: int, grid: tuple[int, int] | None, unit: str = "position") -> str:
-    if grid is None:
-        return f"{unit} {pos}"
-    lat, lon = divmod(pos, grid[1])
-    return f"(lat {lat}, lon {lon})"
-
-
-def _index_text(shape: torch.Size, flat: int | None) -> str:
-    if flat is None or not len(shape):
-        return ""
-    return str(tuple(int(i) for i in np.unravel_index(flat, tuple(shape))))

@@ -23,7 +23,15 @@ import numpy as np
 
 from harness.errors import ConfigError
 
-__all__ = ["CellPartition", "LatLonPartition", "cell_of", "sht_split_rule", "split_sizes"]
+__all__ = [
+    "CellPartition",
+    "LatLonPartition",
+    "Ownership",
+    "cell_of",
+    "ownership",
+    "sht_split_rule",
+    "split_sizes",
+]
 
 
 SPLIT_RULES = ("ceil", "balanced")
@@ -94,6 +102,85 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
             f"{name} must be an integer >= {minimum}, got {value!r} "
             f"({type(value).__name__}); pass a plain int"
         )
+
+
+# ---------------------------------------------------------------------- ownership
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Which ranks claim each of ``size`` global positions, from every rank's index.
+
+    The one rule behind every coverage check: each global position is owned by exactly one
+    rank. ``counts[p]`` is how many ranks claim position ``p``.
+
+    >>> own = ownership([[0, 1], [1, 3]], size=4)
+    >>> own.complete, own.missing.tolist(), own.doubled.tolist()
+    (False, [2], [1])
+    >>> own.owners_of(1)
+    [0, 1]
+    >>> own.describe()
+    '1 position owned by no rank (first: 2); 1 owned by several (first: 1, by ranks 0, 1)'
+    >>> ownership([[0, 1], [], [2]], size=3).complete
+    True
+    """
+
+    size: int
+    counts: np.ndarray
+    indices: tuple[np.ndarray, ...]
+
+    @property
+    def missing(self) -> np.ndarray:
+        """Positions no rank claims."""
+        return np.flatnonzero(self.counts == 0)
+
+    @property
+    def doubled(self) -> np.ndarray:
+        """Positions claimed by more than one rank (or twice by one)."""
+        return np.flatnonzero(self.counts > 1)
+
+    @property
+    def complete(self) -> bool:
+        """Every position owned exactly once."""
+        return bool(np.all(self.counts == 1))
+
+    def owners_of(self, position: int) -> list[int]:
+        """The ranks that claim ``position``, in rank order (a rank twice if it claims it
+        twice)."""
+        return [r for r, idx in enumerate(self.indices) for i in idx.tolist() if i == position]
+
+    def describe(self, name: Any = str) -> str:
+        """What is wrong, for a message; ``name(position)`` renders a position."""
+        parts = []
+        missing, doubled = self.missing, self.doubled
+        if len(missing):
+            s = "" if len(missing) == 1 else "s"
+            parts.append(f"{len(missing)} position{s} owned by no rank (first: {name(int(missing[0]))})")
+        if len(doubled):
+            pos = int(doubled[0])
+            owners = ", ".join(map(str, self.owners_of(pos)))
+            parts.append(f"{len(doubled)} owned by several (first: {name(pos)}, by ranks {owners})")
+        return "; ".join(parts)
+
+
+def ownership(indices: Any, size: int) -> Ownership:
+    """Count the ranks claiming each position of ``[0, size)``; ``indices[r]`` are rank
+    ``r``'s global positions (any integer array-like; empty for an empty rank).
+
+    Raises ``ConfigError`` for a position outside ``[0, size)``: those are named per rank
+    by the caller, which knows what the positions are.
+    """
+    _check_int("size", size, 0)
+    arrays = tuple(np.asarray(i, dtype=np.int64).reshape(-1) for i in indices)
+    counts = np.zeros(int(size), dtype=np.int64)
+    for r, idx in enumerate(arrays):
+        if idx.size and (idx.min() < 0 or idx.max() >= size):
+            raise ConfigError(
+                f"rank {r} claims positions {int(idx.min())}..{int(idx.max())} outside "
+                f"[0, {size}); positions are global, not local"
+            )
+        np.add.at(counts, idx, 1)
+    return Ownership(int(size), counts, arrays)
 
 
 # ---------------------------------------------------------------------- lat/lon

@@ -394,8 +394,8 @@ def test_a_position_owned_twice_fails_on_every_rank_instead_of_hanging(spatial):
     with pytest.raises(RankError) as info:
         spatial.run(assemble_twice_owned, ranks=4, timeout=20)
     assert sorted(info.value.ranks) == [0, 1, 2, 3], "every rank reaches the same verdict"
-    assert "position 0 by ranks [0, 1]" in str(info.value)
-    assert "missing (first [1])" in str(info.value)
+    assert "1 owned by several (first: 0, by ranks 0, 1)" in str(info.value)
+    assert "1 position owned by no rank (first: 1)" in str(info.value)
 
 
 def test_a_wrong_shard_length_on_one_rank_fails_on_every_rank_naming_it(spatial):

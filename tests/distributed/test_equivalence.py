@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -152,9 +154,13 @@ def test_a_skipped_collective_becomes_a_timeout_mismatch_with_the_waiting_stacks
         SkipsCollectiveWhenEmpty(), ranks=4, timeout=5, pool=spatial.pool(4)
     )
     assert "timeout" in report.quantities
-    waiting = [m for m in report.mismatches if m.quantity == "timeout"]
+    first = report.mismatches[0]
+    assert first.rank == 3 and "returned without error" in first.where  # the culprit
+    waiting = [m for m in report.mismatches if m.quantity == "timeout" and m.rank != 3]
     assert {m.rank for m in waiting} == {0, 1, 2}
     assert all("all_reduce" in m.detail for m in waiting)
+    # each waiting rank says where it was: the step and phase of the case
+    assert all(m.phase == "step 0 forward" and m.step == 0 for m in waiting)
     assert check_equivalence(CoupledMLPCase(), ranks=4, pool=spatial.pool(4)).ok
 
 
@@ -174,7 +180,10 @@ class Overlapping(CoupledMLPCase):
 def test_positions_owned_twice_or_never_are_a_coverage_mismatch(spatial):
     report = check_equivalence(Overlapping(npos=8), ranks=4, pool=spatial.pool(4))
     cov = [m for m in report.mismatches if m.quantity == "coverage"]
-    assert cov and "owned by no rank" in cov[0].where and "1 by several" in cov[0].where
+    assert cov and cov[0].where == (
+        "3 positions owned by no rank (first: position 2); "
+        "1 owned by several (first: position 0, by ranks 0, 1, 2, 3)"
+    )
 
 
 def test_a_float32_case_uses_float32_tolerances(spatial):
@@ -223,3 +232,133 @@ def test_a_malformed_shard_is_named_with_its_rank(spatial, case, quantity, says)
     report = check_equivalence(case(npos=8), ranks=4, pool=spatial.pool(4))
     bad = [m for m in report.mismatches if m.quantity == quantity and says in m.where]
     assert {m.rank for m in bad} == {1 if case is ShortShard else 3}
+
+
+# ---------------------------------------------------------------- non-finite values
+
+
+class NanLoss(CoupledMLPCase):
+    """A model whose loss is NaN everywhere: the reference's and every rank's."""
+
+    def forward(self, model, batch, topo):
+        out = super().forward(model, batch, topo)
+        return Outputs(out.loss * float("nan"), out.fields)
+
+
+class NanOnlyInTheReference(CoupledMLPCase):
+    """The single-process path divides by a count that is zero there (a bug of its own)."""
+
+    def forward(self, model, batch, topo):
+        out = super().forward(model, batch, topo)
+        if topo.spatial_group is None:
+            y = out.fields["out"].clone()
+            y[0, 2, 1] = float("inf")
+            return Outputs(out.loss, {"out": y})
+        return out
+
+
+@pytest.mark.parametrize(("ranks", "spatial_size"), [(1, None), (4, 1), (4, None)],
+                         ids=["one-rank", "spatial-groups-of-one", "four-ranks"])
+def test_a_nan_loss_fails_as_nonfinite_on_every_layout(spatial, ranks, spatial_size):
+    report = check_equivalence(NanLoss(npos=8, batch_size=4), ranks=ranks, spatial_size=spatial_size,
+                               pool=spatial.pool(ranks))
+    assert not report.ok
+    first = report.mismatches[0]
+    assert (first.quantity, first.run, first.of, first.step) == (
+        "nonfinite", "reference", "loss", 0)
+    assert {m.rank for m in report.mismatches if m.quantity == "nonfinite" and not m.run} == set(
+        range(ranks))
+    assert "sync" not in report.quantities  # identical NaNs are in sync
+
+
+def test_a_nonfinite_reference_field_is_named_as_the_reference(spatial):
+    report = check_equivalence(NanOnlyInTheReference(npos=8), ranks=2, pool=spatial.pool(2))
+    nonfinite = [m for m in report.mismatches if m.quantity == "nonfinite"]
+    assert [(m.run, m.of, m.name, m.where) for m in nonfinite] == [
+        ("reference", "field", "out", "(0, 2, 1) (1 inf)")] * 2  # at each step
+    assert "field" in report.quantities  # and the ranks' finite value differs from it
+
+
+class ExpectsNan(NanLoss):
+    expect_nonfinite = True
+
+
+def test_a_case_that_expects_nonfinite_values_passes_when_they_match(spatial):
+    assert check_equivalence(ExpectsNan(npos=8), ranks=2, pool=spatial.pool(2)).ok
+
+
+# ---------------------------------------------------------------- where a failure happened
+
+
+class CrashInForward(CoupledMLPCase):
+    def forward(self, model, batch, topo):
+        if topo.spatial_rank == 1:
+            os._exit(9)
+        return super().forward(model, batch, topo)
+
+
+class RaiseInBackward(CoupledMLPCase):
+    """Rank 0's backward raises at step 1 (the case object is fresh on every run)."""
+
+    def build(self, topo):
+        self.calls = 0
+        return super().build(topo)
+
+    def forward(self, model, batch, topo):
+        out = super().forward(model, batch, topo)
+        if topo.spatial_group is not None and topo.spatial_rank == 0 and self.calls == 1:
+            out.loss.register_hook(_raise)
+        self.calls += 1
+        return out
+
+
+def _raise(grad):
+    raise FloatingPointError("overflow in the decoder's backward")
+
+
+@pytest.mark.spatial_pool
+def test_a_crash_in_forward_names_the_step_and_phase(spatial):
+    report = check_equivalence(CrashInForward(npos=8), ranks=2, pool=spatial.pool(2))
+    crash = next(m for m in report.mismatches if m.quantity == "crash")
+    assert (crash.rank, crash.step, crash.phase) == (1, 0, "step 0 forward")
+    assert crash.headline().startswith("rank 1: crash 'coupled-mlp' in step 0 forward")
+
+
+@pytest.mark.spatial_pool
+def test_an_error_in_backward_names_the_step_and_phase(spatial):
+    report = check_equivalence(RaiseInBackward(npos=8), ranks=2, pool=spatial.pool(2))
+    error = report.mismatches[0]
+    assert (error.quantity, error.rank, error.step, error.phase) == (
+        "error", 0, 1, "step 1 backward")
+    assert "FloatingPointError: overflow in the decoder's backward" in error.where
+
+
+# ---------------------------------------------------------------- unusual but valid cases
+
+
+class NoParameters(SpatialCase):
+    """A model without parameters: a partitioned doubling, checked on loss and fields."""
+
+    dtype = torch.float64
+
+    def build(self, topo):
+        return torch.nn.Identity()
+
+    def batch(self, topo, step):
+        x = torch.randn(2, 6)
+        pos = position_range(6, topo)
+        return x[:, pos.start : pos.stop]
+
+    def forward(self, model, x, topo):
+        y = 2 * model(x)
+        loss = reduce_loss((y ** 2).sum(), topo) / 12
+        if topo.spatial_group is None:
+            return Outputs(loss, {"y": y})
+        pos = position_range(6, topo)
+        return Outputs(loss, {"y": Shard(y, torch.arange(pos.start, pos.stop), dim=1)})
+
+
+def test_a_model_without_parameters_is_checked_on_loss_and_fields(spatial):
+    report = check_equivalence(NoParameters(), ranks=4, pool=spatial.pool(4))
+    assert report.ok, report
+    assert report.worst("field") is not None and report.worst("grad") is None

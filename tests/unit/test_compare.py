@@ -1,0 +1,335 @@
+"""compare.py: the elementwise rule, its edge cases, and the texts built on it.
+
+Each test pins one rule at its boundary, so that loosening or dropping the line that
+implements it fails here (the mutation tox env checks that it does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness.compare import (
+    Bound,
+    EquivalenceReport,
+    Mismatch,
+    QuantityStats,
+    Tolerance,
+    bits_differ,
+    bitwise_equal,
+    compare_tensors,
+    equivalence_table,
+    format_table,
+    mismatch_table,
+    nonfinite_counts,
+    nonfinite_text,
+    scale_hint,
+)
+
+NAN, INF = math.nan, math.inf
+F64 = torch.float64
+
+
+def t(*values: float, dtype: torch.dtype = F64) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype)
+
+
+# ---------------------------------------------------------------- the bound
+
+
+@pytest.mark.parametrize(
+    ("actual", "ok"),
+    [(3.0, True), (1.0, True), (3.0 + 1e-12, False), (1.0 - 1e-12, False)],
+    ids=["upper-edge", "lower-edge", "just-over", "just-under"],
+)
+def test_the_bound_is_atol_plus_rtol_times_the_reference_inclusive(actual, ok):
+    # expected 2, rtol 0.25, atol 0.5: allowed |diff| <= 0.5 + 0.25 * 2 = 1.0 exactly
+    d = compare_tensors(t(actual), t(2.0), Bound(rtol=0.25, atol=0.5))
+    assert d.ok is ok
+    assert d.count == (0 if ok else 1)
+
+
+def test_rtol_scales_with_the_reference_not_the_actual_value():
+    # |101 - 100| = 1 <= 0.01 * 100; measured against |actual| = 101 it would also pass, so
+    # take a case where the two differ: expected 100, actual 98.99 (diff 1.01 > 1.0)
+    assert compare_tensors(t(101.0), t(100.0), Bound(0.01, 0.0)).ok
+    assert not compare_tensors(t(98.99), t(100.0), Bound(0.01, 0.0)).ok
+    assert compare_tensors(t(-101.0), t(-100.0), Bound(0.01, 0.0)).ok  # |expected|
+
+
+def test_atol_alone_holds_near_zero():
+    assert compare_tensors(t(1e-3), t(0.0), Bound(0.0, 1e-3)).ok
+    assert not compare_tensors(t(1.1e-3), t(0.0), Bound(0.0, 1e-3)).ok
+
+
+def test_exact_bound_refuses_one_ulp():
+    x = torch.tensor([1.0], dtype=F64)
+    assert not compare_tensors(torch.nextafter(x, t(2.0)), x, Bound(0.0, 0.0)).ok
+
+
+def test_the_numbers_name_the_worst_element():
+    actual = t(1.0, 2.5, 3.0, 10.0)
+    expected = t(1.0, 2.0, 3.0, 8.0)
+    d = compare_tensors(actual, expected, Bound(0.0, 0.1))
+    assert (d.ok, d.count, d.total, d.worst) == (False, 2, 4, 3)
+    assert d.max_abs == 2.0
+    assert d.max_rel == 0.25  # 0.5 / 2.0 = 0.25, 2.0 / 8.0 = 0.25
+    assert d.nonfinite == 0 and d.nonfinite_at is None
+
+
+def test_relative_error_leaves_out_entries_within_atol_of_zero():
+    # 1e-7 against 1e-9 is a relative error of 99, but |expected| <= atol: judged by atol only
+    d = compare_tensors(t(1e-7, 1.5), t(1e-9, 1.0), Bound(0.0, 1e-6))
+    assert d.max_rel == 0.5
+    assert d.count == 1 and d.worst == 1
+
+
+def test_equal_values_have_zero_error():
+    d = compare_tensors(t(1.0, -2.0), t(1.0, -2.0), Bound(0.0, 0.0))
+    assert (d.ok, d.max_abs, d.max_rel, d.count, d.total) == (True, 0.0, 0.0, 0, 2)
+
+
+# ---------------------------------------------------------------- non-finite values
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected"),
+    [(1.0, NAN), (NAN, 1.0), (NAN, NAN), (INF, INF), (-INF, -INF), (1.0, INF), (INF, 1.0),
+     (INF, -INF), (INF, NAN)],
+    ids=["ref-nan", "actual-nan", "both-nan", "both-inf", "both-minus-inf", "ref-inf",
+         "actual-inf", "inf-vs-minus-inf", "inf-vs-nan"],
+)
+def test_a_nan_or_inf_on_either_side_fails_even_when_both_match(actual, expected):
+    d = compare_tensors(t(0.0, actual), t(0.0, expected), Bound(1e-5, 1e-7))
+    assert not d.ok
+    assert (d.count, d.nonfinite, d.nonfinite_at, d.worst) == (1, 1, 1, 1)
+    assert d.max_abs == INF and d.max_rel == INF
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "ok"),
+    [(NAN, NAN, True), (INF, INF, True), (-INF, -INF, True), (1.0, NAN, False),
+     (NAN, 1.0, False), (INF, -INF, False), (NAN, INF, False), (1.0, INF, False)],
+    ids=["nan", "inf", "minus-inf", "ref-nan", "actual-nan", "sign", "nan-vs-inf", "ref-inf"],
+)
+def test_allowed_nonfinite_values_must_match_position_for_position(actual, expected, ok):
+    d = compare_tensors(t(actual, 2.0), t(expected, 2.0), Bound(1e-5, 1e-7),
+                        allow_nonfinite=True)
+    assert d.ok is ok
+    assert d.nonfinite == (0 if ok else 1)
+    assert d.count == (0 if ok else 1)
+    assert d.max_abs == (0.0 if ok else INF)
+
+
+def test_finite_positions_are_still_judged_next_to_allowed_nan():
+    d = compare_tensors(t(NAN, 3.0), t(NAN, 2.0), Bound(0.0, 0.5), allow_nonfinite=True)
+    assert (d.ok, d.count, d.max_abs, d.worst) == (False, 1, 1.0, 1)
+
+
+def test_nonfinite_counts_and_text():
+    assert nonfinite_counts(t(1.0, NAN, INF, NAN, -INF)) == (2, 2, 1)
+    assert nonfinite_counts(t(1.0, 2.0)) == (0, 0, None)
+    assert nonfinite_counts(torch.tensor([1, 2])) == (0, 0, None)
+    assert nonfinite_counts(torch.zeros(0)) == (0, 0, None)
+    assert nonfinite_counts(torch.tensor([1 + 1j, complex(1, NAN)])) == (1, 0, 1)
+    assert nonfinite_text(2, 0) == "2 NaN"
+    assert nonfinite_text(0, 1) == "1 inf"
+    assert nonfinite_text(1, 3) == "1 NaN, 3 inf"
+
+
+# ---------------------------------------------------------------- dtypes and shapes
+
+
+def test_complex_values_are_judged_by_the_modulus_of_the_difference():
+    e = torch.tensor([1 + 0j], dtype=torch.complex128)
+    # |0.36 + 0.48j| = 0.6 > 0.5, although each component is within 0.5
+    assert not compare_tensors(e + (0.36 + 0.48j), e, Bound(0.0, 0.5)).ok
+    # |0.3 + 0.4j| = 0.5: on the bound
+    assert compare_tensors(e + (0.3 + 0.4j), e, Bound(0.0, 0.5)).ok
+
+
+def test_complex_nan_in_one_component_is_nonfinite():
+    a = torch.tensor([complex(1, NAN)], dtype=torch.complex128)
+    b = torch.tensor([complex(1, NAN)], dtype=torch.complex128)
+    assert not compare_tensors(a, b, Bound(0, 0)).ok
+    assert compare_tensors(a, b, Bound(0, 0), allow_nonfinite=True).ok
+    c = torch.tensor([complex(NAN, 1)], dtype=torch.complex128)  # NaN elsewhere: differs
+    assert not compare_tensors(a, c, Bound(0, 0), allow_nonfinite=True).ok
+
+
+@pytest.mark.parametrize(
+    ("complex_dtype", "real_dtype"),
+    [(torch.complex128, torch.float64), (torch.complex64, torch.float32)],
+)
+def test_complex_tensors_get_the_tolerance_of_their_real_dtype(complex_dtype, real_dtype):
+    assert Tolerance.for_dtype(complex_dtype) == Tolerance.for_dtype(real_dtype)
+    assert Tolerance.for_dtype(complex_dtype) != Tolerance.exact()
+
+
+def test_default_tolerances_per_dtype():
+    f64 = Tolerance.for_dtype(torch.float64)
+    assert f64 == Tolerance.uniform(1e-10, 1e-12)
+    f32 = Tolerance.for_dtype(torch.float32)
+    assert (f32.loss, f32.grad, f32.field, f32.param) == (
+        Bound(1e-5, 1e-7), Bound(1e-4, 1e-6), Bound(1e-5, 3e-6), Bound(1e-5, 1e-6))
+    assert Tolerance.for_dtype(torch.bfloat16) == Tolerance.uniform(2e-2, 1e-3)
+    assert Tolerance.for_dtype(torch.float16) == Tolerance.uniform(2e-2, 1e-3)
+    assert Tolerance.for_dtype(torch.int64) == Tolerance.exact() == Tolerance.uniform(0, 0)
+    assert f64.with_(grad=(1.0, 2.0)).grad == Bound(1.0, 2.0)
+    assert f64.with_(grad=Bound(3.0, 4.0)).bound("grad") == Bound(3.0, 4.0)
+    assert f64.with_(grad=(1.0, 2.0)).loss == f64.loss
+
+
+@pytest.mark.parametrize(("rtol", "atol"), [(-1.0, 0.0), (0.0, -1e-9), (NAN, 0.0)])
+def test_a_negative_or_nan_tolerance_is_refused(rtol, atol):
+    with pytest.raises(ValueError, match="tolerances must be >= 0"):
+        Bound(rtol, atol)
+
+
+def test_empty_tensors_are_equal():
+    d = compare_tensors(torch.zeros(0, 3), torch.zeros(0, 3), Bound(0, 0))
+    assert (d.ok, d.count, d.total, d.worst, d.problem) == (True, 0, 0, None, "")
+
+
+def test_denormals_are_compared_not_flushed():
+    tiny = torch.tensor([5e-324], dtype=F64)  # the smallest subnormal
+    zero = torch.zeros(1, dtype=F64)
+    d = compare_tensors(zero, tiny, Bound(0.0, 0.0))
+    assert not d.ok and d.max_abs == 5e-324 and d.max_rel == 1.0
+    assert compare_tensors(zero, tiny, Bound(0.0, 1e-300)).ok
+    assert compare_tensors(tiny, tiny, Bound(0.0, 0.0)).ok
+
+
+def test_a_dtype_difference_is_a_problem_not_a_number():
+    d = compare_tensors(t(1.0, dtype=torch.float32), t(1.0), Bound(1.0, 1.0))
+    assert not d.ok
+    assert d.problem == "dtype torch.float32 where the reference has torch.float64"
+    assert math.isnan(d.max_abs) and (d.count, d.total, d.worst) == (0, 1, None)
+
+
+def test_a_shape_difference_is_a_problem_not_a_number():
+    d = compare_tensors(torch.zeros(2, 3), torch.zeros(3, 2), Bound(1.0, 1.0))
+    assert not d.ok and d.problem == "shape (2, 3) where the reference has (3, 2)"
+    assert d.total == 6
+
+
+def test_integers_are_exact_beyond_float64_precision():
+    big = 2**53
+    d = compare_tensors(torch.tensor([big + 1, 5]), torch.tensor([big, 5]), Bound(1.0, 1.0))
+    assert (d.ok, d.count, d.worst) == (False, 1, 0)
+    assert d.max_abs >= 1.0
+    assert compare_tensors(torch.tensor([3, 4]), torch.tensor([3, 4]), Bound(0, 0)).ok
+    assert not compare_tensors(torch.tensor([True]), torch.tensor([False]), Bound(1, 1)).ok
+
+
+# ---------------------------------------------------------------- bits
+
+
+def test_bitwise_equality_sees_one_ulp_and_the_sign_of_zero():
+    x = torch.tensor([1.0, 2.0], dtype=torch.float32)
+    y = x.clone()
+    y[1] = torch.nextafter(y[1], torch.tensor(3.0))
+    assert not bitwise_equal(x, y)
+    assert bits_differ(x, y) == 1
+    assert bitwise_equal(x, x.clone())
+    assert bits_differ(x, x.clone()) == 0
+    assert not bitwise_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert not bitwise_equal(x, x.double())
+    assert not bitwise_equal(x, x.reshape(2, 1))
+
+
+def test_the_same_nan_is_bitwise_equal():
+    nan = torch.tensor([NAN, 1.0])
+    assert bitwise_equal(nan, nan.clone())
+    assert bitwise_equal(torch.tensor(NAN), torch.tensor(NAN))  # 0-d
+
+
+# ---------------------------------------------------------------- hints
+
+
+def test_scale_hint_names_a_factor_of_the_group_size():
+    e = t(1.0, -2.0, 3.0)
+    assert scale_hint(4 * e, e, 4).startswith("exactly 4x the reference")
+    assert scale_hint(e / 4, e, 4).startswith("exactly 1/4 of the reference")
+    assert scale_hint(torch.zeros(3, dtype=F64), e, 4).startswith("all zeros on this rank")
+    assert scale_hint(3 * e, e, 4) == ""  # another factor: no telltale
+    assert scale_hint(e + t(0.1, 0.0, 0.0), e, 4) == ""  # not a pure factor
+    assert scale_hint(4 * e, e, 1) == ""  # one rank: no group to blame
+    assert scale_hint(e, torch.zeros(3, dtype=F64), 4) == ""
+    assert scale_hint(t(NAN, 1.0, 1.0), e, 4) == ""
+
+
+# ---------------------------------------------------------------- texts
+
+
+def test_format_table_pads_columns_and_leaves_the_last_free():
+    assert format_table(("a", "bb"), [("xyz", "1"), ("p", "qqqq")]) == [
+        "a    bb", "---  ----", "xyz  1", "p    qqqq"]
+    assert format_table(("a", "b"), [("xyz", "long text")], free_last=True) == [
+        "a    b", "---  -", "xyz  long text"]
+
+
+def test_a_nonfinite_mismatch_headline_names_the_run_quantity_and_position():
+    m = Mismatch("nonfinite", "encoder.weight", 0, None, where="(2, 1) (3 NaN)", count=3,
+                 total=24, run="reference", of="grad")
+    assert m.headline() == (
+        "the reference: nonfinite grad 'encoder.weight' at step 0, 3/24 not finite, "
+        "first at (2, 1) (3 NaN)")
+    assert mismatch_table([m])[2].split() == [
+        "nonfinite", "grad", "encoder.weight", "0", "reference", "-", "-", "3/24", "(2,",
+        "1)", "(3", "NaN)"]
+
+
+def test_a_headline_says_the_phase_a_rank_failed_in():
+    m = Mismatch("crash", "case", 0, 1, where="process killed by SIGKILL",
+                 phase="step 0 forward")
+    assert m.headline() == (
+        "rank 1: crash 'case' in step 0 forward: process killed by SIGKILL")
+    assert Mismatch("param", "w", None, 2).headline() == "rank 2: param 'w' after build"
+    assert Mismatch("loss", "loss", 1, None, 0.5, 0.25).headline() == (
+        "all ranks: loss 'loss' at step 1: max abs 0.5, max rel 0.25")
+
+
+def test_the_table_collapses_ranks_and_keeps_the_worst():
+    rows = mismatch_table([
+        Mismatch("grad", "w", 0, 1, 0.1, 0.2, "(0,)", 1, 4),
+        Mismatch("grad", "w", 0, 2, 0.3, 0.4, "(1,)", 2, 4),
+        Mismatch("grad", "w", 0, 3, 0.2, 0.4, "(2,)", 1, 4),
+    ])
+    assert len(rows) == 3
+    assert rows[2].split() == ["grad", "w", "0", "1-3", "3.00e-01", "4.00e-01", "2/4", "(1,)",
+                               "(rank", "2)"]
+
+
+def test_an_ok_report_says_equivalent_with_the_worst_errors():
+    stats = {q: QuantityStats() for q in ("loss", "grad", "field", "param")}
+    stats["grad"].compared, stats["grad"].max_rel = 3, 2e-13
+    report = EquivalenceReport("c", 4, 4, "p", 2, "float64", Tolerance.exact(), stats=stats)
+    assert report.ok and bool(report)
+    assert str(report).endswith("equivalent to the reference (worst relative error: grad 2.0e-13)")
+    assert report.worst("grad") == 2e-13 and report.worst("loss") is None
+    table = equivalence_table([report.summary_row()])
+    assert table[3].split()[-1] == "equivalent"
+
+
+def test_a_failed_report_has_first_table_and_remedy():
+    report = EquivalenceReport("c", 4, 4, "p", 2, "float64", Tolerance.exact(), mismatches=[
+        Mismatch("nonfinite", "loss", 0, None, run="reference", of="loss", where="(1 NaN)",
+                 count=1, total=1)])
+    text = str(report)
+    assert not report.ok and report.quantities == {"nonfinite"}
+    assert "First: the reference: nonfinite loss 'loss' at step 0" in text
+    assert "nonfinite: A NaN or inf" in text and "expect_nonfinite = True" in text
+
+
+def test_stats_keep_the_worst_and_ignore_nan():
+    s = QuantityStats()
+    for d in (
+        compare_tensors(t(1.5), t(1.0), Bound(1, 0.1)),
+        compare_tensors(t(1.1), t(1.0), Bound(1, 0.1)),
+        compare_tensors(t(1.0), t(1.0, 2.0), Bound(1, 0.1)),  # shape problem: NaN numbers
+    ):
+        s.add(d)
+    assert (s.compared, s.max_abs, s.max_rel) == (3, 0.5, 0.5)
