@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.compare import Tolerance, equivalence_table
+from harness.compare import Tolerance, equivalence_table, format_table
 from harness.equivalence import SpatialCase, check_equivalence
+from harness.errors import ConfigError
 from harness.goldens import GoldenStore
-from harness.pool import PoolRegistry
+from harness.pool import PoolRegistry, check_oversubscription
 
 
 @dataclass
@@ -67,13 +68,24 @@ def main(argv: list[str] | None = None) -> int:
         "--golden-dir", default="goldens/main", help="goldens of the main job (default %(default)s)"
     )
     parser.add_argument("--update-goldens", action="store_true", help="(re)write the goldens")
+    parser.add_argument("--oversubscribe", action="store_true",
+                        help="allow many more ranks than CPU cores")
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error(f"--ranks must be an integer >= 1, got {args.ranks}")
+    if not args.timeout > 0:  # also NaN
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}; "
+                     "e.g. --timeout 120")
+    try:
+        check_oversubscription(args.ranks, allow=args.oversubscribe, how="pass --oversubscribe")
+    except ConfigError as exc:
+        parser.error(f"--ranks {args.ranks}: {exc}")
 
     registry = PoolRegistry(default_ranks=args.ranks, timeout=args.timeout,
                             start_method="forkserver")
     store = GoldenStore(Path(args.golden_dir), update=args.update_goldens)
+    for path in store.sweep():
+        print(f"removed {path}: the temporary file of an interrupted golden write")
     use_goldens = args.update_goldens or Path(args.golden_dir).is_dir()
     failed = 0
     try:
@@ -90,10 +102,13 @@ def main(argv: list[str] | None = None) -> int:
             if use_goldens and report.reference:
                 dtype = next(iter(report.reference.values())).dtype
                 path = store.root / f"{_slug(cfg.label)}-r{args.ranks}.pt"
-                result = store.check(path, report.reference,
-                                     bound=Tolerance.for_dtype(dtype).field,
-                                     provenance={"case": cfg.label, "ranks": args.ranks,
-                                                 "partition": report.partition})
+                if store.update and not report.ok:  # goldens only from passing checks
+                    result = store.not_updated(path, "the equivalence check failed")
+                else:
+                    result = store.check(path, report.reference,
+                                         bound=Tolerance.for_dtype(dtype).field,
+                                         provenance={"case": cfg.label, "ranks": args.ranks,
+                                                     "partition": report.partition})
                 row["golden"] = result.status
                 failed += not result.ok
             failed += not report.ok
@@ -135,9 +150,8 @@ def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> int:
         shown = first + (f" (+{','.join(rest)})" if rest else "")
         rows.append((stepper, fault, ",".join(sorted(expected)), shown,
                      "caught" if caught else "MISSED"))
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    for line in format_table(header, rows):
+        print(line)
     print(f"{len(rows) - missed}/{len(rows)} faults caught")
     return missed
 

@@ -8,7 +8,13 @@ A golden is a dict saved by ``torch.save``::
 
 It is loaded with ``torch.load(weights_only=True)``: nothing in a golden is ever executed.
 Writes go to a temporary file in the same directory, then ``os.replace``: a golden is either
-the old file or the new one, never a truncated one, even if the writer is killed.
+the old file or the new one, never a truncated one, even if the writer is killed. A writer
+killed mid-write leaves its temporary file (``.<name>.<pid>.<random>.tmp``); ``sweep`` removes
+those of writers that are gone, and the plugin does so at the start of every session.
+
+A golden vouches only for finite values: a NaN or inf in a golden, or in what is checked
+against it, is a difference, and ``--update-goldens`` refuses to write one (unless the
+check declares non-finite values expected).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 
 import torch
 
-from harness.compare import Bound, compare_tensors
+from harness.compare import Bound, compare_tensors, nonfinite_counts, nonfinite_text
 from harness.errors import GoldenError
 
 FORMAT = "harness-golden"
@@ -45,10 +51,16 @@ def golden_stem(nodeid: str) -> str:
     return f"{path}/{name}" if name else path
 
 
+#: Outcomes of a golden check. ``refused``: non-finite values, not written; ``not updated``:
+#: the equivalence check behind it failed, so the old golden was kept.
+STATUSES = ("passed", "failed", "missing", "written", "updated", "unchanged", "refused",
+            "not updated")
+_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
+
+
 @dataclass
 class GoldenResult:
-    """The outcome of one golden check: ``status`` in passed, failed, missing, written,
-    updated, unchanged."""
+    """The outcome of one golden check: ``status`` is one of ``STATUSES``."""
 
     path: Path
     status: str
@@ -116,7 +128,11 @@ class GoldenStore:
             "provenance": {str(k): _plain(v) for k, v in provenance.items()},
             "tensors": {k: v.detach().to("cpu").clone() for k, v in tensors.items()},
         }
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        # The writer's pid in the name: ``sweep`` can tell a dead writer's leftover from a
+        # write in progress (another xdist worker's).
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent
+        )
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(data, f)
@@ -132,6 +148,21 @@ class GoldenStore:
                 os.unlink(tmp)
             raise
 
+    def sweep(self) -> list[Path]:
+        """Remove the temporary files of golden writes whose writer is gone (killed mid-write);
+        returns what was removed. A write in progress (its writer alive) is left alone."""
+        if not self.root.is_dir():
+            return []
+        removed = []
+        for tmp in sorted(self.root.rglob(".*.tmp")):
+            m = _TMP.match(tmp.name)
+            if m is None or _pid_alive(int(m["pid"])):
+                continue
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+                removed.append(tmp)
+        return removed
+
     # ------------------------------------------------------------------ check
 
     def check(
@@ -141,8 +172,13 @@ class GoldenStore:
         *,
         bound: Bound,
         provenance: Mapping[str, Any] | None = None,
+        allow_nonfinite: bool = False,
     ) -> GoldenResult:
-        """Compare ``tensors`` with the golden at ``path`` (or write it, when updating)."""
+        """Compare ``tensors`` with the golden at ``path`` (or write it, when updating).
+
+        A NaN or inf on either side is a difference unless ``allow_nonfinite``; updating
+        refuses to write non-finite tensors (status ``refused``).
+        """
         provenance = {**default_provenance(), **(provenance or {})}
         exists = path.exists()
         lines: list[str] = []
@@ -154,7 +190,7 @@ class GoldenStore:
                     raise
                 golden = None
             if golden is not None:
-                lines = diff_tensors(tensors, golden, bound)
+                lines = diff_tensors(tensors, golden, bound, allow_nonfinite=allow_nonfinite)
                 if not lines:
                     return GoldenResult(path, "unchanged" if self.update else "passed")
         if not self.update:
@@ -167,21 +203,46 @@ class GoldenStore:
             return GoldenResult(
                 path, "failed", [*lines, f"If the change is intended, {UPDATE_HINT}."]
             )
+        bad = [] if allow_nonfinite else _nonfinite_lines(tensors, "this run produced")
+        if bad:
+            return GoldenResult(path, "refused", [
+                f"not writing {path}: a golden vouches only for finite values, and this run "
+                "produced NaN or inf:", *bad,
+                "Make the run finite (or declare non-finite values expected), then update.",
+            ])
         self.write(path, tensors, provenance)
         return GoldenResult(path, "updated" if exists else "written", lines)
 
+    def not_updated(self, path: Path, reason: str) -> GoldenResult:
+        """The result for a golden left as it was because the check behind it failed."""
+        return GoldenResult(path, "not updated", [
+            f"not updated: {reason}; a golden is only written from a passing check. Fix the "
+            "check, then run --update-goldens again."
+        ])
+
 
 def diff_tensors(
-    actual: Mapping[str, torch.Tensor], golden: Mapping[str, torch.Tensor], bound: Bound
+    actual: Mapping[str, torch.Tensor],
+    golden: Mapping[str, torch.Tensor],
+    bound: Bound,
+    *,
+    allow_nonfinite: bool = False,
 ) -> list[str]:
-    """Lines describing every difference between two tensor maps (empty if none)."""
+    """Lines describing every difference between two tensor maps (empty if none).
+
+    Unless ``allow_nonfinite``, a NaN or inf on either side is a difference of its own (a
+    golden cannot vouch for it, matching or not).
+    """
     lines = []
     for name in sorted(golden.keys() - actual.keys()):
         lines.append(f"  {name}: in the golden but not produced any more")
     for name in sorted(actual.keys() - golden.keys()):
         lines.append(f"  {name}: produced but not in the golden")
+    if not allow_nonfinite:
+        lines += _nonfinite_lines(golden, "the golden holds")
+        lines += _nonfinite_lines(actual, "this run produced")
     for name in sorted(actual.keys() & golden.keys()):
-        d = compare_tensors(actual[name], golden[name], bound)
+        d = compare_tensors(actual[name], golden[name], bound, allow_nonfinite=True)
         if d.problem:
             lines.append(f"  {name}: {d.problem} (golden)")
         elif not d.ok:
@@ -190,6 +251,36 @@ def diff_tensors(
                 f"{bound.atol:g}); max abs {d.max_abs:.3g}, max rel {d.max_rel:.3g}"
             )
     return lines
+
+
+def _nonfinite_lines(tensors: Mapping[str, torch.Tensor], who: str) -> list[str]:
+    lines = []
+    for name in sorted(tensors):
+        t = tensors[name]
+        nan, inf, first = nonfinite_counts(t)
+        if first is not None:
+            at = str(tuple(int(i) for i in _unravel(first, t.shape))) if t.dim() else "()"
+            lines.append(f"  {name}: {who} {nonfinite_text(nan, inf)} of {t.numel()} "
+                         f"(first at {at})")
+    return lines
+
+
+def _unravel(flat: int, shape: torch.Size) -> list[int]:
+    out = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        out.append(i)
+    return out[::-1]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def default_provenance() -> dict[str, Any]:

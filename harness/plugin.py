@@ -20,7 +20,13 @@ from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError
 from harness.goldens import GoldenResult, GoldenStore, golden_stem
 from harness.launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch, launcher_env
-from harness.pool import DEFAULT_TIMEOUT, START_METHODS, PoolRegistry
+from harness.pool import (
+    DEFAULT_TIMEOUT,
+    OVERSUBSCRIBE_LIMIT,
+    START_METHODS,
+    PoolRegistry,
+    check_oversubscription,
+)
 
 DEFAULT_RANKS = 4
 
@@ -62,6 +68,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="DIR",
         help="write a PNG error map of each failing field to DIR (needs matplotlib)",
+    )
+    group.addoption(
+        "--spatial-oversubscribe",
+        action="store_true",
+        dest="spatial_oversubscribe",
+        help=f"allow more than {OVERSUBSCRIBE_LIMIT} rank processes per CPU core",
     )
     group.addoption(
         "--goldens-unused",
@@ -132,6 +144,22 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     ranks = _parse_ranks(_setting(config, "spatial_ranks"))
     timeout = _parse_timeout(_setting(config, "spatial_timeout"))
+    try:
+        check_oversubscription(
+            ranks, allow=config.getoption("spatial_oversubscribe"),
+            how="pass --spatial-oversubscribe",
+        )
+    except ConfigError as exc:
+        raise pytest.UsageError(f"--spatial-ranks {ranks}: {exc}") from None
+    if config.getoption("spatial_plots"):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise pytest.UsageError(
+                "--spatial-plots needs matplotlib, which is not installed; "
+                'pip install "pytest-spatial-harness[plots]" (or matplotlib), or drop '
+                "--spatial-plots"
+            ) from None
     start_method = config.getini("spatial_start_method") or "forkserver"
     if start_method not in START_METHODS:
         raise pytest.UsageError(
@@ -151,6 +179,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[_session_key] = session
     config.pluginmanager.register(session, "harness-session")
+    if not hasattr(config, "workerinput"):  # once per session: the controller, not each worker
+        session.swept = session.goldens.sweep()
 
 
 def _launcher_registry(config: pytest.Config, env: dict[str, int], timeout: float) -> Any:
@@ -245,6 +275,7 @@ class HarnessSession:
         self.golden_status: dict[str, str] = {}  # golden path -> last status
         self.equivalences: list[dict[str, Any]] = []
         self.nodeids: set[str] = set()
+        self.swept: list[Path] = []  # leftovers of interrupted golden writes, removed
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -269,12 +300,22 @@ class HarnessSession:
         counts: dict[str, int] = {}
         for status in self.golden_status.values():
             counts[status] = counts.get(status, 0) + 1
-        if counts:
-            order = ["written", "updated", "unchanged", "passed", "failed", "missing"]
-            text = ", ".join(f"{counts[k]} {k}" for k in order if counts.get(k))
+        if counts or self.swept:
             tr.write_sep("=", "goldens")
+        for path in self.swept:
+            tr.write_line(f"removed {path}: the temporary file of a golden write that was "
+                          "interrupted (its writer was killed); the golden itself is intact.")
+        if counts:
+            labels = {"not updated": "not updated (check failed)",
+                      "refused": "refused (not finite)"}
+            order = ["written", "updated", "unchanged", "passed", "failed", "missing",
+                     "not updated", "refused"]
+            text = ", ".join(f"{counts[k]} {labels.get(k, k)}" for k in order if counts.get(k))
             n = sum(counts.values())
             tr.write_line(f"{n} golden{'s' if n != 1 else ''}: {text}.")
+            if counts.get("not updated") or counts.get("refused"):
+                tr.write_line("Goldens are only written from passing, finite checks: fix "
+                              "the failing tests, then run --update-goldens again.")
             if counts.get("written") or counts.get("updated"):
                 tr.write_line(f"Review and commit the changes under {self.goldens.root}.")
             elif counts.get("missing") or counts.get("failed"):
@@ -362,12 +403,16 @@ class SpatialFixture:
         ranks: int,
         timeout: float,
         golden: GoldenFixture,
+        *,
+        fresh: bool = False,
     ) -> None:
         self._registry = registry
         self._golden = golden
         self._node = node
         self.ranks = ranks
         self.timeout = timeout
+        self.fresh = fresh
+        self._used: dict[int, Any] = {}  # world size -> pool, for fresh tests
 
     def run(
         self,
@@ -417,6 +462,9 @@ class SpatialFixture:
                 report.reference,
                 name=name,
                 bound=Tolerance.for_dtype(dtype).field,
+                # a golden is only ever written from a check that passed
+                refuse_update="the equivalence check failed" if not report.ok else None,
+                allow_nonfinite=kwargs.get("allow_nonfinite") or case.expect_nonfinite,
                 provenance={
                     "case": report.case,
                     "ranks": report.ranks,
@@ -453,10 +501,21 @@ class SpatialFixture:
         return isinstance(self._registry, LauncherRegistry)
 
     def _pool(self, ranks: int | None) -> Any:
+        size = ranks or self.ranks
         try:
-            return self._registry.get(ranks or self.ranks)
+            pool = self._registry.get(size)
         except WorldSizeMismatch as exc:
             pytest.skip(f"{exc} (run it without torchrun/srun, or with that many ranks)")
+        if self.fresh and size not in self._used:
+            pool.discard()  # brand-new rank processes: no module globals of earlier tests
+            self._used[size] = pool
+        return pool
+
+    def discard_used(self) -> None:
+        """After a fresh test: its rank processes go with it."""
+        for pool in self._used.values():
+            pool.discard()
+        self._used.clear()
 
     def _attach_output(self, outputs: list[str]) -> None:
         for rank, text in enumerate(outputs):
@@ -471,14 +530,28 @@ def spatial(request: pytest.FixtureRequest) -> Iterator[SpatialFixture]:
     marker = request.node.get_closest_marker("spatial")
     ranks = registry.default_ranks
     timeout = registry.timeout
+    fresh = False
     if marker is not None:
+        unknown = set(marker.kwargs) - {"ranks", "timeout", "fresh"}
+        if unknown:
+            raise ConfigError(
+                f"@pytest.mark.spatial got unknown option(s) {sorted(unknown)}; it takes "
+                "ranks=, timeout= and fresh="
+            )
         ranks = marker.kwargs.get("ranks") or (marker.args[0] if marker.args else ranks)
         timeout = marker.kwargs.get("timeout") or timeout
+        fresh = bool(marker.kwargs.get("fresh", False))
         if not isinstance(ranks, int) or ranks < 1:
             raise ConfigError(
                 f"@pytest.mark.spatial(ranks=...) must be an integer >= 1, got {ranks!r}"
             )
-    yield SpatialFixture(registry, request.node, ranks, timeout, _golden_fixture(request))
+    if fresh and isinstance(registry, LauncherRegistry):
+        pytest.skip("spatial(fresh=True) needs brand-new rank processes; under torchrun/srun "
+                    "the ranks are the launcher's")
+    fixture = SpatialFixture(registry, request.node, ranks, timeout, _golden_fixture(request),
+                             fresh=fresh)
+    yield fixture
+    fixture.discard_used()  # a fresh test's module globals stay with it
 
 
 class GoldenFixture:
@@ -494,11 +567,13 @@ class GoldenFixture:
         *,
         name: str | None = None,
         tolerance: Bound | tuple[float, float] | None = None,
+        allow_nonfinite: bool = False,
     ) -> GoldenResult:
         """Compare ``tensors`` ({name: tensor}) with this test's golden; fail if they differ.
 
         ``tolerance`` is a ``Bound`` or ``(rtol, atol)``; the default is the field tolerance
-        of the tensors' dtype (``Tolerance.for_dtype``).
+        of the tensors' dtype (``Tolerance.for_dtype``). A NaN or inf on either side fails
+        (and is never written) unless ``allow_nonfinite``.
         """
         __tracebackhide__ = True
         if not tensors:
@@ -507,7 +582,8 @@ class GoldenFixture:
             bound = Tolerance.for_dtype(next(iter(tensors.values())).dtype).field
         else:
             bound = tolerance if isinstance(tolerance, Bound) else Bound(*tolerance)
-        result = self.check_tensors(tensors, name=name, bound=bound)
+        result = self.check_tensors(tensors, name=name, bound=bound,
+                                    allow_nonfinite=allow_nonfinite)
         if not result.ok:
             pytest.fail(str(result), pytrace=False)
         return result
@@ -519,9 +595,15 @@ class GoldenFixture:
         name: str | None,
         bound: Bound,
         provenance: dict[str, Any] | None = None,
+        refuse_update: str | None = None,
+        allow_nonfinite: bool = False,
     ) -> GoldenResult:
         path = self._store.path_for(self._node.nodeid, name)
-        result = self._store.check(path, tensors, bound=bound, provenance=provenance)
+        if refuse_update and self._store.update:
+            result = self._store.not_updated(path, refuse_update)
+        else:
+            result = self._store.check(path, tensors, bound=bound, provenance=provenance,
+                                       allow_nonfinite=allow_nonfinite)
         self._node.user_properties.append((_GOLDEN_PROP, (str(path), result.status)))
         return result
 

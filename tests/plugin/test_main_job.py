@@ -40,3 +40,18 @@ def test_a_bad_rank_count_is_a_usage_error(tmp_path):
     proc = _main_job("--ranks", "0", cwd=tmp_path)
     assert proc.returncode == 2
     assert "--ranks must be an integer >= 1, got 0" in proc.stderr
+
+
+def test_a_zero_or_negative_timeout_is_a_usage_error(tmp_path):
+    for value in ("0", "-1"):
+        proc = _main_job("--timeout", value, "--no-faults", cwd=tmp_path)
+        assert proc.returncode == 2
+        assert f"--timeout must be a positive number of seconds, got {float(value):g}" in (
+            proc.stderr)
+
+
+def test_far_more_ranks_than_cores_is_refused_with_the_way_to_insist(tmp_path):
+    proc = _main_job("--ranks", "100000", "--no-faults", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "--ranks 100000: 100000 rank processes on a machine with" in proc.stderr
+    assert "pass --oversubscribe to insist" in proc.stderr

@@ -87,6 +87,42 @@ def test_a_bad_spatial_ranks_is_a_one_line_usage_error(pytester, value):
     ]
 
 
+def test_far_more_ranks_than_cores_is_a_usage_error_that_says_how_to_insist(pytester):
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest("--spatial-ranks=100000")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    (line,) = [line for line in result.errlines if line.strip()]
+    assert line.startswith("ERROR: --spatial-ranks 100000: 100000 rank processes on a machine")
+    assert line.endswith("Use fewer ranks, or pass --spatial-oversubscribe to insist.")
+    result = pytester.runpytest("--spatial-ranks=100000", "--spatial-oversubscribe")
+    result.assert_outcomes(passed=1)
+
+
+def test_spatial_plots_without_matplotlib_is_refused_at_startup(pytester):
+    pytester.makeconftest("import sys\nsys.modules['matplotlib'] = None  # not installed\n")
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest_subprocess("--spatial-plots=maps")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --spatial-plots needs matplotlib, which is not "
+                                 "installed*drop --spatial-plots"])
+
+
+def test_an_unknown_marker_option_is_named(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.spatial(rank=2)
+        def test_typo(spatial):
+            pass
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(errors=1)
+    assert ("@pytest.mark.spatial got unknown option(s) ['rank']; it takes ranks=, timeout= "
+            "and fresh=") in result.stdout.str()
+
+
 def test_a_bad_timeout_is_a_usage_error(pytester):
     result = pytester.runpytest("--spatial-timeout=soon")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -148,6 +184,60 @@ def test_a_broken_downstream_case_fails_with_the_table(pytester):
             "*What to do:*",
         ]
     )
+
+
+def test_update_goldens_never_writes_the_golden_of_a_failing_check(pytester):
+    pytester.makeini("[pytest]\ngolden_dir = goldens\n")
+    pytester.makepyfile(test_down=DOWNSTREAM.format(broken=False))
+    pytester.runpytest_subprocess("--spatial-ranks=2", "--update-goldens").assert_outcomes(
+        passed=1)
+    golden = pytester.path / "goldens" / "test_down" / "test_scale_is_equivalent.pt"
+    before = golden.read_bytes()
+    pytester.makepyfile(test_down=DOWNSTREAM.format(broken=True))
+    result = pytester.runpytest_subprocess("--spatial-ranks=2", "--update-goldens")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*1 golden: 1 not updated (check failed).*",
+        "*Goldens are only written from passing, finite checks*",
+    ])
+    assert "Review and commit" not in result.stdout.str()
+    assert golden.read_bytes() == before  # the old golden is kept
+    (golden.parent / "other.pt").unlink(missing_ok=True)
+    golden.unlink()
+    result = pytester.runpytest_subprocess("--spatial-ranks=2", "--update-goldens")
+    result.assert_outcomes(failed=1)
+    assert not golden.exists()  # nor a new one
+
+
+def test_a_golden_check_of_nonfinite_values_fails_and_is_never_written(pytester):
+    pytester.makepyfile(
+        """
+        import torch
+
+        def test_nan(golden):
+            golden.check({"x": torch.tensor([1.0, float("nan")])})
+
+        def test_declared(golden):
+            golden.check({"x": torch.tensor([1.0, float("nan")])}, allow_nonfinite=True)
+        """
+    )
+    result = pytester.runpytest("--update-goldens")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*x: this run produced 1 NaN of 2 (first at (1,))*",
+                                 "*2 goldens: 1 written, 1 refused (not finite).*"])
+    assert [p.name for p in (pytester.path / "goldens").rglob("*.pt")] == ["test_declared.pt"]
+
+
+def test_a_leftover_of_an_interrupted_golden_write_is_removed_and_named(pytester):
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    stale = pytester.path / "goldens" / "t" / ".x.pt.999999999.k2j3h4.tmp"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"half a golden")
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*removed *.x.pt.999999999.k2j3h4.tmp: the temporary file of "
+                                 "a golden write that was interrupted*"])
+    assert not stale.exists()
 
 
 def test_what_a_rank_prints_is_shown_with_a_failing_test(pytester):
@@ -270,6 +360,46 @@ def test_ctrl_c_leaves_no_rank_process_behind(pytester):
     out, _ = proc.communicate(timeout=60)
     assert b"KeyboardInterrupt" in out
     assert _wait_gone(tag) == []
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie (exited, waiting for whoever adopted it to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_sigkill_of_pytest_leaves_no_rank_and_no_fork_server_behind(pytester):
+    pytester.makepyfile(test_hang=HANG.format(timeout=100))
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_hang.py"],
+        cwd=pytester.path, env=_tag_env(tag),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while len(_tagged_pids(tag)) < 6 and time.monotonic() < deadline:  # + fork server
+        time.sleep(0.2)
+    assert len(_tagged_pids(tag)) >= 6, "ranks never started"
+    (server,) = [pid for pid in _tagged_pids(tag)  # pytest's child; the ranks are its children
+                 if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                 and _parent(pid) == proc.pid]
+    time.sleep(1.0)
+    proc.kill()
+    proc.wait()
+    # The fork server sees EOF at once; it used to spend seconds tearing torch down (6-10 s
+    # on a loaded machine, >= 1.5 s idle), outliving the session. Now it exits at once: a
+    # liveness bound, with a wide margin over the ~0.1 s it takes.
+    t0 = time.monotonic()
+    while not _exited(server) and time.monotonic() - t0 < 1.0:
+        time.sleep(0.02)
+    assert _exited(server), "the fork server outlived its session"
+    assert _wait_gone(tag, seconds=5.0) == []  # ranks poll their owner every 0.5 s
 
 
 ERROR_MAPS = """

@@ -112,31 +112,118 @@ def test_nothing_in_a_golden_is_ever_executed(tmp_path):
     assert not marker.exists()
 
 
+# The writer writes half of a golden's bytes, says so, then waits to be killed: a kill that
+# lands mid-write every time, not by luck of timing.
 _WRITER = """
-import sys, torch
+import sys, time, torch
 from harness.goldens import GoldenStore
-from harness.compare import Bound
+
+real_save = torch.save
+
+def save_half_then_hang(obj, f, *args, **kwargs):
+    import io
+    buf = io.BytesIO()
+    real_save(obj, buf, *args, **kwargs)
+    data = buf.getvalue()
+    f.write(data[: len(data) // 2])
+    f.flush()
+    print("writing started", flush=True)
+    time.sleep(60)
+
+torch.save = save_half_then_hang
 store = GoldenStore(sys.argv[1], update=True)
-path = store.root / "big.pt"
-i = 0
-while True:
-    i += 1
-    store.write(path, {"x": torch.full((2_000_000,), float(i))}, {"i": i})
+store.write(store.root / "big.pt", {"x": torch.full((200_000,), 1.0)}, {"i": 1})
 """
 
 
-def test_killing_a_writer_mid_update_never_leaves_a_truncated_golden(tmp_path):
+def test_a_writer_killed_mid_write_leaves_the_old_golden_and_the_next_run_cleans_up(tmp_path):
     store = GoldenStore(tmp_path, update=True)
     path = tmp_path / "big.pt"
-    store.write(path, {"x": torch.zeros(2_000_000)}, {})
-    for delay in (0.4, 0.9, 1.5):
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)])
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
+    store.write(path, {"x": torch.zeros(200_000)}, {})
+    before = path.read_bytes()
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "writing started"  # the handshake
+    finally:
+        proc.kill()
         proc.wait()
-        x = store.load(path)["tensors"]["x"]  # loads: either the old or a complete new file
-        assert x.shape == (2_000_000,) and bool((x == x[0]).all())
-    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["big.pt"]
+    assert path.read_bytes() == before, "the golden itself was never touched"
+    assert torch.equal(store.load(path)["tensors"]["x"], torch.zeros(200_000))
+    leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name != "big.pt")
+    assert len(leftovers) == 1 and leftovers[0].startswith(f".big.pt.{proc.pid}.")
+    assert [p.name for p in store.sweep()] == leftovers  # the next run removes it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.pt"]
+
+
+def test_sweep_leaves_a_write_in_progress_alone(tmp_path):
+    live = tmp_path / f".a.pt.{os.getpid()}.abcd1234.tmp"  # this process: alive
+    live.write_bytes(b"half")
+    other = tmp_path / "sub" / ".b.pt.999999999.zz.tmp"  # no such pid
+    other.parent.mkdir()
+    other.write_bytes(b"half")
+    assert GoldenStore(tmp_path).sweep() == [other]
+    assert live.exists() and not other.exists()
+
+
+# ---------------------------------------------------------------- non-finite values
+
+
+def _nan_tensors() -> dict[str, torch.Tensor]:
+    out = tensors()
+    out["grad/w"][1, 0] = float("nan")
+    return out
+
+
+def test_a_golden_holding_nan_accepts_nothing(tmp_path):
+    path = tmp_path / "a.pt"
+    GoldenStore(tmp_path).write(path, _nan_tensors(), {})  # e.g. from an older harness
+    for checked in (tensors(), _nan_tensors()):
+        result = GoldenStore(tmp_path).check(path, checked, bound=Bound(1e-5, 1e-5))
+        assert result.status == "failed"
+        assert "grad/w: the golden holds 1 NaN of 6 (first at (1, 0))" in str(result)
+
+
+def test_updating_over_a_golden_holding_nan_is_not_unchanged(tmp_path):
+    path = tmp_path / "a.pt"
+    GoldenStore(tmp_path).write(path, _nan_tensors(), {})
+    assert GoldenStore(tmp_path, update=True).check(path, tensors(), bound=EXACT).status == (
+        "updated")
+
+
+def test_a_run_producing_nan_fails_against_a_finite_golden(tmp_path):
+    path = tmp_path / "a.pt"
+    GoldenStore(tmp_path, update=True).check(path, tensors(), bound=EXACT)
+    result = GoldenStore(tmp_path).check(path, _nan_tensors(), bound=Bound(1.0, 1.0))
+    assert result.status == "failed"
+    assert "grad/w: this run produced 1 NaN of 6 (first at (1, 0))" in str(result)
+
+
+def test_update_refuses_to_write_a_nonfinite_golden(tmp_path):
+    path = tmp_path / "a.pt"
+    result = GoldenStore(tmp_path, update=True).check(path, _nan_tensors(), bound=EXACT)
+    assert result.status == "refused" and not result.ok
+    assert "a golden vouches only for finite values" in str(result)
+    assert not path.exists()
+    inf = {"loss": torch.tensor(float("inf"))}
+    assert GoldenStore(tmp_path, update=True).check(path, inf, bound=EXACT).status == "refused"
+
+
+def test_declared_nonfinite_values_are_written_and_must_then_match(tmp_path):
+    path = tmp_path / "a.pt"
+    updating = GoldenStore(tmp_path, update=True)
+    result = updating.check(path, _nan_tensors(), bound=EXACT, allow_nonfinite=True)
+    assert result.status == "written"
+    checking = GoldenStore(tmp_path)
+    assert checking.check(path, _nan_tensors(), bound=EXACT, allow_nonfinite=True).ok
+    assert not checking.check(path, tensors(), bound=Bound(1.0, 1.0), allow_nonfinite=True).ok
+
+
+def test_a_golden_not_updated_says_why(tmp_path):
+    result = GoldenStore(tmp_path, update=True).not_updated(tmp_path / "a.pt", "it failed")
+    assert result.status == "not updated" and not result.ok
+    assert "not updated: it failed; a golden is only written from a passing check" in str(result)
 
 
 def test_golden_names_follow_the_test_node_id():
