@@ -46,9 +46,17 @@ def _mlp(**kw) -> SpatialCase:
 
 DRAWS: dict[str, tuple[Callable[..., SpatialCase], st.SearchStrategy[dict]]] = {
     "coupled-mlp": (_mlp, st.fixed_dictionaries({"npos": st.integers(1, 40)})),
-    "sfno": (_sfno, st.fixed_dictionaries({
-        "nlat": st.integers(8, 24), "nlon": st.integers(8, 40), "h": st.just(2),
-        "w": st.just(2)})),
+    "sfno": (
+        _sfno,
+        st.fixed_dictionaries(
+            {
+                "nlat": st.integers(8, 24),
+                "nlon": st.integers(8, 40),
+                "h": st.just(2),
+                "w": st.just(2),
+            }
+        ),
+    ),
     "healpix": (_healpix, st.fixed_dictionaries({"nside": st.sampled_from([1, 2, 4])})),
 }
 
@@ -56,8 +64,13 @@ DRAWS: dict[str, tuple[Callable[..., SpatialCase], st.SearchStrategy[dict]]] = {
 def examples_per_second(pool, make, strategy, n: int) -> float:
     times: list[float] = []
 
-    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(kwargs=strategy)
     def run(kwargs):
         t0 = time.perf_counter()
@@ -96,8 +109,10 @@ def main() -> None:
                 print(f"  {name:<12} skipped ({exc})")
                 continue
             base = base or rate
-            print(f"  {name:<12} {rate:6.2f} examples/s   ({base / rate:4.1f}x the time of "
-                  "coupled-mlp)")
+            print(
+                f"  {name:<12} {rate:6.2f} examples/s   ({base / rate:4.1f}x the time of "
+                "coupled-mlp)"
+            )
         print("\nScaling of one check with grid size (ratio to the smallest):")
         for name, make, sizes in (
             ("sfno nlat", _sfno, [16, 32, 64, 128]),
@@ -105,8 +120,11 @@ def main() -> None:
         ):
             first = None
             for size in sizes:
-                kw = ({"nlat": size, "nlon": 2 * size, "h": 2, "w": 2} if name.startswith("sfno")
-                      else {"nside": size})
+                kw = (
+                    {"nlat": size, "nlon": 2 * size, "h": 2, "w": 2}
+                    if name.startswith("sfno")
+                    else {"nside": size}
+                )
                 try:
                     seconds = one_check(pool, make, **kw)
                 except ImportError as exc:

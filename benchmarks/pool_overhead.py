@@ -26,8 +26,10 @@ def trivial_job() -> float:
 
 
 def _stats(xs: list[float]) -> str:
-    return (f"median {statistics.median(xs) * 1e3:8.1f} ms  min {min(xs) * 1e3:8.1f} ms  "
-            f"max {max(xs) * 1e3:8.1f} ms")
+    return (
+        f"median {statistics.median(xs) * 1e3:8.1f} ms  min {min(xs) * 1e3:8.1f} ms  "
+        f"max {max(xs) * 1e3:8.1f} ms"
+    )
 
 
 def _cold(ranks: int, start_method: str, jobs: int) -> list[float]:

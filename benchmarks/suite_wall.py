@@ -25,8 +25,12 @@ def _tagged(tag: bytes) -> dict[int, str]:
         if entry.name.isdigit():
             try:
                 if tag in (entry / "environ").read_bytes():
-                    found[int(entry.name)] = (entry / "cmdline").read_bytes().decode(
-                        "utf-8", "replace").replace("\0", " ")
+                    found[int(entry.name)] = (
+                        (entry / "cmdline")
+                        .read_bytes()
+                        .decode("utf-8", "replace")
+                        .replace("\0", " ")
+                    )
             except OSError:
                 continue
     return found
@@ -60,8 +64,12 @@ def run(args: list[str]) -> tuple[float, int, int, str]:
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     done.set()
     thread.join()
@@ -79,8 +87,10 @@ def main() -> None:
     for label, extra in (("-n auto", ["-n", "auto"]), ("-n 0 (baseline)", ["-n", "0"])):
         wall, rank_kib, pytest_kib, last = run(extra + common)
         results[label] = wall
-        print(f"{label:<16} wall {wall:7.1f} s   peak RSS: rank {rank_kib / 1024:6.0f} MiB, "
-              f"pytest {pytest_kib / 1024:6.0f} MiB   [{last}]")
+        print(
+            f"{label:<16} wall {wall:7.1f} s   peak RSS: rank {rank_kib / 1024:6.0f} MiB, "
+            f"pytest {pytest_kib / 1024:6.0f} MiB   [{last}]"
+        )
     ratio = results["-n 0 (baseline)"] / results["-n auto"]
     print(f"\n-n auto is {ratio:.2f}x faster than -n 0 on this machine")
 

@@ -68,21 +68,25 @@ def main(argv: list[str] | None = None) -> int:
         "--golden-dir", default="goldens/main", help="goldens of the main job (default %(default)s)"
     )
     parser.add_argument("--update-goldens", action="store_true", help="(re)write the goldens")
-    parser.add_argument("--oversubscribe", action="store_true",
-                        help="allow many more ranks than CPU cores")
+    parser.add_argument(
+        "--oversubscribe", action="store_true", help="allow many more ranks than CPU cores"
+    )
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error(f"--ranks must be an integer >= 1, got {args.ranks}")
     if not args.timeout > 0:  # also NaN
-        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}; "
-                     "e.g. --timeout 120")
+        parser.error(
+            f"--timeout must be a positive number of seconds, got {args.timeout:g}; "
+            "e.g. --timeout 120"
+        )
     try:
         check_oversubscription(args.ranks, allow=args.oversubscribe, how="pass --oversubscribe")
     except ConfigError as exc:
         parser.error(f"--ranks {args.ranks}: {exc}")
 
-    registry = PoolRegistry(default_ranks=args.ranks, timeout=args.timeout,
-                            start_method="forkserver")
+    registry = PoolRegistry(
+        default_ranks=args.ranks, timeout=args.timeout, start_method="forkserver"
+    )
     store = GoldenStore(Path(args.golden_dir), update=args.update_goldens)
     for path in store.sweep():
         print(f"removed {path}: the temporary file of an interrupted golden write")
@@ -90,13 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     try:
         t0 = time.perf_counter()
-        print(f"harness: checking the built-in steppers on {args.ranks} ranks "
-              "(gloo, CPU) against their single-process references", flush=True)
+        print(
+            f"harness: checking the built-in steppers on {args.ranks} ranks "
+            "(gloo, CPU) against their single-process references",
+            flush=True,
+        )
         rows = []
         for cfg in configs(args.ranks):
-            report = check_equivalence(cfg.case(), ranks=args.ranks,
-                                       spatial_size=cfg.spatial_size,
-                                       pool=registry.get(args.ranks), timeout=args.timeout)
+            report = check_equivalence(
+                cfg.case(),
+                ranks=args.ranks,
+                spatial_size=cfg.spatial_size,
+                pool=registry.get(args.ranks),
+                timeout=args.timeout,
+            )
             row = report.summary_row()
             row["case"] = cfg.label
             if use_goldens and report.reference:
@@ -105,16 +116,25 @@ def main(argv: list[str] | None = None) -> int:
                 if store.update and not report.ok:  # goldens only from passing checks
                     result = store.not_updated(path, "the equivalence check failed")
                 else:
-                    result = store.check(path, report.reference,
-                                         bound=Tolerance.for_dtype(dtype).field,
-                                         provenance={"case": cfg.label, "ranks": args.ranks,
-                                                     "partition": report.partition})
+                    result = store.check(
+                        path,
+                        report.reference,
+                        bound=Tolerance.for_dtype(dtype).field,
+                        provenance={
+                            "case": cfg.label,
+                            "ranks": args.ranks,
+                            "partition": report.partition,
+                        },
+                    )
                 row["golden"] = result.status
                 failed += not result.ok
             failed += not report.ok
             rows.append(row)
-            print(f"  {cfg.label:<22} {'equivalent' if report.ok else 'MISMATCH'}"
-                  f"  ({report.seconds:.1f}s)", flush=True)
+            print(
+                f"  {cfg.label:<22} {'equivalent' if report.ok else 'MISMATCH'}"
+                f"  ({report.seconds:.1f}s)",
+                flush=True,
+            )
             if not report.ok:
                 print(report)
         print()
@@ -125,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.no_faults:
             failed += _fault_matrix(args, registry)
-        print(f"\n{'ALL CHECKS PASSED' if not failed else f'{failed} CHECK(S) FAILED'} "
-              f"in {time.perf_counter() - t0:.0f}s")
+        print(
+            f"\n{'ALL CHECKS PASSED' if not failed else f'{failed} CHECK(S) FAILED'} "
+            f"in {time.perf_counter() - t0:.0f}s"
+        )
     finally:
         registry.close()
     return 1 if failed else 0
@@ -139,17 +161,21 @@ def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> int:
     rows = []
     missed = 0
     for stepper, cfg, fault, expected in matrix:
-        report = check_equivalence(cfg.case(faults=(fault,)), ranks=args.ranks,
-                                   spatial_size=cfg.spatial_size,
-                                   pool=registry.get(args.ranks),
-                                   timeout=min(args.timeout, 10.0))
+        report = check_equivalence(
+            cfg.case(faults=(fault,)),
+            ranks=args.ranks,
+            spatial_size=cfg.spatial_size,
+            pool=registry.get(args.ranks),
+            timeout=min(args.timeout, 10.0),
+        )
         caught = report.quantities & expected
         missed += not caught
         first = report.mismatches[0].quantity if report.mismatches else "-"
         rest = sorted(report.quantities - {first})
         shown = first + (f" (+{','.join(rest)})" if rest else "")
-        rows.append((stepper, fault, ",".join(sorted(expected)), shown,
-                     "caught" if caught else "MISSED"))
+        rows.append(
+            (stepper, fault, ",".join(sorted(expected)), shown, "caught" if caught else "MISSED")
+        )
     for line in format_table(header, rows):
         print(line)
     print(f"{len(rows) - missed}/{len(rows)} faults caught")

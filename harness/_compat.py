@@ -102,9 +102,21 @@ def group_sequence_numbers() -> dict[str, tuple[int, tuple[int, ...]]]:
 #: torch.distributed functions that can leave an operation in flight after they return:
 #: those with ``async_op=`` and the point-to-point ones that always return a work.
 _ASYNC = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
-    "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-    "barrier", "isend", "irecv", "batch_isend_irecv",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
 )
 
 
@@ -244,8 +256,12 @@ def use_uneven_transposes() -> None:
 
 
 def _transpose_uneven(
-    tensor: Any, dim0: int, dim1: int, dim1_split_sizes: list[int],
-    group: Any = None, async_op: bool = False,
+    tensor: Any,
+    dim0: int,
+    dim1: int,
+    dim1_split_sizes: list[int],
+    group: Any = None,
+    async_op: bool = False,
 ) -> tuple[list[Any], list[int], None]:
     """torch-harmonics 0.8's ``primitives._transpose`` on ``all_to_all_single``: same contract.
 
@@ -270,8 +286,10 @@ def _transpose_uneven(
     recv_numels = [int(np.prod(s)) * pair for s in recv_shapes]
     recv = torch.empty(sum(recv_numels), dtype=flat[0].dtype, device=tensor.device)
     dist.all_to_all_single(
-        recv, torch.cat([c.reshape(-1) for c in flat]),
-        output_split_sizes=recv_numels, input_split_sizes=[c.numel() for c in flat],
+        recv,
+        torch.cat([c.reshape(-1) for c in flat]),
+        output_split_sizes=recv_numels,
+        input_split_sizes=[c.numel() for c in flat],
         group=group,
     )
     out = []

@@ -247,8 +247,9 @@ class _Rank:
         from harness._compat import group_sequence_numbers
 
         pending = self.works.pending(FENCE_GRACE)
-        send(self.conn, "fenced", run_id=run_id, pending=pending,
-             sequences=group_sequence_numbers())
+        send(
+            self.conn, "fenced", run_id=run_id, pending=pending, sequences=group_sequence_numbers()
+        )
 
     def on_release(self, run_id: int, keep: bool, verify: bool) -> None:
         """The run is over: keep the group for the next run (after proving it still pairs

@@ -89,13 +89,23 @@ class Run:
     def on_released(self, rank: int, ok: bool, detail: str) -> None:
         self.releases[rank] = (ok, detail)
 
-    def fail(self, rank: int, kind: str, summary: str, detail: str = "",
-             phase: str | None = None) -> None:
+    def fail(
+        self, rank: int, kind: str, summary: str, detail: str = "", phase: str | None = None
+    ) -> None:
         where, step = self.progress.get(rank, ("", None))
         if phase and phase != where:  # the exception knows better than the last report
             where, step = phase, _step_of(phase)
-        self.problems.append(RankProblem(rank, kind, summary, detail, phase=where, step=step,
-                                         seconds=time.monotonic() - self.t0))
+        self.problems.append(
+            RankProblem(
+                rank,
+                kind,
+                summary,
+                detail,
+                phase=where,
+                step=step,
+                seconds=time.monotonic() - self.t0,
+            )
+        )
         if self.first_failure is None:
             self.first_failure = time.monotonic()
 
@@ -173,16 +183,20 @@ class Run:
                 if r in self.results:
                     t = self.returned_at[r]
                     last = self.progress.get(r, ("", None))[0]
-                    self.problems.append(RankProblem(
-                        r, "returned",
-                        f"returned without error after {t:.2f}s while rank(s) "
-                        f"{', '.join(map(str, stuck))} still waited: the likely culprit "
-                        "(did it skip a collective the others entered?)",
-                        f"rank {r} finished its function {t:.2f}s into the run"
-                        + (f"; the last phase it reported was {last!r}" if last else "")
-                        + "; the waiting ranks' stacks show the collective it never entered.",
-                        phase=last, seconds=t,
-                    ))
+                    self.problems.append(
+                        RankProblem(
+                            r,
+                            "returned",
+                            f"returned without error after {t:.2f}s while rank(s) "
+                            f"{', '.join(map(str, stuck))} still waited: the likely culprit "
+                            "(did it skip a collective the others entered?)",
+                            f"rank {r} finished its function {t:.2f}s into the run"
+                            + (f"; the last phase it reported was {last!r}" if last else "")
+                            + "; the waiting ranks' stacks show the collective it never entered.",
+                            phase=last,
+                            seconds=t,
+                        )
+                    )
         pool._kill()  # ranks stuck in a collective cannot be reused: start afresh next run
         self._attach_outputs()
         raise self._failure()
@@ -206,9 +220,15 @@ class Run:
         if pending:
             for r, ops in sorted(pending.items()):
                 more = f" (and {len(ops) - 1} more)" if len(ops) > 1 else ""
-                self.problems.append(RankProblem(
-                    r, "pending", f"{ops[0]}{more} never completed", "\n".join(ops),
-                    seconds=self.returned_at.get(r)))
+                self.problems.append(
+                    RankProblem(
+                        r,
+                        "pending",
+                        f"{ops[0]}{more} never completed",
+                        "\n".join(ops),
+                        seconds=self.returned_at.get(r),
+                    )
+                )
             self._release_all(keep=False)
             raise self._failure()
         keep = _consistent(self.fences[r][1] for r in everyone)
@@ -218,8 +238,11 @@ class Run:
             bad = {r: d for r, (ok, d) in self.releases.items() if not ok}
             if bad:
                 for r, detail in sorted(bad.items()):
-                    self.problems.append(RankProblem(
-                        r, "pending", "the process group was left out of step: " + detail))
+                    self.problems.append(
+                        RankProblem(
+                            r, "pending", "the process group was left out of step: " + detail
+                        )
+                    )
                 raise self._failure()
         self.pool._group_ok = keep
         self._attach_outputs()
@@ -232,8 +255,12 @@ class Run:
         if len(answers) < self.n:
             silent = sorted(set(range(self.n)) - set(answers) - self.dead)
             for r in silent:
-                self.fail(r, "pending", "did not answer the pool after returning (stuck in "
-                          "an operation left in flight?)")
+                self.fail(
+                    r,
+                    "pending",
+                    "did not answer the pool after returning (stuck in "
+                    "an operation left in flight?)",
+                )
             self.pool._kill()
             raise self._failure()
 

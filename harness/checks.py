@@ -86,9 +86,7 @@ class Judge:
         expected: torch.Tensor,
         where: Callable[[int], str] | None = None,
     ) -> Mismatch | None:
-        d = compare_tensors(
-            actual, expected, self.tolerance.bound(quantity), allow_nonfinite=True
-        )
+        d = compare_tensors(actual, expected, self.tolerance.bound(quantity), allow_nonfinite=True)
         if not d.problem:
             self.stats[quantity].add(d)
         if d.ok:
@@ -104,8 +102,9 @@ class Judge:
         hint = ""
         if quantity in ("grad", "loss"):
             hint = scale_hint(actual, expected, self.layout.spatial_size)
-        return Mismatch(quantity, name, step, rank, d.max_abs, d.max_rel, loc, d.count, d.total,
-                        hint=hint)
+        return Mismatch(
+            quantity, name, step, rank, d.max_abs, d.max_rel, loc, d.count, d.total, hint=hint
+        )
 
 
 def compare_runs(
@@ -231,21 +230,34 @@ def check_init(
         for name, p in rec.init.items():
             if name not in ref:
                 found.append(
-                    Mismatch("param", name, None, rank, where="parameter not in the reference model")
+                    Mismatch(
+                        "param", name, None, rank, where="parameter not in the reference model"
+                    )
                 )
                 continue
             d = compare_tensors(p, ref[name], tolerance.param, allow_nonfinite=True)
             if not d.ok:
-                found.append(Mismatch(
-                    "param", name, None, rank, d.max_abs, d.max_rel,
-                    d.problem or "initial value", d.count, d.total,
-                    hint="differs from the reference right after build: seed the "
-                    "initialisation identically on every rank (the harness seeds torch, "
-                    "numpy and random before build; a generator of your own is not).",
-                ))
+                found.append(
+                    Mismatch(
+                        "param",
+                        name,
+                        None,
+                        rank,
+                        d.max_abs,
+                        d.max_rel,
+                        d.problem or "initial value",
+                        d.count,
+                        d.total,
+                        hint="differs from the reference right after build: seed the "
+                        "initialisation identically on every rank (the harness seeds torch, "
+                        "numpy and random before build; a generator of your own is not).",
+                    )
+                )
         for name in sorted(ref.keys() - rec.init.keys()):
             found.append(
-                Mismatch("param", name, None, rank, where="reference parameter missing on this rank")
+                Mismatch(
+                    "param", name, None, rank, where="reference parameter missing on this rank"
+                )
             )
     return found
 
@@ -263,8 +275,9 @@ def check_loss(judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord]
     for rank, st in enumerate(steps):
         lead = layout.lead(rank)
         if rank != lead and not bitwise_equal(st.loss, steps[lead].loss):
-            m = judge.numeric("loss", "loss (vs spatial rank 0)", step, rank, st.loss,
-                              steps[lead].loss)
+            m = judge.numeric(
+                "loss", "loss (vs spatial rank 0)", step, rank, st.loss, steps[lead].loss
+            )
             found += [m] if m else []
     if layout.data_size == 1:
         for rank, st in enumerate(steps):
@@ -273,8 +286,9 @@ def check_loss(judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord]
         return found
     losses = [steps[g * layout.spatial_size].loss for g in range(layout.data_size)]
     if len({loss.shape for loss in losses}) > 1:
-        found.append(Mismatch("loss", "loss", step, None,
-                              where="the data groups' losses differ in shape"))
+        found.append(
+            Mismatch("loss", "loss", step, None, where="the data groups' losses differ in shape")
+        )
         return found
     mean = torch.stack(losses).mean(0)
     m = judge.numeric("loss", "loss (mean over data groups)", step, None, mean, ref.loss)
@@ -298,13 +312,21 @@ def check_grads(
             if g is None and r is None:
                 continue
             if g is None or r is None:
-                found.append(Mismatch(
-                    "grad", name, step, rank,
-                    where="no gradient (None) on this rank; the reference has one"
-                    if g is None else "a gradient where the reference has None",
-                    hint="a rank whose domain is empty must still run every module, giving "
-                    "zeros, not None" if g is None else "",
-                ))
+                found.append(
+                    Mismatch(
+                        "grad",
+                        name,
+                        step,
+                        rank,
+                        where="no gradient (None) on this rank; the reference has one"
+                        if g is None
+                        else "a gradient where the reference has None",
+                        hint="a rank whose domain is empty must still run every module, giving "
+                        "zeros, not None"
+                        if g is None
+                        else "",
+                    )
+                )
                 continue
             m = judge.numeric("grad", name, step, rank, g, r)
             found += [m] if m else []
@@ -324,8 +346,9 @@ def check_fields(
     for name, ref_field in ref.fields.items():
         recs = [st.fields.get(name) for st in steps]
         missing = [r for r, f in enumerate(recs) if f is None]
-        found += [Mismatch("field", name, step, r, where="field missing on this rank")
-                  for r in missing]
+        found += [
+            Mismatch("field", name, step, r, where="field missing on this rank") for r in missing
+        ]
         if missing:
             continue
         shards = [f for f in recs if f is not None]
@@ -335,8 +358,12 @@ def check_fields(
         for g in range(layout.data_size):
             first = g * layout.spatial_size
             more, error = assemble_field(
-                judge, name, step, data_part(ref_field.values, g, layout.data_size),
-                shards[first : first + layout.spatial_size], first,
+                judge,
+                name,
+                step,
+                data_part(ref_field.values, g, layout.data_size),
+                shards[first : first + layout.spatial_size],
+                first,
             )
             found += more
             errors += [error] if error else []
@@ -353,8 +380,10 @@ def _replicated_field(
         expected = data_part(ref, rank // layout.spatial_size, layout.data_size)
         m = judge.numeric("field", name, step, rank, f.values, expected)
         if m and m.where.startswith("shape") and layout.spatial_size > 1:
-            m.where = (f"a plain tensor of shape {tuple(f.values.shape)} where the reference's "
-                       f"field is {tuple(expected.shape)}")
+            m.where = (
+                f"a plain tensor of shape {tuple(f.values.shape)} where the reference's "
+                f"field is {tuple(expected.shape)}"
+            )
             m.hint = SHARD_HINT
         found += [m] if m else []
     return found
@@ -384,8 +413,11 @@ def assemble_field(
 
     dims = {(f.dim or 0) % max(ref.dim(), 1) for f in shards if f.sharded}
     if len(dims) > 1:
-        refuse("field", None, f"ranks shard along different dims {sorted(dims)}; every rank "
-               "must shard the same dim")
+        refuse(
+            "field",
+            None,
+            f"ranks shard along different dims {sorted(dims)}; every rank must shard the same dim",
+        )
         return found, None
     dim = next(iter(dims), 0)
     size = ref.shape[dim] if ref.dim() else 1
@@ -395,14 +427,21 @@ def assemble_field(
     for k, f in enumerate(shards):
         rank = first + k
         if not f.sharded:
-            refuse("field", rank, f"a plain tensor of shape {tuple(f.values.shape)} where "
-                   "other ranks return a Shard", SHARD_HINT)
+            refuse(
+                "field",
+                rank,
+                f"a plain tensor of shape {tuple(f.values.shape)} where other ranks return a Shard",
+                SHARD_HINT,
+            )
             claims.append(np.zeros(0, dtype=np.int64))
             continue
         idx = f.positions(size)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= size):
-            refuse("coverage", rank,
-                   f"index out of range [0, {size}): {int(idx.min())}..{int(idx.max())}")
+            refuse(
+                "coverage",
+                rank,
+                f"index out of range [0, {size}): {int(idx.min())}..{int(idx.max())}",
+            )
             claims.append(np.zeros(0, dtype=np.int64))
             continue
         claims.append(idx.numpy())
@@ -410,18 +449,27 @@ def assemble_field(
         if ref.dim():
             expected_shape[dim] = idx.numel()
         if list(f.values.shape) != expected_shape or f.values.dtype != ref.dtype:
-            refuse("field", rank,
-                   f"shard {f.values.dtype} {tuple(f.values.shape)} where the reference gives "
-                   f"{ref.dtype} {tuple(expected_shape)} for its {idx.numel()} positions")
+            refuse(
+                "field",
+                rank,
+                f"shard {f.values.dtype} {tuple(f.values.shape)} where the reference gives "
+                f"{ref.dtype} {tuple(expected_shape)} for its {idx.numel()} positions",
+            )
             continue
         placed.append((rank, idx, f.values))
     own = ownership(claims, size)
     if not own.complete:
-        found.append(Mismatch(
-            "coverage", name, step, None,
-            count=len(own.missing) + len(own.doubled), total=size,
-            where=own.describe(lambda p: position_text(p, grid, unit)),
-        ))
+        found.append(
+            Mismatch(
+                "coverage",
+                name,
+                step,
+                None,
+                count=len(own.missing) + len(own.doubled),
+                total=size,
+                where=own.describe(lambda p: position_text(p, grid, unit)),
+            )
+        )
     if found:
         return found, None
     out = torch.zeros_like(ref)
@@ -463,11 +511,19 @@ def check_params(
             if rank != lead_rank and name in lead and not bitwise_equal(p, lead[name]):
                 same_shape = p.shape == lead[name].shape and p.dtype == lead[name].dtype
                 d = compare_tensors(p, lead[name], judge.tolerance.param, allow_nonfinite=True)
-                found.append(Mismatch(
-                    "sync", name, step, rank, d.max_abs, d.max_rel,
-                    d.problem or f"differs from spatial rank 0 (rank {lead_rank})",
-                    bits_differ(p, lead[name]) if same_shape else 0, p.numel(),
-                ))
+                found.append(
+                    Mismatch(
+                        "sync",
+                        name,
+                        step,
+                        rank,
+                        d.max_abs,
+                        d.max_rel,
+                        d.problem or f"differs from spatial rank 0 (rank {lead_rank})",
+                        bits_differ(p, lead[name]) if same_shape else 0,
+                        p.numel(),
+                    )
+                )
             if name in ref.params:
                 m = judge.numeric("param", name, step, rank, p, ref.params[name])
                 found += [m] if m else []
@@ -478,8 +534,13 @@ def check_buffers(step: int, ref: StepRecord, steps: list[StepRecord]) -> list[M
     """Buffers modified in place during a step, where the reference's were not."""
     expected = set(ref.mutated_buffers)
     return [
-        Mismatch("buffer", name, step, rank,
-                 where="modified in place during the step; the reference's was not")
+        Mismatch(
+            "buffer",
+            name,
+            step,
+            rank,
+            where="modified in place during the step; the reference's was not",
+        )
         for rank, st in enumerate(steps)
         for name in sorted(set(st.mutated_buffers) - expected)
     ]
@@ -514,7 +575,8 @@ def index_text(shape: torch.Size, flat: int | None) -> str:
 def two_values(actual: torch.Tensor, expected: torch.Tensor) -> str:
     """Two scalars with just enough digits to see where they differ.
 
-    >>> two_values(torch.tensor(2.28740001, dtype=torch.float64), torch.tensor(2.2874, dtype=torch.float64))
+    >>> f64 = torch.float64
+    >>> two_values(torch.tensor(2.28740001, dtype=f64), torch.tensor(2.2874, dtype=f64))
     '2.28740001 vs reference 2.2874'
     """
     a, e = actual.item(), expected.item()

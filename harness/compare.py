@@ -153,8 +153,11 @@ class Mismatch:
             when = f"in {self.phase}"
         else:
             when = "after build" if self.step is None else f"at step {self.step}"
-        what = f"{self.quantity} {self.of} '{self.name}'" if self.of else (
-            f"{self.quantity} '{self.name}'")
+        what = (
+            f"{self.quantity} {self.of} '{self.name}'"
+            if self.of
+            else (f"{self.quantity} '{self.name}'")
+        )
         text = f"{self.who}: {what} {when}"
         if self.quantity in FAILURES:
             return f"{text}: {self.where}" if self.where else text
@@ -162,7 +165,8 @@ class Mismatch:
             text += f": max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}"
         if self.total:
             text += f", {self.count}/{self.total} " + (
-                "not finite" if self.quantity == "nonfinite" else "over tolerance")
+                "not finite" if self.quantity == "nonfinite" else "over tolerance"
+            )
         if self.where:
             text += f", {'first' if self.quantity == 'nonfinite' else 'worst'} at {self.where}"
         return text
@@ -575,16 +579,18 @@ def mismatch_table(mismatches: Sequence[Mismatch]) -> list[str]:
             if len(set(ranks)) > 1 and m.rank is not None and "rank" not in m.where
             else ""
         )
-        rows.append((
-            m.quantity,
-            m.label,
-            "build" if m.step is None else str(m.step),
-            m.run or _rank_text(ranks),
-            _fmt(m.max_abs),
-            _fmt(m.max_rel),
-            f"{m.count}/{m.total}" if m.total else "-",
-            (m.where or "-") + owner,
-        ))
+        rows.append(
+            (
+                m.quantity,
+                m.label,
+                "build" if m.step is None else str(m.step),
+                m.run or _rank_text(ranks),
+                _fmt(m.max_abs),
+                _fmt(m.max_rel),
+                f"{m.count}/{m.total}" if m.total else "-",
+                (m.where or "-") + owner,
+            )
+        )
     return format_table(header, rows, free_last=True)
 
 
@@ -594,14 +600,18 @@ def equivalence_table(rows: list[dict[str, Any]]) -> list[str]:
     body = []
     for r in rows:
         w = r["worst"]
-        body.append((
-            r["case"],
-            f"{r['ranks']}",
-            r["partition"],
-            r["dtype"],
-            *("-" if w.get(q) is None else f"{w[q]:.1e}" for q in NUMERIC),
-            r.get("golden", "-"),
-            "equivalent" if r["ok"] else "MISMATCH: " + ",".join(r["problems"]),
-        ))
-    return ["worst relative error per quantity, partitioned vs reference:",
-            *format_table(header, body)]
+        body.append(
+            (
+                r["case"],
+                f"{r['ranks']}",
+                r["partition"],
+                r["dtype"],
+                *("-" if w.get(q) is None else f"{w[q]:.1e}" for q in NUMERIC),
+                r.get("golden", "-"),
+                "equivalent" if r["ok"] else "MISMATCH: " + ",".join(r["problems"]),
+            )
+        )
+    return [
+        "worst relative error per quantity, partitioned vs reference:",
+        *format_table(header, body),
+    ]

@@ -212,8 +212,12 @@ class _CallerState:
 
     @classmethod
     def save(cls) -> _CallerState:
-        return cls(torch.get_rng_state(), np.random.get_state(), random.getstate(),
-                   torch.get_default_dtype())
+        return cls(
+            torch.get_rng_state(),
+            np.random.get_state(),
+            random.getstate(),
+            torch.get_default_dtype(),
+        )
 
     def restore(self) -> None:
         torch.set_rng_state(self.torch_rng)
@@ -284,13 +288,15 @@ def run_case(
                 for n, (b, version, before) in buffers.items()
                 if b._version != version or not torch.equal(b.detach().cpu(), before)
             )
-            record.steps.append(StepRecord(
-                loss=detached(loss),
-                grads=grads,
-                fields=fields,
-                params={_strip(n): detached(p) for n, p in params.items()},
-                mutated_buffers=mutated,
-            ))
+            record.steps.append(
+                StepRecord(
+                    loss=detached(loss),
+                    grads=grads,
+                    fields=fields,
+                    params={_strip(n): detached(p) for n, p in params.items()},
+                    mutated_buffers=mutated,
+                )
+            )
         return record
     except BaseException as exc:
         _mark_phase(exc, str(phase[0]))
@@ -388,7 +394,10 @@ def check_equivalence(
     report.partition = _layout(records[0].describe, s, ranks // s)
     found = compare_runs(reference, records, tol, spatial_size=s, allow_nonfinite=allow)
     report.mismatches, report.stats, report.field_errors = (
-        found.mismatches, found.stats, found.field_errors)
+        found.mismatches,
+        found.stats,
+        found.field_errors,
+    )
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -404,8 +413,17 @@ def failure_mismatches(failure: RankFailure, label: str) -> list[Mismatch]:
         detail = p.detail + (
             f"\n--- rank {p.rank} output ---\n{p.output}" if p.output.strip() else ""
         )
-        out.append(Mismatch(quantity, label, p.step, p.rank, where=p.summary, detail=detail,
-                            phase=p.phase if p.kind != "returned" else ""))
+        out.append(
+            Mismatch(
+                quantity,
+                label,
+                p.step,
+                p.rank,
+                where=p.summary,
+                detail=detail,
+                phase=p.phase if p.kind != "returned" else "",
+            )
+        )
     return out
 
 

@@ -142,8 +142,15 @@ PEER_LOST = (
 
 # Which problem is most likely the cause: lower first. A rank that returned while others
 # hang, a crash, then a hang, then errors, then errors that only say a peer went away.
-_ORDER = {"crash": 0, "returned": 1, "deadlock": 2, "timeout": 2, "pending": 3, "error": 4,
-          "stopped": 6}
+_ORDER = {
+    "crash": 0,
+    "returned": 1,
+    "deadlock": 2,
+    "timeout": 2,
+    "pending": 3,
+    "error": 4,
+    "stopped": 6,
+}
 
 
 def _rank_order(p: RankProblem) -> int:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from harness.compare import Bound, compare_tensors, nonfinite_counts, nonfinite_text
-from harness.errors import GoldenError
+from harness.errors import GoldenError, exception_summary
 
 FORMAT = "harness-golden"
 VERSION = 1
@@ -53,8 +53,16 @@ def golden_stem(nodeid: str) -> str:
 
 #: Outcomes of a golden check. ``refused``: non-finite values, not written; ``not updated``:
 #: the equivalence check behind it failed, so the old golden was kept.
-STATUSES = ("passed", "failed", "missing", "written", "updated", "unchanged", "refused",
-            "not updated")
+STATUSES = (
+    "passed",
+    "failed",
+    "missing",
+    "written",
+    "updated",
+    "unchanged",
+    "refused",
+    "not updated",
+)
 _TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
 
 
@@ -97,7 +105,7 @@ class GoldenStore:
             raise
         except Exception as exc:
             raise GoldenError(
-                f"golden {path} cannot be read ({type(exc).__name__}: {_first_line(exc)}); "
+                f"golden {path} cannot be read ({exception_summary(exc)[:200]}); "
                 f"it is corrupt or not a harness golden. Delete it and {UPDATE_HINT}."
             ) from exc
         if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -205,20 +213,29 @@ class GoldenStore:
             )
         bad = [] if allow_nonfinite else _nonfinite_lines(tensors, "this run produced")
         if bad:
-            return GoldenResult(path, "refused", [
-                f"not writing {path}: a golden vouches only for finite values, and this run "
-                "produced NaN or inf:", *bad,
-                "Make the run finite (or declare non-finite values expected), then update.",
-            ])
+            return GoldenResult(
+                path,
+                "refused",
+                [
+                    f"not writing {path}: a golden vouches only for finite values, and this run "
+                    "produced NaN or inf:",
+                    *bad,
+                    "Make the run finite (or declare non-finite values expected), then update.",
+                ],
+            )
         self.write(path, tensors, provenance)
         return GoldenResult(path, "updated" if exists else "written", lines)
 
     def not_updated(self, path: Path, reason: str) -> GoldenResult:
         """The result for a golden left as it was because the check behind it failed."""
-        return GoldenResult(path, "not updated", [
-            f"not updated: {reason}; a golden is only written from a passing check. Fix the "
-            "check, then run --update-goldens again."
-        ])
+        return GoldenResult(
+            path,
+            "not updated",
+            [
+                f"not updated: {reason}; a golden is only written from a passing check. Fix the "
+                "check, then run --update-goldens again."
+            ],
+        )
 
 
 def diff_tensors(
@@ -260,8 +277,9 @@ def _nonfinite_lines(tensors: Mapping[str, torch.Tensor], who: str) -> list[str]
         nan, inf, first = nonfinite_counts(t)
         if first is not None:
             at = str(tuple(int(i) for i in _unravel(first, t.shape))) if t.dim() else "()"
-            lines.append(f"  {name}: {who} {nonfinite_text(nan, inf)} of {t.numel()} "
-                         f"(first at {at})")
+            lines.append(
+                f"  {name}: {who} {nonfinite_text(nan, inf)} of {t.numel()} (first at {at})"
+            )
     return lines
 
 
@@ -300,8 +318,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return str(value)  # e.g. torch.__version__ is a str subclass that weights_only refuses
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0][:160] if lines else ""

@@ -96,6 +96,15 @@ def _offsets(sizes: list[int]) -> list[int]:
     return [0, *accumulate(sizes)]
 
 
+def _check_rank(rank: Any, ranks: int, what: str) -> int:
+    """The one rank validator: a plain integer in ``[0, ranks)``."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not (0 <= rank < ranks):
+        raise ConfigError(
+            f"rank {rank!r} is not a spatial rank of this {what}; use 0 <= rank < {ranks}"
+        )
+    return int(rank)
+
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ConfigError(
@@ -155,7 +164,9 @@ class Ownership:
         missing, doubled = self.missing, self.doubled
         if len(missing):
             s = "" if len(missing) == 1 else "s"
-            parts.append(f"{len(missing)} position{s} owned by no rank (first: {name(int(missing[0]))})")
+            parts.append(
+                f"{len(missing)} position{s} owned by no rank (first: {name(int(missing[0]))})"
+            )
         if len(doubled):
             pos = int(doubled[0])
             owners = ", ".join(map(str, self.owners_of(pos)))
@@ -242,16 +253,7 @@ class LatLonPartition:
         return self.h * self.w
 
     def _rank(self, rank: int) -> tuple[int, int]:
-        if (
-            isinstance(rank, bool)
-            or not isinstance(rank, (int, np.integer))
-            or not (0 <= rank < self.ranks)
-        ):
-            raise ConfigError(
-                f"rank {rank!r} is not a spatial rank of this {self.h}x{self.w} partition; "
-                f"use 0 <= rank < {self.ranks}"
-            )
-        return divmod(int(rank), self.w)
+        return divmod(_check_rank(rank, self.ranks, f"{self.h}x{self.w} partition"), self.w)
 
     def lat_slice(self, p: int) -> slice:
         """Latitudes of polar index ``p``."""
@@ -430,21 +432,9 @@ class CellPartition:
         """Cells per rank."""
         return [self.bounds[r + 1] - self.bounds[r] for r in range(self.ranks)]
 
-    def _check_rank(self, rank: int) -> int:
-        if (
-            isinstance(rank, bool)
-            or not isinstance(rank, (int, np.integer))
-            or not (0 <= rank < self.ranks)
-        ):
-            raise ConfigError(
-                f"rank {rank!r} is not a spatial rank of this {self.ranks}-rank cell "
-                f"partition; use 0 <= rank < {self.ranks}"
-            )
-        return int(rank)
-
     def cells(self, rank: int) -> range:
         """The rank's cells, in nested order."""
-        r = self._check_rank(rank)
+        r = _check_rank(rank, self.ranks, f"{self.ranks}-rank cell partition")
         return range(self.bounds[r], self.bounds[r + 1])
 
     def rank_of(self, cell: int | np.ndarray) -> int | np.ndarray:
@@ -466,7 +456,7 @@ class CellPartition:
 
     def halo(self, rank: int) -> np.ndarray:
         """Sorted unique cells outside the rank's range that its cells' neighbours name."""
-        r = self._check_rank(rank)
+        r = _check_rank(rank, self.ranks, f"{self.ranks}-rank cell partition")
         lo, hi = self.bounds[r], self.bounds[r + 1]
         near = self.neighbours()[lo:hi].ravel()
         return np.unique(near[(near < lo) | (near >= hi)])
@@ -474,7 +464,7 @@ class CellPartition:
     def local_neighbours(self, rank: int) -> np.ndarray:
         """(sizes[rank], 9) neighbours table of the rank's cells, as positions in the rank's
         cells followed by its halo (``concat(own, halo_exchange(...))``)."""
-        r = self._check_rank(rank)
+        r = _check_rank(rank, self.ranks, f"{self.ranks}-rank cell partition")
         lo, hi = self.bounds[r], self.bounds[r + 1]
         near = self.neighbours()[lo:hi]
         halo = self.halo(r)
@@ -484,7 +474,7 @@ class CellPartition:
     def packed_slice(self, counts: np.ndarray, rank: int) -> slice:
         """The rank's slice of variable-length data packed in cell order, ``counts[c]``
         items for cell ``c``. Empty cells and empty ranks give empty slices."""
-        r = self._check_rank(rank)
+        r = _check_rank(rank, self.ranks, f"{self.ranks}-rank cell partition")
         counts = np.asarray(counts)
         if counts.shape != (self.npix,) or counts.dtype.kind not in "iu" or np.any(counts < 0):
             raise ConfigError(

@@ -90,7 +90,13 @@ def _colormap() -> Any:
 def _rank_label(ax: Any, x: float, y: float, rank: int, *, fontsize: int) -> None:
     """A boxed "rank N" at (x, y), in the colour of the rank boundaries."""
     ax.text(
-        x, y, f"rank {rank}", ha="center", va="center", fontsize=fontsize, color=_BOUNDARY,
+        x,
+        y,
+        f"rank {rank}",
+        ha="center",
+        va="center",
+        fontsize=fontsize,
+        color=_BOUNDARY,
         bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": _BOUNDARY, "alpha": 0.8},
     )
 

@@ -146,7 +146,8 @@ def pytest_configure(config: pytest.Config) -> None:
     timeout = _parse_timeout(_setting(config, "spatial_timeout"))
     try:
         check_oversubscription(
-            ranks, allow=config.getoption("spatial_oversubscribe"),
+            ranks,
+            allow=config.getoption("spatial_oversubscribe"),
             how="pass --spatial-oversubscribe",
         )
     except ConfigError as exc:
@@ -303,19 +304,33 @@ class HarnessSession:
         if counts or self.swept:
             tr.write_sep("=", "goldens")
         for path in self.swept:
-            tr.write_line(f"removed {path}: the temporary file of a golden write that was "
-                          "interrupted (its writer was killed); the golden itself is intact.")
+            tr.write_line(
+                f"removed {path}: the temporary file of a golden write that was "
+                "interrupted (its writer was killed); the golden itself is intact."
+            )
         if counts:
-            labels = {"not updated": "not updated (check failed)",
-                      "refused": "refused (not finite)"}
-            order = ["written", "updated", "unchanged", "passed", "failed", "missing",
-                     "not updated", "refused"]
+            labels = {
+                "not updated": "not updated (check failed)",
+                "refused": "refused (not finite)",
+            }
+            order = [
+                "written",
+                "updated",
+                "unchanged",
+                "passed",
+                "failed",
+                "missing",
+                "not updated",
+                "refused",
+            ]
             text = ", ".join(f"{counts[k]} {labels.get(k, k)}" for k in order if counts.get(k))
             n = sum(counts.values())
             tr.write_line(f"{n} golden{'s' if n != 1 else ''}: {text}.")
             if counts.get("not updated") or counts.get("refused"):
-                tr.write_line("Goldens are only written from passing, finite checks: fix "
-                              "the failing tests, then run --update-goldens again.")
+                tr.write_line(
+                    "Goldens are only written from passing, finite checks: fix "
+                    "the failing tests, then run --update-goldens again."
+                )
             if counts.get("written") or counts.get("updated"):
                 tr.write_line(f"Review and commit the changes under {self.goldens.root}.")
             elif counts.get("missing") or counts.get("failed"):
@@ -385,11 +400,15 @@ def pytest_report_header(config: pytest.Config) -> str:
 
     registry = config.stash[_registry_key]
     if isinstance(registry, LauncherRegistry):
-        how = (f"launched ranks {registry.default_ranks} (torchrun/srun, in place), "
-               f"backend {registry.runner.backend}")
+        how = (
+            f"launched ranks {registry.default_ranks} (torchrun/srun, in place), "
+            f"backend {registry.runner.backend}"
+        )
     else:
-        how = (f"spatial ranks {registry.default_ranks}, backend gloo, "
-               f"start method {registry.start_method}")
+        how = (
+            f"spatial ranks {registry.default_ranks}, backend gloo, "
+            f"start method {registry.start_method}"
+        )
     return f"harness: {how}, timeout {registry.timeout:g}s, torch {torch.__version__}"
 
 
@@ -546,10 +565,13 @@ def spatial(request: pytest.FixtureRequest) -> Iterator[SpatialFixture]:
                 f"@pytest.mark.spatial(ranks=...) must be an integer >= 1, got {ranks!r}"
             )
     if fresh and isinstance(registry, LauncherRegistry):
-        pytest.skip("spatial(fresh=True) needs brand-new rank processes; under torchrun/srun "
-                    "the ranks are the launcher's")
-    fixture = SpatialFixture(registry, request.node, ranks, timeout, _golden_fixture(request),
-                             fresh=fresh)
+        pytest.skip(
+            "spatial(fresh=True) needs brand-new rank processes; under torchrun/srun "
+            "the ranks are the launcher's"
+        )
+    fixture = SpatialFixture(
+        registry, request.node, ranks, timeout, _golden_fixture(request), fresh=fresh
+    )
     yield fixture
     fixture.discard_used()  # a fresh test's module globals stay with it
 
@@ -582,8 +604,9 @@ class GoldenFixture:
             bound = Tolerance.for_dtype(next(iter(tensors.values())).dtype).field
         else:
             bound = tolerance if isinstance(tolerance, Bound) else Bound(*tolerance)
-        result = self.check_tensors(tensors, name=name, bound=bound,
-                                    allow_nonfinite=allow_nonfinite)
+        result = self.check_tensors(
+            tensors, name=name, bound=bound, allow_nonfinite=allow_nonfinite
+        )
         if not result.ok:
             pytest.fail(str(result), pytrace=False)
         return result
@@ -602,8 +625,9 @@ class GoldenFixture:
         if refuse_update and self._store.update:
             result = self._store.not_updated(path, refuse_update)
         else:
-            result = self._store.check(path, tensors, bound=bound, provenance=provenance,
-                                       allow_nonfinite=allow_nonfinite)
+            result = self._store.check(
+                path, tensors, bound=bound, provenance=provenance, allow_nonfinite=allow_nonfinite
+            )
         self._node.user_properties.append((_GOLDEN_PROP, (str(path), result.status)))
         return result
 
@@ -627,9 +651,17 @@ def write_error_maps(report: Any, directory: str, nodeid: str) -> list[str]:
         if fe.grid is not None:
             rows, cols = fe.grid
             grid = owners.reshape(rows, cols)
-            paths.append(str(plots.plot_latlon_error(
-                err.reshape(rows, cols), path, lat_sizes=_run_lengths(grid[:, 0]),
-                lon_sizes=_run_lengths(grid[0, :]), title=title)))
+            paths.append(
+                str(
+                    plots.plot_latlon_error(
+                        err.reshape(rows, cols),
+                        path,
+                        lat_sizes=_run_lengths(grid[:, 0]),
+                        lon_sizes=_run_lengths(grid[0, :]),
+                        title=title,
+                    )
+                )
+            )
         elif fe.unit == "cell":
             counts = np.bincount(owners - first, minlength=report.spatial_size)
             bounds = [0, *np.cumsum(counts).tolist()]

@@ -258,8 +258,16 @@ class RankPool:
         store = os.path.join(self._workdir, f"store-{run.run_id}")
         for conn in self._conns:
             try:
-                send(conn, "run", run_id=run.run_id, payload=payload, store=store,
-                     sys_path=list(sys.path), timeout=timeout, reuse=reuse)
+                send(
+                    conn,
+                    "run",
+                    run_id=run.run_id,
+                    payload=payload,
+                    store=store,
+                    sys_path=list(sys.path),
+                    timeout=timeout,
+                    reuse=reuse,
+                )
             except OSError:  # a rank that died since the last run: its pipe is closed
                 pass  # its sentinel tells the run, which then starts afresh
         return run
@@ -276,10 +284,7 @@ class RankPool:
         return os.path.join(self._workdir, f"rank{rank}.{what}")
 
     def _log_size(self, rank: int) -> int:
-        try:
-            return os.path.getsize(self._log_path(rank))
-        except OSError:
-            return 0
+        return _size(self._log_path(rank))
 
     def _read_log(self, rank: int, offset: int, what: str = "out") -> str:
         if self._workdir is None:

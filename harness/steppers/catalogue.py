@@ -52,17 +52,28 @@ def main_configs(ranks: int) -> list[Config]:
     if ranks == 4:
         out += [
             ("sfno", _sfno, {"nlat": 16, "nlon": 32, "h": 2, "w": 2}, None),
-            ("sfno uneven", _sfno,
-             {"nlat": 30, "nlon": 62, "h": 4, "w": 1, "grid": "legendre-gauss", "noise": 1},
-             None),
-            ("sfno float32", _sfno,
-             {"nlat": 16, "nlon": 32, "h": 1, "w": 4, "dtype": torch.float32}, None),
+            (
+                "sfno uneven",
+                _sfno,
+                {"nlat": 30, "nlon": 62, "h": 4, "w": 1, "grid": "legendre-gauss", "noise": 1},
+                None,
+            ),
+            (
+                "sfno float32",
+                _sfno,
+                {"nlat": 16, "nlon": 32, "h": 1, "w": 4, "dtype": torch.float32},
+                None,
+            ),
             ("sfno s×d", _sfno, {"nlat": 16, "nlon": 32, "h": 2, "w": 1, "batch_size": 4}, 2),
         ]
         out += [
             ("healpix", _healpix, {"nside": 4}, None),
-            ("healpix empty rank", _healpix,
-             {"nside": 2, "bounds": (0, 20, 20, 30, 48), "empty_ranks": (3,)}, None),
+            (
+                "healpix empty rank",
+                _healpix,
+                {"nside": 2, "bounds": (0, 20, 20, 30, 48), "empty_ranks": (3,)},
+                None,
+            ),
             ("healpix s×d", _healpix, {"nside": 2, "batch_size": 4}, 2),
         ]
     else:

@@ -54,19 +54,21 @@ from harness.errors import ConfigError
 from harness.partition import CellPartition, cell_of
 from harness.topology import Topology, cached_groups
 
-HEALPIX_FAULTS = frozenset({
-    "rank-major-gather",  # gathered predictions viewed rank-major as (B, npix, C)
-    "padding-kept",  # the padding of the uneven prediction gather is not stripped
-    "gather-over-world",  # predictions gathered over the world, not the spatial group
-    "rank-order",  # the latent is gathered over a group whose rank order is not cell order
-    "local-neighbour-index",  # neighbour rows looked up by local, not global, cell id
-    "empty-skip",  # a rank without observations returns before any module or collective
-    "empty-none-grad",  # a rank without observations skips the observation network
-    "non-autograd-gather",  # the latent is gathered with plain dist.all_gather
-    "grad-scale",  # loss on the gathered (replicated) predictions: grads S times too large
-    "rank-local-nan-check",  # the skip-bad-batch check reads this rank's part, not the total
-    "same-batch-violated",  # the data loader seeds its draws with the world rank
-})
+HEALPIX_FAULTS = frozenset(
+    {
+        "rank-major-gather",  # gathered predictions viewed rank-major as (B, npix, C)
+        "padding-kept",  # the padding of the uneven prediction gather is not stripped
+        "gather-over-world",  # predictions gathered over the world, not the spatial group
+        "rank-order",  # the latent is gathered over a group whose rank order is not cell order
+        "local-neighbour-index",  # neighbour rows looked up by local, not global, cell id
+        "empty-skip",  # a rank without observations returns before any module or collective
+        "empty-none-grad",  # a rank without observations skips the observation network
+        "non-autograd-gather",  # the latent is gathered with plain dist.all_gather
+        "grad-scale",  # loss on the gathered (replicated) predictions: grads S times too large
+        "rank-local-nan-check",  # the skip-bad-batch check reads this rank's part, not the total
+        "same-batch-violated",  # the data loader seeds its draws with the world rank
+    }
+)
 
 # Layouts of 4 ranks that show each bug: two samples per data group (rank-major flattening
 # needs batch >= 2), an uneven partition whose first rank is short (padding moves the later
@@ -288,9 +290,7 @@ class HealpixStepper(nn.Module):
         if "rank-major-gather" in self.faults:
             return gathered.reshape(b, -1, c)  # the bug: rank-major rows read as sample-major
         starts = np.cumsum([0, *rows])
-        blocks = [
-            gathered[starts[r] : starts[r + 1]].reshape(b, n, c) for r, n in enumerate(sizes)
-        ]
+        blocks = [gathered[starts[r] : starts[r + 1]].reshape(b, n, c) for r, n in enumerate(sizes)]
         return torch.cat(blocks, dim=1)  # replicated: (B, npix, C) in cell order
 
     # ------------------------------------------------------------ loss
@@ -441,15 +441,21 @@ class HealpixCase(SpatialCase):
             )
         if observations is not None:
             observations = [
-                (np.asarray(o.lat, np.float64), np.asarray(o.lon, np.float64),
-                 np.asarray(o.values, np.float64).reshape(len(o.lat), channels))
+                (
+                    np.asarray(o.lat, np.float64),
+                    np.asarray(o.lon, np.float64),
+                    np.asarray(o.values, np.float64).reshape(len(o.lat), channels),
+                )
                 for o in observations
             ]
             if not observations:
                 raise ConfigError("observations=[] has no set; give at least one, or None")
         self.observations = observations
         self.batch_size, self.n_obs, self.channels, self.hidden = (
-            batch_size, n_obs, channels, hidden,
+            batch_size,
+            n_obs,
+            channels,
+            hidden,
         )
         self.target_density, self.dtype = target_density, dtype
 
@@ -481,7 +487,10 @@ class HealpixCase(SpatialCase):
 
     def build(self, topo: Topology) -> nn.Module:
         return HealpixStepper(
-            self.partition(topo), topo, channels=self.channels, hidden=self.hidden,
+            self.partition(topo),
+            topo,
+            channels=self.channels,
+            hidden=self.hidden,
             faults=self.faults,
         )
 

@@ -62,7 +62,9 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
     # even l and m splits (nlat 17: lmax 16 = 8 + 8; nlon 30: mmax 16 = 8 + 8): with uneven
     # ones the broadcast's sizes differ between ranks and gloo aborts the process (a crash)
     "buffer-broadcast": (
-        {"error", "field", "buffer", "crash"}, {"nlat": 17, "nlon": 30, **_H2W2}, None
+        {"error", "field", "buffer", "crash"},
+        {"nlat": 17, "nlon": 30, **_H2W2},
+        None,
     ),
     "mean-of-means": ({"loss"}, _UNEVEN_LAT, None),
     "split-mismatch": ({"field", "error"}, _UNEVEN_LAT, None),
@@ -271,8 +273,11 @@ class SFNOStepper(nn.Module):
             l_slice, m_slice = slice(0, lmax), slice(0, mmax)
 
         # global and replicated: the same buffer (name, shape, values) on every rank
-        self.register_buffer("area_weights", lat_weights(cfg.nlat, cfg.grid).to(
-            torch.get_default_dtype()), persistent=False)
+        self.register_buffer(
+            "area_weights",
+            lat_weights(cfg.nlat, cfg.grid).to(torch.get_default_dtype()),
+            persistent=False,
+        )
         self.area_total = float(self.area_weights.sum()) * cfg.nlon
 
         self.encoder = Pointwise(cfg.channels + cfg.noise, cfg.embed)
@@ -510,8 +515,16 @@ class SFNOCase(SpatialCase):
         faults: Any = (),
     ) -> None:
         self.config = SFNOConfig(
-            nlat=nlat, nlon=nlon, grid=grid, h=h, w=w, channels=channels, embed=embed,
-            blocks=blocks, noise=noise, faults=check_faults(faults),
+            nlat=nlat,
+            nlon=nlon,
+            grid=grid,
+            h=h,
+            w=w,
+            channels=channels,
+            embed=embed,
+            blocks=blocks,
+            noise=noise,
+            faults=check_faults(faults),
         )
         self.batch_size, self.rollout, self.dtype = batch_size, rollout, dtype
 

@@ -45,9 +45,7 @@ def test_the_correct_case_is_equivalent_on_every_layout(spatial, ranks, spatial_
     ],
 )
 def test_each_hand_broken_variant_fails_with_the_quantity_that_shows_it(spatial, fault, expected):
-    report = check_equivalence(
-        CoupledMLPCase(faults=(fault,)), ranks=4, pool=spatial.pool(4)
-    )
+    report = check_equivalence(CoupledMLPCase(faults=(fault,)), ranks=4, pool=spatial.pool(4))
     assert not report.ok
     assert expected <= report.quantities, report
     first = report.mismatches[0]
@@ -150,9 +148,7 @@ def test_an_exception_on_one_rank_becomes_an_error_mismatch_with_its_traceback(s
 
 @pytest.mark.spatial_pool  # a rank that raises or hangs in place takes pytest with it
 def test_a_skipped_collective_becomes_a_timeout_mismatch_with_the_waiting_stacks(spatial):
-    report = check_equivalence(
-        SkipsCollectiveWhenEmpty(), ranks=4, timeout=5, pool=spatial.pool(4)
-    )
+    report = check_equivalence(SkipsCollectiveWhenEmpty(), ranks=4, timeout=5, pool=spatial.pool(4))
     assert "timeout" in report.quantities
     first = report.mismatches[0]
     assert first.rank == 3 and "returned without error" in first.where  # the culprit
@@ -187,9 +183,7 @@ def test_positions_owned_twice_or_never_are_a_coverage_mismatch(spatial):
 
 
 def test_a_float32_case_uses_float32_tolerances(spatial):
-    report = check_equivalence(
-        CoupledMLPCase(dtype=torch.float32), ranks=4, pool=spatial.pool(4)
-    )
+    report = check_equivalence(CoupledMLPCase(dtype=torch.float32), ranks=4, pool=spatial.pool(4))
     assert report.ok, report
     assert report.tolerance == Tolerance.for_dtype(torch.float32)
 
@@ -257,17 +251,29 @@ class NanOnlyInTheReference(CoupledMLPCase):
         return out
 
 
-@pytest.mark.parametrize(("ranks", "spatial_size"), [(1, None), (4, 1), (4, None)],
-                         ids=["one-rank", "spatial-groups-of-one", "four-ranks"])
+@pytest.mark.parametrize(
+    ("ranks", "spatial_size"),
+    [(1, None), (4, 1), (4, None)],
+    ids=["one-rank", "spatial-groups-of-one", "four-ranks"],
+)
 def test_a_nan_loss_fails_as_nonfinite_on_every_layout(spatial, ranks, spatial_size):
-    report = check_equivalence(NanLoss(npos=8, batch_size=4), ranks=ranks, spatial_size=spatial_size,
-                               pool=spatial.pool(ranks))
+    report = check_equivalence(
+        NanLoss(npos=8, batch_size=4),
+        ranks=ranks,
+        spatial_size=spatial_size,
+        pool=spatial.pool(ranks),
+    )
     assert not report.ok
     first = report.mismatches[0]
     assert (first.quantity, first.run, first.of, first.step) == (
-        "nonfinite", "reference", "loss", 0)
+        "nonfinite",
+        "reference",
+        "loss",
+        0,
+    )
     assert {m.rank for m in report.mismatches if m.quantity == "nonfinite" and not m.run} == set(
-        range(ranks))
+        range(ranks)
+    )
     assert "sync" not in report.quantities  # identical NaNs are in sync
 
 
@@ -275,7 +281,8 @@ def test_a_nonfinite_reference_field_is_named_as_the_reference(spatial):
     report = check_equivalence(NanOnlyInTheReference(npos=8), ranks=2, pool=spatial.pool(2))
     nonfinite = [m for m in report.mismatches if m.quantity == "nonfinite"]
     assert [(m.run, m.of, m.name, m.where) for m in nonfinite] == [
-        ("reference", "field", "out", "(0, 2, 1) (1 inf)")] * 2  # at each step
+        ("reference", "field", "out", "(0, 2, 1) (1 inf)")
+    ] * 2  # at each step
     assert "field" in report.quantities  # and the ranks' finite value differs from it
 
 
@@ -329,7 +336,11 @@ def test_an_error_in_backward_names_the_step_and_phase(spatial):
     report = check_equivalence(RaiseInBackward(npos=8), ranks=2, pool=spatial.pool(2))
     error = report.mismatches[0]
     assert (error.quantity, error.rank, error.step, error.phase) == (
-        "error", 0, 1, "step 1 backward")
+        "error",
+        0,
+        1,
+        "step 1 backward",
+    )
     assert "FloatingPointError: overflow in the decoder's backward" in error.where
 
 
@@ -351,7 +362,7 @@ class NoParameters(SpatialCase):
 
     def forward(self, model, x, topo):
         y = 2 * model(x)
-        loss = reduce_loss((y ** 2).sum(), topo) / 12
+        loss = reduce_loss((y**2).sum(), topo) / 12
         if topo.spatial_group is None:
             return Outputs(loss, {"y": y})
         pos = position_range(6, topo)

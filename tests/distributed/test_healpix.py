@@ -24,7 +24,8 @@ LAYOUTS = {
     "nside1_empty_ranges": (None, {"nside": 1, "bounds": (0, 0, 7, 7, 12)}),
     "nside4_empty_first_and_last": (None, {"nside": 4, "bounds": (0, 0, 100, 192, 192)}),
     "nside2_unobserved_ranks": (
-        None, {"nside": 2, "bounds": (0, 12, 24, 36, 48), "empty_ranks": (1, 3)},
+        None,
+        {"nside": 2, "bounds": (0, 12, 24, 36, 48), "empty_ranks": (1, 3)},
     ),
     "nside2_batch3_sparse": (None, {"nside": 2, "batch_size": 3, "n_obs": 6}),
     "nside2_spatial2_x_data2": (2, {"nside": 2, "batch_size": 4}),
@@ -38,7 +39,9 @@ def test_the_stepper_is_equivalent_to_its_reference_on_every_cell_partition(
     spatial, spatial_size, kwargs
 ):
     report = check_equivalence(
-        HealpixCase(**kwargs), ranks=RANKS, spatial_size=spatial_size,
+        HealpixCase(**kwargs),
+        ranks=RANKS,
+        spatial_size=spatial_size,
         pool=spatial.pool(RANKS),
     )
     assert report.ok, str(report)
@@ -48,8 +51,12 @@ def test_the_stepper_is_equivalent_to_its_reference_on_every_cell_partition(
     assert max(report.stats[q].max_abs for q in ("loss", "grad", "field", "param")) < 1e-11
 
 
-@settings(max_examples=4, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=4,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data(), nside=st.sampled_from([1, 2]))
 def test_any_drawn_partition_and_observation_set_is_equivalent(spatial, data, nside):
     part = data.draw(cell_partitions(nside=nside, ranks=RANKS), label="partition")

@@ -292,7 +292,8 @@ def test_a_collective_left_pending_fails_its_own_run_and_not_the_next(spatial):
     err = info.value
     assert err.ranks == [2]
     assert "rank 2/4 returned with communication still pending: all_reduce(async_op=True)" in str(
-        err)
+        err
+    )
     assert "test_pool.py" in err.problems[0].summary  # where it was issued
     assert "in leave_collective_pending" in err.problems[0].summary
     assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0  # the next run is innocent and passes

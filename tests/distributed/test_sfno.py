@@ -21,8 +21,9 @@ def train_once(config: SFNOConfig, partitioned: bool, dtype: torch.dtype, batch_
     torch.manual_seed(0)
     model = SFNOStepper(config, topo)
     torch.manual_seed(1)
-    state = torch.randn(batch_size, config.forward_steps + 1, config.channels, config.nlat,
-                        config.nlon)
+    state = torch.randn(
+        batch_size, config.forward_steps + 1, config.channels, config.nlat, config.nlon
+    )
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     out = model.train_on_batch({"state": model.scatter(state)})
     out.loss.backward()
@@ -124,9 +125,18 @@ LAYOUTS = [
     (4, 1, {"batch_size": 4, "noise": 1}),
 ]
 LAYOUT_IDS = [
-    "h1w1", "h2w1", "h1w2", "h2w2", "h4w1", "h1w4",
-    "h4w1_uneven_lat", "h1w4_uneven_lon", "h2w2_uneven_gauss_noise",
-    "h2w1_x_data2", "h1w2_x_data2", "data4",
+    "h1w1",
+    "h2w1",
+    "h1w2",
+    "h2w2",
+    "h4w1",
+    "h1w4",
+    "h4w1_uneven_lat",
+    "h1w4_uneven_lon",
+    "h2w2_uneven_gauss_noise",
+    "h2w1_x_data2",
+    "h1w2_x_data2",
+    "data4",
 ]
 
 
@@ -135,8 +145,9 @@ def test_the_stepper_is_equivalent_to_its_reference_on_every_process_grid(
     spatial, ranks, spatial_size, kwargs
 ):
     case = SFNOCase(**{"nlat": 16, "nlon": 32, **kwargs})
-    report = check_equivalence(case, ranks=ranks, spatial_size=spatial_size,
-                               pool=spatial.pool(ranks))
+    report = check_equivalence(
+        case, ranks=ranks, spatial_size=spatial_size, pool=spatial.pool(ranks)
+    )
     assert report.ok, str(report)
     # float64: the default bounds (rtol 1e-10, atol 1e-12, see Tolerance.for_dtype) hold
     # with room to spare; the worst absolute error measured is ~1e-13.
@@ -169,8 +180,12 @@ def test_in_float32_the_stepper_agrees_to_a_few_eps(spatial, kwargs):
     assert report.dtype == "float32"
 
 
-@settings(max_examples=6, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=6,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(
     part=st.sampled_from([2, 4]).flatmap(
         lambda r: latlon_partitions(ranks=r, min_nlat=5, max_nlat=24, min_nlon=8, max_nlon=40)

@@ -24,9 +24,13 @@ MATRIX = list(fault_matrix(RANKS))
 def test_each_fault_is_caught_with_its_quantity_and_a_message_that_locates_it(spatial, entry):
     stepper, make, kwargs, spatial_size, fault, expected = entry
     timeout = HANG_TIMEOUT if "timeout" in expected else None
-    report = check_equivalence(make(**kwargs, faults=(fault,)), ranks=RANKS,
-                               spatial_size=spatial_size, pool=spatial.pool(RANKS),
-                               timeout=timeout)
+    report = check_equivalence(
+        make(**kwargs, faults=(fault,)),
+        ranks=RANKS,
+        spatial_size=spatial_size,
+        pool=spatial.pool(RANKS),
+        timeout=timeout,
+    )
     assert not report.ok, f"{stepper} {fault} went unnoticed"
     assert report.quantities & expected, report
     caught = next(m for m in report.mismatches if m.quantity in expected)
@@ -39,13 +43,16 @@ def test_each_fault_is_caught_with_its_quantity_and_a_message_that_locates_it(sp
         assert f"First: {report.mismatches[0].headline()}" in text and "What to do:" in text
 
 
-CLEAN = {(stepper, repr(sorted(kwargs.items())), spatial_size): (make, kwargs, spatial_size)
-         for stepper, make, kwargs, spatial_size, _, _ in MATRIX}
+CLEAN = {
+    (stepper, repr(sorted(kwargs.items())), spatial_size): (make, kwargs, spatial_size)
+    for stepper, make, kwargs, spatial_size, _, _ in MATRIX
+}
 
 
 @pytest.mark.parametrize("key", sorted(CLEAN), ids=[f"{k[0]}:{k[1]}:{k[2]}" for k in sorted(CLEAN)])
 def test_every_fault_layout_passes_without_its_fault(spatial, key):
     make, kwargs, spatial_size = CLEAN[key]
-    report = check_equivalence(make(**kwargs), ranks=RANKS, spatial_size=spatial_size,
-                               pool=spatial.pool(RANKS))
+    report = check_equivalence(
+        make(**kwargs), ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS)
+    )
     assert report.ok, report

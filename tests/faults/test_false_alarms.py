@@ -36,7 +36,9 @@ def test_the_coupled_mlp_passes_on_every_drawn_layout(spatial, npos, batch, dtyp
     batch_size = batch * (RANKS // (spatial_size or RANKS))
     report = check_equivalence(
         CoupledMLPCase(npos=npos, batch_size=batch_size, dtype=dtype),
-        ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS),
+        ranks=RANKS,
+        spatial_size=spatial_size,
+        pool=spatial.pool(RANKS),
     )
     assert report.ok, report
 
@@ -67,8 +69,9 @@ def test_the_sfno_stepper_passes_on_every_drawn_grid_and_process_grid(spatial, l
     from harness.steppers.sfno import SFNOCase
 
     spatial_size = layout.pop("spatial_size")
-    report = check_equivalence(SFNOCase(**layout), ranks=RANKS, spatial_size=spatial_size,
-                               pool=spatial.pool(RANKS))
+    report = check_equivalence(
+        SFNOCase(**layout), ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS)
+    )
     assert report.ok, report
 
 
@@ -85,8 +88,15 @@ def test_the_healpix_stepper_passes_on_every_drawn_partition_and_observation_set
     per_group = data.draw(st.integers(1, 2), label="samples per data group")
     sets = observation_sets(nside=nside, channels=2, max_points=32, partition=part)
     samples = data.draw(st.lists(sets, min_size=1, max_size=3), label="observations")
-    case = HealpixCase(nside=nside, bounds=part.bounds, observations=samples, channels=2,
-                       batch_size=per_group * (RANKS // s), dtype=dtype)
-    report = check_equivalence(case, ranks=RANKS, spatial_size=spatial_size,
-                               pool=spatial.pool(RANKS))
+    case = HealpixCase(
+        nside=nside,
+        bounds=part.bounds,
+        observations=samples,
+        channels=2,
+        batch_size=per_group * (RANKS // s),
+        dtype=dtype,
+    )
+    report = check_equivalence(
+        case, ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS)
+    )
     assert report.ok, report

@@ -24,8 +24,11 @@ TIMEOUT = 8  # seconds: generous on a loaded 2-core machine, the hang itself is 
 
 def _check(kwargs, spatial_size, spatial, **extra):
     return check_equivalence(
-        HealpixCase(**kwargs), ranks=RANKS, spatial_size=spatial_size,
-        pool=spatial.pool(RANKS), **extra,
+        HealpixCase(**kwargs),
+        ranks=RANKS,
+        spatial_size=spatial_size,
+        pool=spatial.pool(RANKS),
+        **extra,
     )
 
 

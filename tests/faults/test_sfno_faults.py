@@ -9,9 +9,17 @@ from harness.steppers.sfno import FAULT_CHECKS, SFNOCase
 
 # The SFNO rows of FAULTS.md, in the order they appear there.
 CATALOGUE = [
-    "reduce-not-differentiable", "reduce-double-count", "coupling-identity-backward",
-    "no-grad-sync", "grad-sync-mean", "buffer-broadcast", "mean-of-means", "split-mismatch",
-    "per-rank-noise", "local-weights", "reduce-over-world",
+    "reduce-not-differentiable",
+    "reduce-double-count",
+    "coupling-identity-backward",
+    "no-grad-sync",
+    "grad-sync-mean",
+    "buffer-broadcast",
+    "mean-of-means",
+    "split-mismatch",
+    "per-rank-noise",
+    "local-weights",
+    "reduce-over-world",
 ]
 # Each fault is run, on and off, by tests/faults/test_catalogue.py from FAULT_CHECKS.
 

@@ -76,9 +76,23 @@ def test_a_base_exception_in_a_rank_function_is_agreed_on(spatial, how):
 
 def _torchrun(path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         "-m", "pytest", "-p", "no:cacheprovider", *args],
-        cwd=path, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            *args,
+        ],
+        cwd=path,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
 
 
@@ -121,8 +135,14 @@ def test_xdist_and_a_wrong_rank_count_are_refused_under_the_launcher(pytester):
 
 def test_launcher_environment_is_read_from_torchrun_or_slurm_variables():
     assert launcher_env({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}) == {
-        "rank": 2, "world_size": 4, "local_rank": 0}
+        "rank": 2,
+        "world_size": 4,
+        "local_rank": 0,
+    }
     slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}
     assert launcher_env(slurm) is None  # no MASTER_ADDR: a plain srun job, not a launcher
     assert launcher_env({**slurm, "MASTER_ADDR": "n1"}) == {
-        "rank": 3, "world_size": 8, "local_rank": 1}
+        "rank": 3,
+        "world_size": 8,
+        "local_rank": 1,
+    }

@@ -7,22 +7,33 @@ import sys
 
 
 def _main_job(*args: str, cwd) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_the_main_job_prints_the_equivalence_table_records_goldens_and_passes(tmp_path):
-    first = _main_job("--ranks", "2", "--no-faults", "--golden-dir", "g", "--update-goldens",
-                      cwd=tmp_path)
+    first = _main_job(
+        "--ranks", "2", "--no-faults", "--golden-dir", "g", "--update-goldens", cwd=tmp_path
+    )
     assert first.returncode == 0, first.stdout + first.stderr
     out = first.stdout
     assert "worst relative error per quantity, partitioned vs reference:" in out
     for case in ("coupled-mlp", "sfno", "healpix"):
-        assert any(line.startswith(case) and line.rstrip().endswith("equivalent")
-                   for line in out.splitlines()), case
+        assert any(
+            line.startswith(case) and line.rstrip().endswith("equivalent")
+            for line in out.splitlines()
+        ), case
     assert "ALL CHECKS PASSED" in out
     assert sorted(p.name for p in (tmp_path / "g").glob("*.pt")) == [
-        "coupled-mlp-r2.pt", "healpix-r2.pt", "sfno-r2.pt"]
+        "coupled-mlp-r2.pt",
+        "healpix-r2.pt",
+        "sfno-r2.pt",
+    ]
 
     again = _main_job("--ranks", "2", "--no-faults", "--golden-dir", "g", cwd=tmp_path)
     assert again.returncode == 0
@@ -47,7 +58,8 @@ def test_a_zero_or_negative_timeout_is_a_usage_error(tmp_path):
         proc = _main_job("--timeout", value, "--no-faults", cwd=tmp_path)
         assert proc.returncode == 2
         assert f"--timeout must be a positive number of seconds, got {float(value):g}" in (
-            proc.stderr)
+            proc.stderr
+        )
 
 
 def test_far_more_ranks_than_cores_is_refused_with_the_way_to_insist(tmp_path):

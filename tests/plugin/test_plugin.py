@@ -103,8 +103,9 @@ def test_spatial_plots_without_matplotlib_is_refused_at_startup(pytester):
     pytester.makepyfile("def test_nothing():\n    pass\n")
     result = pytester.runpytest_subprocess("--spatial-plots=maps")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: --spatial-plots needs matplotlib, which is not "
-                                 "installed*drop --spatial-plots"])
+    result.stderr.fnmatch_lines(
+        ["ERROR: --spatial-plots needs matplotlib, which is not installed*drop --spatial-plots"]
+    )
 
 
 def test_an_unknown_marker_option_is_named(pytester):
@@ -119,8 +120,9 @@ def test_an_unknown_marker_option_is_named(pytester):
     )
     result = pytester.runpytest()
     result.assert_outcomes(errors=1)
-    assert ("@pytest.mark.spatial got unknown option(s) ['rank']; it takes ranks=, timeout= "
-            "and fresh=") in result.stdout.str()
+    assert (
+        "@pytest.mark.spatial got unknown option(s) ['rank']; it takes ranks=, timeout= and fresh="
+    ) in result.stdout.str()
 
 
 def test_a_bad_timeout_is_a_usage_error(pytester):
@@ -189,17 +191,18 @@ def test_a_broken_downstream_case_fails_with_the_table(pytester):
 def test_update_goldens_never_writes_the_golden_of_a_failing_check(pytester):
     pytester.makeini("[pytest]\ngolden_dir = goldens\n")
     pytester.makepyfile(test_down=DOWNSTREAM.format(broken=False))
-    pytester.runpytest_subprocess("--spatial-ranks=2", "--update-goldens").assert_outcomes(
-        passed=1)
+    pytester.runpytest_subprocess("--spatial-ranks=2", "--update-goldens").assert_outcomes(passed=1)
     golden = pytester.path / "goldens" / "test_down" / "test_scale_is_equivalent.pt"
     before = golden.read_bytes()
     pytester.makepyfile(test_down=DOWNSTREAM.format(broken=True))
     result = pytester.runpytest_subprocess("--spatial-ranks=2", "--update-goldens")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([
-        "*1 golden: 1 not updated (check failed).*",
-        "*Goldens are only written from passing, finite checks*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*1 golden: 1 not updated (check failed).*",
+            "*Goldens are only written from passing, finite checks*",
+        ]
+    )
     assert "Review and commit" not in result.stdout.str()
     assert golden.read_bytes() == before  # the old golden is kept
     (golden.parent / "other.pt").unlink(missing_ok=True)
@@ -223,8 +226,12 @@ def test_a_golden_check_of_nonfinite_values_fails_and_is_never_written(pytester)
     )
     result = pytester.runpytest("--update-goldens")
     result.assert_outcomes(failed=1, passed=1)
-    result.stdout.fnmatch_lines(["*x: this run produced 1 NaN of 2 (first at (1,))*",
-                                 "*2 goldens: 1 written, 1 refused (not finite).*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*x: this run produced 1 NaN of 2 (first at (1,))*",
+            "*2 goldens: 1 written, 1 refused (not finite).*",
+        ]
+    )
     assert [p.name for p in (pytester.path / "goldens").rglob("*.pt")] == ["test_declared.pt"]
 
 
@@ -235,8 +242,12 @@ def test_a_leftover_of_an_interrupted_golden_write_is_removed_and_named(pytester
     stale.write_bytes(b"half a golden")
     result = pytester.runpytest()
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*removed *.x.pt.999999999.k2j3h4.tmp: the temporary file of "
-                                 "a golden write that was interrupted*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*removed *.x.pt.999999999.k2j3h4.tmp: the temporary file of "
+            "a golden write that was interrupted*"
+        ]
+    )
     assert not stale.exists()
 
 
@@ -379,16 +390,20 @@ def test_sigkill_of_pytest_leaves_no_rank_and_no_fork_server_behind(pytester):
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_hang.py"],
-        cwd=pytester.path, env=_tag_env(tag),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=pytester.path,
+        env=_tag_env(tag),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 60
     while len(_tagged_pids(tag)) < 6 and time.monotonic() < deadline:  # + fork server
         time.sleep(0.2)
     assert len(_tagged_pids(tag)) >= 6, "ranks never started"
-    (server,) = [pid for pid in _tagged_pids(tag)  # pytest's child; the ranks are its children
-                 if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
-                 and _parent(pid) == proc.pid]
+    (server,) = [
+        pid
+        for pid in _tagged_pids(tag)  # pytest's child; the ranks are its children
+        if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes() and _parent(pid) == proc.pid
+    ]
     time.sleep(1.0)
     proc.kill()
     proc.wait()

@@ -47,8 +47,12 @@ def judge(ranks=2, spatial=2):
 
 
 def field(values, index=None, dim=-1, grid=None):
-    return FieldRecord(torch.as_tensor(values, dtype=F64),
-                       None if index is None else torch.as_tensor(index, dtype=torch.long), dim, grid)
+    return FieldRecord(
+        torch.as_tensor(values, dtype=F64),
+        None if index is None else torch.as_tensor(index, dtype=torch.long),
+        dim,
+        grid,
+    )
 
 
 def quantities(found):
@@ -80,7 +84,15 @@ def test_a_nonfinite_reference_is_named_as_the_reference():
     assert len(nonfinite) == 1
     m = nonfinite[0]
     assert (m.run, m.of, m.name, m.step, m.rank, m.where, m.count, m.total) == (
-        "reference", "grad", "w", 0, None, "(1,) (1 inf)", 1, 2)
+        "reference",
+        "grad",
+        "w",
+        0,
+        None,
+        "(1,) (1 inf)",
+        1,
+        2,
+    )
     # the ranks' finite gradient against the reference's inf is a grad difference too
     assert ("grad", 0) in quantities(out.mismatches)
 
@@ -94,22 +106,28 @@ def test_a_nonfinite_value_on_a_rank_names_the_rank_and_global_position():
     out = compare_runs(ref, ranks, TOL, spatial_size=2)
     nonfinite = [m for m in out.mismatches if m.quantity == "nonfinite"]
     assert [(m.rank, m.of, m.where) for m in nonfinite] == [
-        (1, "field", "[0] (lat 1, lon 0) (1 NaN)")]
+        (1, "field", "[0] (lat 1, lon 0) (1 NaN)")
+    ]
 
 
 def test_nonfinite_values_in_the_initial_parameters_are_findings():
     init = {"w": torch.tensor([NAN, 1.0], dtype=F64)}
     out = compare_runs(run(init=init), [run(init=init)], TOL, spatial_size=1)
     assert [(m.quantity, m.run, m.step, m.of) for m in out.mismatches] == [
-        ("nonfinite", "reference", None, "param"), ("nonfinite", "", None, "param")]
+        ("nonfinite", "reference", None, "param"),
+        ("nonfinite", "", None, "param"),
+    ]
 
 
 def test_expected_nonfinite_values_pass_only_where_they_match():
     nan_loss = run(step(loss=NAN))
-    assert compare_runs(nan_loss, [run(step(loss=NAN))], TOL, spatial_size=1,
-                        allow_nonfinite=True).mismatches == []
-    out = compare_runs(nan_loss, [run(step(loss=1.0))], TOL, spatial_size=1,
-                       allow_nonfinite=True)
+    assert (
+        compare_runs(
+            nan_loss, [run(step(loss=NAN))], TOL, spatial_size=1, allow_nonfinite=True
+        ).mismatches
+        == []
+    )
+    out = compare_runs(nan_loss, [run(step(loss=1.0))], TOL, spatial_size=1, allow_nonfinite=True)
     assert quantities(out.mismatches) == [("loss", 0)]
     assert out.mismatches[0].max_abs == math.inf
 
@@ -135,8 +153,7 @@ def test_parameters_present_on_one_side_only_are_named():
 
 
 def test_a_loss_that_differs_says_both_values_with_enough_digits():
-    out = compare_runs(run(step(loss=2.2874)), [run(step(loss=2.28740001))], TOL,
-                       spatial_size=1)
+    out = compare_runs(run(step(loss=2.2874)), [run(step(loss=2.28740001))], TOL, spatial_size=1)
     (m,) = out.mismatches
     assert (m.quantity, m.rank) == ("loss", 0)
     assert m.where == "2.28740001 vs reference 2.2874"
@@ -144,8 +161,7 @@ def test_a_loss_that_differs_says_both_values_with_enough_digits():
 
 def test_ranks_of_one_group_must_hold_the_same_loss():
     ranks = [run(step(loss=1.0)), run(step(loss=1.5), spatial_rank=1)]
-    names = [(m.name, m.rank) for m in compare_runs(run(), ranks, TOL, spatial_size=2)
-             .mismatches]
+    names = [(m.name, m.rank) for m in compare_runs(run(), ranks, TOL, spatial_size=2).mismatches]
     assert ("loss (vs spatial rank 0)", 1) in names
 
 
@@ -156,7 +172,8 @@ def test_with_data_groups_the_mean_of_their_losses_is_compared():
     ranks[1].steps[0].loss = torch.tensor(1.25, dtype=F64)
     out = compare_runs(run(step(loss=1.0)), ranks, TOL, spatial_size=1)
     assert [(m.quantity, m.name, m.rank) for m in out.mismatches] == [
-        ("loss", "loss (mean over data groups)", None)]
+        ("loss", "loss (mean over data groups)", None)
+    ]
 
 
 def test_two_values_adds_digits_until_they_differ():
@@ -222,7 +239,7 @@ def test_a_position_owned_by_two_ranks_is_a_double_owner():
 
 def test_a_position_out_of_range_names_the_rank():
     found, _ = _fields(_shards([0, 1], [2, 4]))
-    assert [(m.quantity, m.rank) for m in found][0] == ("coverage", 1)
+    assert (found[0].quantity, found[0].rank) == ("coverage", 1)
     assert found[0].where == "index out of range [0, 4): 2..4"
 
 
@@ -239,7 +256,8 @@ def test_a_wrong_value_names_its_position_and_owner_and_feeds_the_error_map():
     shards[1].values[0, 1] = 7.0
     found, errors = _fields(shards)
     assert [(m.quantity, m.rank, m.where) for m in found] == [
-        ("field", None, "[0] position 3 on rank 1")]
+        ("field", None, "[0] position 3 on rank 1")
+    ]
     (err,) = errors
     assert err.error.tolist() == [0.0, 0.0, 0.0, 4.0] and err.owners.tolist() == [0, 0, 1, 1]
 
@@ -267,13 +285,18 @@ def test_a_field_missing_on_a_rank_is_named():
     ref = step(fields={"y": field([[1.0]])})
     found, _ = check_fields(judge(), 0, ref, [step(fields={"y": field([[1.0]])}), step()])
     assert [(m.quantity, m.rank, m.where) for m in found] == [
-        ("field", 1, "field missing on this rank")]
+        ("field", 1, "field missing on this rank")
+    ]
 
 
 def test_data_groups_each_reassemble_their_share_of_the_samples():
     ref = step(fields={"y": field([[0.0, 1.0], [2.0, 3.0]])})
-    steps = [step(fields={"y": field([[0.0]], [0])}), step(fields={"y": field([[1.0]], [1])}),
-             step(fields={"y": field([[2.0]], [0])}), step(fields={"y": field([[3.0]], [1])})]
+    steps = [
+        step(fields={"y": field([[0.0]], [0])}),
+        step(fields={"y": field([[1.0]], [1])}),
+        step(fields={"y": field([[2.0]], [0])}),
+        step(fields={"y": field([[3.0]], [1])}),
+    ]
     found, _ = check_fields(judge(4, 2), 0, ref, steps)
     assert found == []
     steps[3].fields["y"].values[0, 0] = 9.0
@@ -316,10 +339,12 @@ def test_bitwise_equal_parameters_far_from_the_reference_are_a_param_mismatch():
 
 
 def test_a_buffer_mutated_only_on_the_ranks_is_named():
-    out = compare_runs(run(), [run(step(mutated=["m"])), run(step(mutated=["m"]))], TOL,
-                       spatial_size=2)
+    out = compare_runs(
+        run(), [run(step(mutated=["m"])), run(step(mutated=["m"]))], TOL, spatial_size=2
+    )
     assert [(m.quantity, m.name, m.rank) for m in out.mismatches] == [
-        ("buffer", "m", 0), ("buffer", "m", 1)]
-    same = compare_runs(run(step(mutated=["m"])), [run(step(mutated=["m"]))], TOL,
-                        spatial_size=1)
+        ("buffer", "m", 0),
+        ("buffer", "m", 1),
+    ]
+    same = compare_runs(run(step(mutated=["m"])), [run(step(mutated=["m"]))], TOL, spatial_size=1)
     assert same.mismatches == []

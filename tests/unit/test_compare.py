@@ -96,10 +96,28 @@ def test_equal_values_have_zero_error():
 
 @pytest.mark.parametrize(
     ("actual", "expected"),
-    [(1.0, NAN), (NAN, 1.0), (NAN, NAN), (INF, INF), (-INF, -INF), (1.0, INF), (INF, 1.0),
-     (INF, -INF), (INF, NAN)],
-    ids=["ref-nan", "actual-nan", "both-nan", "both-inf", "both-minus-inf", "ref-inf",
-         "actual-inf", "inf-vs-minus-inf", "inf-vs-nan"],
+    [
+        (1.0, NAN),
+        (NAN, 1.0),
+        (NAN, NAN),
+        (INF, INF),
+        (-INF, -INF),
+        (1.0, INF),
+        (INF, 1.0),
+        (INF, -INF),
+        (INF, NAN),
+    ],
+    ids=[
+        "ref-nan",
+        "actual-nan",
+        "both-nan",
+        "both-inf",
+        "both-minus-inf",
+        "ref-inf",
+        "actual-inf",
+        "inf-vs-minus-inf",
+        "inf-vs-nan",
+    ],
 )
 def test_a_nan_or_inf_on_either_side_fails_even_when_both_match(actual, expected):
     d = compare_tensors(t(0.0, actual), t(0.0, expected), Bound(1e-5, 1e-7))
@@ -110,13 +128,20 @@ def test_a_nan_or_inf_on_either_side_fails_even_when_both_match(actual, expected
 
 @pytest.mark.parametrize(
     ("actual", "expected", "ok"),
-    [(NAN, NAN, True), (INF, INF, True), (-INF, -INF, True), (1.0, NAN, False),
-     (NAN, 1.0, False), (INF, -INF, False), (NAN, INF, False), (1.0, INF, False)],
+    [
+        (NAN, NAN, True),
+        (INF, INF, True),
+        (-INF, -INF, True),
+        (1.0, NAN, False),
+        (NAN, 1.0, False),
+        (INF, -INF, False),
+        (NAN, INF, False),
+        (1.0, INF, False),
+    ],
     ids=["nan", "inf", "minus-inf", "ref-nan", "actual-nan", "sign", "nan-vs-inf", "ref-inf"],
 )
 def test_allowed_nonfinite_values_must_match_position_for_position(actual, expected, ok):
-    d = compare_tensors(t(actual, 2.0), t(expected, 2.0), Bound(1e-5, 1e-7),
-                        allow_nonfinite=True)
+    d = compare_tensors(t(actual, 2.0), t(expected, 2.0), Bound(1e-5, 1e-7), allow_nonfinite=True)
     assert d.ok is ok
     assert d.nonfinite == (0 if ok else 1)
     assert d.count == (0 if ok else 1)
@@ -173,7 +198,11 @@ def test_default_tolerances_per_dtype():
     assert f64 == Tolerance.uniform(1e-10, 1e-12)
     f32 = Tolerance.for_dtype(torch.float32)
     assert (f32.loss, f32.grad, f32.field, f32.param) == (
-        Bound(1e-5, 1e-7), Bound(1e-4, 1e-6), Bound(1e-5, 3e-6), Bound(1e-5, 1e-6))
+        Bound(1e-5, 1e-7),
+        Bound(1e-4, 1e-6),
+        Bound(1e-5, 3e-6),
+        Bound(1e-5, 1e-6),
+    )
     assert Tolerance.for_dtype(torch.bfloat16) == Tolerance.uniform(2e-2, 1e-3)
     assert Tolerance.for_dtype(torch.float16) == Tolerance.uniform(2e-2, 1e-3)
     assert Tolerance.for_dtype(torch.int64) == Tolerance.exact() == Tolerance.uniform(0, 0)
@@ -266,41 +295,80 @@ def test_scale_hint_names_a_factor_of_the_group_size():
 
 def test_format_table_pads_columns_and_leaves_the_last_free():
     assert format_table(("a", "bb"), [("xyz", "1"), ("p", "qqqq")]) == [
-        "a    bb", "---  ----", "xyz  1", "p    qqqq"]
+        "a    bb",
+        "---  ----",
+        "xyz  1",
+        "p    qqqq",
+    ]
     assert format_table(("a", "b"), [("xyz", "long text")], free_last=True) == [
-        "a    b", "---  -", "xyz  long text"]
+        "a    b",
+        "---  -",
+        "xyz  long text",
+    ]
 
 
 def test_a_nonfinite_mismatch_headline_names_the_run_quantity_and_position():
-    m = Mismatch("nonfinite", "encoder.weight", 0, None, where="(2, 1) (3 NaN)", count=3,
-                 total=24, run="reference", of="grad")
+    m = Mismatch(
+        "nonfinite",
+        "encoder.weight",
+        0,
+        None,
+        where="(2, 1) (3 NaN)",
+        count=3,
+        total=24,
+        run="reference",
+        of="grad",
+    )
     assert m.headline() == (
         "the reference: nonfinite grad 'encoder.weight' at step 0, 3/24 not finite, "
-        "first at (2, 1) (3 NaN)")
+        "first at (2, 1) (3 NaN)"
+    )
     assert mismatch_table([m])[2].split() == [
-        "nonfinite", "grad", "encoder.weight", "0", "reference", "-", "-", "3/24", "(2,",
-        "1)", "(3", "NaN)"]
+        "nonfinite",
+        "grad",
+        "encoder.weight",
+        "0",
+        "reference",
+        "-",
+        "-",
+        "3/24",
+        "(2,",
+        "1)",
+        "(3",
+        "NaN)",
+    ]
 
 
 def test_a_headline_says_the_phase_a_rank_failed_in():
-    m = Mismatch("crash", "case", 0, 1, where="process killed by SIGKILL",
-                 phase="step 0 forward")
-    assert m.headline() == (
-        "rank 1: crash 'case' in step 0 forward: process killed by SIGKILL")
+    m = Mismatch("crash", "case", 0, 1, where="process killed by SIGKILL", phase="step 0 forward")
+    assert m.headline() == ("rank 1: crash 'case' in step 0 forward: process killed by SIGKILL")
     assert Mismatch("param", "w", None, 2).headline() == "rank 2: param 'w' after build"
     assert Mismatch("loss", "loss", 1, None, 0.5, 0.25).headline() == (
-        "all ranks: loss 'loss' at step 1: max abs 0.5, max rel 0.25")
+        "all ranks: loss 'loss' at step 1: max abs 0.5, max rel 0.25"
+    )
 
 
 def test_the_table_collapses_ranks_and_keeps_the_worst():
-    rows = mismatch_table([
-        Mismatch("grad", "w", 0, 1, 0.1, 0.2, "(0,)", 1, 4),
-        Mismatch("grad", "w", 0, 2, 0.3, 0.4, "(1,)", 2, 4),
-        Mismatch("grad", "w", 0, 3, 0.2, 0.4, "(2,)", 1, 4),
-    ])
+    rows = mismatch_table(
+        [
+            Mismatch("grad", "w", 0, 1, 0.1, 0.2, "(0,)", 1, 4),
+            Mismatch("grad", "w", 0, 2, 0.3, 0.4, "(1,)", 2, 4),
+            Mismatch("grad", "w", 0, 3, 0.2, 0.4, "(2,)", 1, 4),
+        ]
+    )
     assert len(rows) == 3
-    assert rows[2].split() == ["grad", "w", "0", "1-3", "3.00e-01", "4.00e-01", "2/4", "(1,)",
-                               "(rank", "2)"]
+    assert rows[2].split() == [
+        "grad",
+        "w",
+        "0",
+        "1-3",
+        "3.00e-01",
+        "4.00e-01",
+        "2/4",
+        "(1,)",
+        "(rank",
+        "2)",
+    ]
 
 
 def test_an_ok_report_says_equivalent_with_the_worst_errors():
@@ -315,9 +383,28 @@ def test_an_ok_report_says_equivalent_with_the_worst_errors():
 
 
 def test_a_failed_report_has_first_table_and_remedy():
-    report = EquivalenceReport("c", 4, 4, "p", 2, "float64", Tolerance.exact(), mismatches=[
-        Mismatch("nonfinite", "loss", 0, None, run="reference", of="loss", where="(1 NaN)",
-                 count=1, total=1)])
+    report = EquivalenceReport(
+        "c",
+        4,
+        4,
+        "p",
+        2,
+        "float64",
+        Tolerance.exact(),
+        mismatches=[
+            Mismatch(
+                "nonfinite",
+                "loss",
+                0,
+                None,
+                run="reference",
+                of="loss",
+                where="(1 NaN)",
+                count=1,
+                total=1,
+            )
+        ],
+    )
     text = str(report)
     assert not report.ok and report.quantities == {"nonfinite"}
     assert "First: the reference: nonfinite loss 'loss' at step 0" in text

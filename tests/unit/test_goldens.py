@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -141,8 +139,9 @@ def test_a_writer_killed_mid_write_leaves_the_old_golden_and_the_next_run_cleans
     path = tmp_path / "big.pt"
     store.write(path, {"x": torch.zeros(200_000)}, {})
     before = path.read_bytes()
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "writing started"  # the handshake
@@ -189,7 +188,8 @@ def test_updating_over_a_golden_holding_nan_is_not_unchanged(tmp_path):
     path = tmp_path / "a.pt"
     GoldenStore(tmp_path).write(path, _nan_tensors(), {})
     assert GoldenStore(tmp_path, update=True).check(path, tensors(), bound=EXACT).status == (
-        "updated")
+        "updated"
+    )
 
 
 def test_a_run_producing_nan_fails_against_a_finite_golden(tmp_path):

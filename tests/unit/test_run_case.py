@@ -35,7 +35,7 @@ class Configurable(SpatialCase):
         if "raise_in" in self.overrides and self.overrides["raise_in"] == "forward":
             raise RuntimeError("boom in forward")
         y = model(batch)
-        loss = self.overrides.get("loss", lambda y: (y ** 2).mean())(y)
+        loss = self.overrides.get("loss", lambda y: (y**2).mean())(y)
         fields = self.overrides.get("fields", {"y": y})
         return self.overrides.get("outputs", Outputs(loss, fields))
 
@@ -56,8 +56,7 @@ def test_run_case_leaves_the_callers_rng_and_dtype_as_it_found_them():
 def test_run_case_records_every_step():
     record = run_case(CoupledMLPCase(npos=5), SINGLE, steps=3, lr=0.1, seed=0)
     assert len(record.steps) == 3
-    assert set(record.init) == {"encoder.weight", "encoder.bias", "decoder.weight",
-                                "decoder.bias"}
+    assert set(record.init) == {"encoder.weight", "encoder.bias", "decoder.weight", "decoder.bias"}
     assert record.steps[0].grads.keys() == record.init.keys()
     assert record.steps[0].loss.shape == ()
     assert "out" in record.steps[0].fields
@@ -79,13 +78,22 @@ def test_the_same_seed_gives_the_same_run():
         ({"build": "model"}, "build returned a str; it must return a torch.nn.Module"),
         ({"loss": lambda y: y}, "Outputs.loss has shape (3, 1); it must be a scalar"),
         ({"loss": lambda y: 1.5}, "Outputs.loss is a float; it must be a scalar torch.Tensor"),
-        ({"loss": lambda y: (y ** 2).mean().detach()},
-         "Outputs.loss does not depend on any trainable parameter"),
+        (
+            {"loss": lambda y: (y**2).mean().detach()},
+            "Outputs.loss does not depend on any trainable parameter",
+        ),
         ({"outputs": (1, 2)}, "forward must return harness.Outputs(loss, fields), got tuple"),
         ({"fields": {"y": [1, 2]}}, "Outputs.fields['y'] is a list; give a torch.Tensor"),
     ],
-    ids=["none", "not-a-module", "not-scalar", "not-a-tensor", "detached", "not-outputs",
-         "bad-field"],
+    ids=[
+        "none",
+        "not-a-module",
+        "not-scalar",
+        "not-a-tensor",
+        "detached",
+        "not-outputs",
+        "bad-field",
+    ],
 )
 def test_a_bad_answer_from_the_case_is_one_clear_error(overrides, says):
     with pytest.raises(ConfigError) as info:
@@ -115,12 +123,22 @@ def test_an_exception_says_which_phase_of_which_step_raised_it():
 
 def test_progress_reports_every_phase_in_order():
     seen = []
-    run_case(Configurable(), SINGLE, steps=2, lr=0.1, seed=0,
-             progress=lambda phase, step: seen.append((phase, step)))
+    run_case(
+        Configurable(),
+        SINGLE,
+        steps=2,
+        lr=0.1,
+        seed=0,
+        progress=lambda phase, step: seen.append((phase, step)),
+    )
     assert seen == [
         ("build", None),
-        ("step 0 batch", 0), ("step 0 forward", 0), ("step 0 backward", 0),
+        ("step 0 batch", 0),
+        ("step 0 forward", 0),
+        ("step 0 backward", 0),
         ("step 0 optimizer step", 0),
-        ("step 1 batch", 1), ("step 1 forward", 1), ("step 1 backward", 1),
+        ("step 1 batch", 1),
+        ("step 1 forward", 1),
+        ("step 1 backward", 1),
         ("step 1 optimizer step", 1),
     ]
