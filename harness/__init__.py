@@ -13,14 +13,16 @@ from harness.errors import (
     HarnessError,
     PicklingProblem,
     RankCrash,
+    RankDeadlock,
     RankError,
     RankFailure,
+    RankPending,
     RankProblem,
     RankTimeout,
 )
 from harness.goldens import GoldenStore
 from harness.partition import CellPartition, LatLonPartition, cell_of, split_sizes
-from harness.pool import PoolRegistry, RankPool
+from harness.pool import PoolRegistry, RankPool, Runner
 from harness.topology import Topology
 
 __version__ = "0.1.0"
@@ -39,11 +41,14 @@ __all__ = [
     "PicklingProblem",
     "PoolRegistry",
     "RankCrash",
+    "RankDeadlock",
     "RankError",
     "RankFailure",
+    "RankPending",
     "RankPool",
     "RankProblem",
     "RankTimeout",
+    "Runner",
     "Shard",
     "SpatialCase",
     "Tolerance",

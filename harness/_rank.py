@@ -182,7 +182,14 @@ def _warm_up(torch: Any, store_path: str, backend: str) -> None:
     """
     import torch.distributed as dist
 
-    dist.init_process_group(backend, store=dist.FileStore(store_path, 1), rank=0, world_size=1)
+    dist.init_process_group(
+        backend,
+        store=dist.FileStore(  # type: ignore[attr-defined]  # not in the stubs
+            store_path, 1
+        ),
+        rank=0,
+        world_size=1,
+    )
     t = torch.ones(1)
     dist.all_reduce(t)
     _end_group()
@@ -312,7 +319,9 @@ def _run_one(
         try:
             dist.init_process_group(
                 backend,
-                store=dist.FileStore(store_path, world),
+                store=dist.FileStore(  # type: ignore[attr-defined]  # not in the stubs
+                    store_path, world
+                ),
                 rank=rank,
                 world_size=world,
                 timeout=datetime.timedelta(seconds=max(timeout * 2, 60)),

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -38,6 +38,11 @@ from harness.partition import CellPartition, ownership
 from harness.topology import Topology
 
 # ---------------------------------------------------------------------- sums
+
+
+def apply(function: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
+    """``function.apply(*args)``, typed: torch's stubs leave ``Function.apply`` untyped."""
+    return cast(torch.Tensor, function.apply(*args))
 
 
 class _SpatialSum(torch.autograd.Function):
@@ -67,7 +72,8 @@ def spatial_sum(x: torch.Tensor, topo: Topology) -> torch.Tensor:
     """
     if topo.spatial_group is None or topo.spatial_size == 1:
         return x
-    return _SpatialSum.apply(x, topo.spatial_group)
+    out = apply(_SpatialSum, x, topo.spatial_group)
+    return out
 
 
 class _ReduceLoss(torch.autograd.Function):
@@ -96,7 +102,8 @@ def reduce_loss(x: torch.Tensor, topo: Topology) -> torch.Tensor:
     """
     if topo.spatial_group is None or topo.spatial_size == 1:
         return x
-    return _ReduceLoss.apply(x, topo.spatial_group)
+    out = apply(_ReduceLoss, x, topo.spatial_group)
+    return out
 
 
 # ---------------------------------------------------------------------- gathers
@@ -186,7 +193,8 @@ def all_gather_uneven(x: torch.Tensor, topo: Topology, dim: int = 0) -> torch.Te
     """
     if topo.spatial_group is None or topo.spatial_size == 1:
         return x
-    return _AllGatherUneven.apply(x, dim, topo.spatial_group, topo.spatial_size)
+    out = apply(_AllGatherUneven, x, dim, topo.spatial_group, topo.spatial_size)
+    return out
 
 
 def _index_problem(index: Any, n: int, size: int) -> int:
@@ -276,9 +284,10 @@ def assemble(
         return values.new_zeros(shape).index_copy(dim_, index, values)
     if problem:
         index = torch.zeros(0, dtype=torch.long, device=values.device)
-    return _Assemble.apply(
-        values, index, size, dim_, topo.spatial_group, topo.spatial_size, problem
+    out = apply(
+        _Assemble, values, index, size, dim_, topo.spatial_group, topo.spatial_size, problem
     )
+    return out
 
 
 # ---------------------------------------------------------------------- halo exchange
@@ -357,7 +366,8 @@ def halo_exchange(
         return x.narrow(dim, 0, 0)
     problem = 4 if x.shape[dim] != partition.sizes[rank] else 0
     _agree(x, dim, topo.spatial_group, topo.spatial_size, problem)
-    return _HaloExchange.apply(x, _halo_plan(partition, rank), dim, topo.spatial_group)
+    out = apply(_HaloExchange, x, _halo_plan(partition, rank), dim, topo.spatial_group)
+    return out
 
 
 # ---------------------------------------------------------------------- gradient sync

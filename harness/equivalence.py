@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from harness.compare import EquivalenceReport, Mismatch, Tolerance
 from harness.errors import ConfigError, RankFailure
 from harness.records import FieldRecord, RunRecord, StepRecord, detached
 from harness.topology import Topology, validate_sizes
+
+if TYPE_CHECKING:
+    from harness.pool import Runner
 
 # ---------------------------------------------------------------------- contract
 
@@ -258,51 +261,62 @@ def run_case(
         _seed(seed)
         model = _check_model(case, case.build(topo))
         params = dict(model.named_parameters())
-        trainable = any(p.requires_grad for p in params.values())
         record = RunRecord(init={_strip(n): detached(p) for n, p in params.items()})
         for step in range(steps):
-            enter(f"step {step} batch", step)
-            _seed(_step_seed(seed, step))
-            batch = case.batch(topo, step)
-            model.zero_grad(set_to_none=True)
-            buffers = {n: (b, b._version, detached(b)) for n, b in model.named_buffers()}
-            enter(f"step {step} forward", step)
-            out = case.forward(model, batch, topo)
-            loss = _check_loss(case, out, trainable)
-            fields = {k: _field_record(case, k, v) for k, v in out.fields.items()}
-            if loss.requires_grad:  # a model without parameters has nothing to differentiate
-                enter(f"step {step} backward", step)
-                loss.backward()
-            grads = {
-                _strip(n): (None if p.grad is None else detached(p.grad))
-                for n, p in params.items()
-                if p.requires_grad
-            }
-            enter(f"step {step} optimizer step", step)
-            with torch.no_grad():
-                for p in params.values():
-                    if p.grad is not None:
-                        p.add_(p.grad, alpha=-lr)
-            mutated = sorted(
-                _strip(n)
-                for n, (b, version, before) in buffers.items()
-                if b._version != version or not torch.equal(b.detach().cpu(), before)
-            )
-            record.steps.append(
-                StepRecord(
-                    loss=detached(loss),
-                    grads=grads,
-                    fields=fields,
-                    params={_strip(n): detached(p) for n, p in params.items()},
-                    mutated_buffers=mutated,
-                )
-            )
+            record.steps.append(_train_step(case, model, topo, step, lr, seed, enter))
         return record
     except BaseException as exc:
         _mark_phase(exc, str(phase[0]))
         raise
     finally:
         saved.restore()
+
+
+def _train_step(
+    case: SpatialCase,
+    model: torch.nn.Module,
+    topo: Topology,
+    step: int,
+    lr: float,
+    seed: int,
+    enter: Callable[[str, int], None],
+) -> StepRecord:
+    """One step: batch, forward, backward, plain SGD; what it recorded."""
+    params = dict(model.named_parameters())
+    enter(f"step {step} batch", step)
+    _seed(_step_seed(seed, step))
+    batch = case.batch(topo, step)
+    model.zero_grad(set_to_none=True)
+    buffers = {n: (b, b._version, detached(b)) for n, b in model.named_buffers()}
+    enter(f"step {step} forward", step)
+    out = case.forward(model, batch, topo)
+    loss = _check_loss(case, out, any(p.requires_grad for p in params.values()))
+    fields = {k: _field_record(case, k, v) for k, v in out.fields.items()}
+    if loss.requires_grad:  # a model without parameters has nothing to differentiate
+        enter(f"step {step} backward", step)
+        loss.backward()
+    grads = {
+        _strip(n): (None if p.grad is None else detached(p.grad))
+        for n, p in params.items()
+        if p.requires_grad
+    }
+    enter(f"step {step} optimizer step", step)
+    with torch.no_grad():
+        for p in params.values():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+    mutated = sorted(
+        _strip(n)
+        for n, (b, version, before) in buffers.items()
+        if b._version != version or not torch.equal(b.detach().cpu(), before)
+    )
+    return StepRecord(
+        loss=detached(loss),
+        grads=grads,
+        fields=fields,
+        params={_strip(n): detached(p) for n, p in params.items()},
+        mutated_buffers=mutated,
+    )
 
 
 def _mark_phase(exc: BaseException, phase: str) -> None:
@@ -343,7 +357,7 @@ def check_equivalence(
     tolerance: Tolerance | None = None,
     timeout: float | None = None,
     seed: int = 0,
-    pool: Any = None,
+    pool: Runner | None = None,
     allow_nonfinite: bool | None = None,
 ) -> EquivalenceReport:
     """Run ``case`` as the reference and on ``ranks`` ranks; compare everything.

@@ -45,8 +45,8 @@ def launcher_env(environ: Mapping[str, str] | None = None) -> dict[str, int] | N
 class LauncherRunner:
     """Runs a function in place on every rank of the launcher's process group.
 
-    Has the interface of ``RankPool`` that ``check_equivalence`` and the plugin use:
-    ``world_size``, ``run(fn, *args, timeout=None, **kwargs)`` and ``last_outputs``.
+    A ``harness.pool.Runner``, like ``RankPool``: ``world_size``, ``run(fn, *args,
+    timeout=None, **kwargs)`` and ``last_outputs``.
     """
 
     def __init__(self, *, timeout: float = 120.0) -> None:

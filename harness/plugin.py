@@ -25,6 +25,7 @@ from harness.pool import (
     OVERSUBSCRIBE_LIMIT,
     START_METHODS,
     PoolRegistry,
+    RankPool,
     check_oversubscription,
 )
 
@@ -340,8 +341,8 @@ class HarnessSession:
             tr.write_sep("=", "unused goldens")
             if unused:
                 tr.write_line(f"{len(unused)} golden file(s) no test of this run used:")
-                for path in unused:
-                    tr.write_line(f"  {path}")
+                for name in unused:
+                    tr.write_line(f"  {name}")
                 tr.write_line("Delete them if their tests are gone (run the whole suite first).")
             else:
                 tr.write_line("every golden file was used by a test of this run.")
@@ -445,7 +446,8 @@ class SpatialFixture:
         __tracebackhide__ = True
         pool = self._pool(ranks)
         try:
-            return pool.run(fn, *args, timeout=timeout or self.timeout, **kwargs)
+            results: list[Any] = pool.run(fn, *args, timeout=timeout or self.timeout, **kwargs)
+            return results
         finally:
             self._attach_output(pool.last_outputs)
 
@@ -525,7 +527,7 @@ class SpatialFixture:
             pool = self._registry.get(size)
         except WorldSizeMismatch as exc:
             pytest.skip(f"{exc} (run it without torchrun/srun, or with that many ranks)")
-        if self.fresh and size not in self._used:
+        if self.fresh and size not in self._used and isinstance(pool, RankPool):
             pool.discard()  # brand-new rank processes: no module globals of earlier tests
             self._used[size] = pool
         return pool

@@ -36,14 +36,14 @@ import types
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from harness._compat import stop_forkserver
 from harness._rank import _worker_main, receive, report_progress, send
 from harness._run import DiedIdle, Run
 from harness.errors import ConfigError, PicklingProblem, RankCrash, RankProblem
 
-__all__ = ["PoolRegistry", "RankPool", "report_progress", "shared_registry"]
+__all__ = ["PoolRegistry", "RankPool", "Runner", "report_progress", "shared_registry"]
 
 DEFAULT_TIMEOUT = 120.0
 #: How long healthy ranks get to finish after another rank raised, before they are taken to
@@ -68,6 +68,22 @@ def _close_all_pools() -> None:
     # nothing of ours is left running once this process is gone. (Only at exit: its
     # children are the ranks of live pools, which watch for being re-parented.)
     stop_forkserver()
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What runs a function on every rank: a ``RankPool``, or under torchrun/srun the
+    ``LauncherRunner`` that runs it in place. ``check_equivalence`` takes either."""
+
+    world_size: int
+    last_outputs: list[str]
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; the results in rank order, or a
+        ``RankFailure`` naming every rank that failed."""
+        ...
 
 
 class RankPool:

@@ -1,17 +1,40 @@
-"""Which built-in stepper configurations the main job checks, and the fault matrix.
+"""Which built-in stepper configurations the main job checks, and the fault catalogue.
 
-One table serves the main job (``harness-check``), the fault tests in ``tests/faults`` and
-the README, so the three cannot disagree about what catches what.
+One table serves the main job (``harness-check``), the fault tests in ``tests/faults``,
+``FAULTS.md`` and the README's fault table, so none can disagree about what catches what:
+``python -m harness.steppers.catalogue`` prints FAULTS.md (``--readme``: the README table),
+and a test fails when either file drifts from this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, cast
 
 from harness.equivalence import SpatialCase
+from harness.errors import ConfigError
 
 Maker = Callable[..., SpatialCase]
+
+
+def check_faults(faults: Any, known: Collection[str], stepper: str) -> frozenset[str]:
+    """``faults`` (one id or several) as a frozenset of ``stepper``'s fault ids, or a
+    ``ConfigError`` listing the valid ones.
+
+    >>> sorted(check_faults("a", {"a", "b"}, "toy"))
+    ['a']
+    >>> check_faults({"c"}, {"a", "b"}, "toy")
+    Traceback (most recent call last):
+    ...
+    harness.errors.ConfigError: unknown toy fault(s) ['c']; valid ids: a, b
+    """
+    ids = cast(frozenset[str], frozenset((faults,) if isinstance(faults, str) else faults))
+    unknown = ids - frozenset(known)
+    if unknown:
+        raise ConfigError(
+            f"unknown {stepper} fault(s) {sorted(unknown)}; valid ids: {', '.join(sorted(known))}"
+        )
+    return ids
 
 
 def _mlp(**kw: Any) -> SpatialCase:
@@ -101,3 +124,152 @@ def fault_matrix(ranks: int) -> Iterator[Fault]:
 
     for fault, (expected, kwargs, spatial_size) in HEALPIX_CHECKS.items():
         yield "healpix", _healpix, kwargs, spatial_size, fault, expected
+
+
+# ---------------------------------------------------------------------- the document
+
+#: (stepper, fault id) -> (the bug, what goes wrong). What FAULTS.md and the README say.
+DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
+    ("coupled-mlp", "no-grad-sync"): (
+        "no all-reduce of parameter gradients over the spatial group",
+        "grads partial per rank; co-rank params diverge after a step",
+    ),
+    ("coupled-mlp", "wrong-shard-index"): (
+        "a rank reports its output at positions shifted by one",
+        "every field value lands one position off",
+    ),
+    ("coupled-mlp", "non-differentiable-reduce"): (
+        "the global mean inside the model uses in-place dist.all_reduce (no autograd)",
+        "each rank misses the other ranks' share of the gradient",
+    ),
+    ("sfno", "reduce-not-differentiable"): (
+        "spatial loss sum reduced from detached values, the local part back-propagated",
+        "gradients through the loss are wrong or missing",
+    ),
+    ("sfno", "reduce-double-count"): (
+        "loss reduction whose backward also all-reduces, combined with grad hooks",
+        "grads exactly S x too large, loss unchanged",
+    ),
+    ("sfno", "coupling-identity-backward"): (
+        "a global sum inside the model (not the loss) with identity backward",
+        "each rank misses the other ranks' share of the gradient",
+    ),
+    ("sfno", "no-grad-sync"): (
+        "no all-reduce of parameter grads over the spatial group",
+        "grads partial per rank; co-rank params diverge after a step",
+    ),
+    ("sfno", "grad-sync-mean"): (
+        "grad hook averages instead of sums",
+        "grads 1/S (invisible after Adam: the harness uses SGD)",
+    ),
+    ("sfno", "buffer-broadcast"): (
+        "DDP-style in-place copy into buffers between forwards (broadcast_buffers=True)",
+        "autograd 'modified by an inplace operation', or gloo aborting when the buffers' "
+        "shapes differ",
+    ),
+    ("sfno", "mean-of-means"): (
+        "area-weighted mean as the mean of per-rank means",
+        "wrong loss when tiles' weight sums differ (uneven latitude bands)",
+    ),
+    ("sfno", "split-mismatch"): (
+        "data scattered with numpy.array_split's rule instead of the SHT's split",
+        "wrong modes or a shape error on uneven grids",
+    ),
+    ("sfno", "per-rank-noise"): (
+        "noise drawn with a per-rank seed",
+        "tiles of one sample see different noise",
+    ),
+    ("sfno", "local-weights"): (
+        "area weights sliced at the wrong offset while data is split",
+        "shape error or wrong loss",
+    ),
+    ("sfno", "reduce-over-world"): (
+        "loss averaged over all ranks instead of the data-parallel group",
+        "wrong loss with data x spatial groups",
+    ),
+    ("healpix", "rank-major-gather"): (
+        "gathered predictions flattened rank-major instead of sample-major",
+        "misaligned predictions with batch >= 2",
+    ),
+    ("healpix", "padding-kept"): (
+        "padding of the uneven all-gather not stripped",
+        "extra zeros, or a shape error",
+    ),
+    ("healpix", "gather-over-world"): (
+        "gather over the world instead of the spatial group",
+        "samples of different data groups mixed",
+    ),
+    ("healpix", "rank-order"): (
+        "spatial group rank order differs from cell order",
+        "cells permuted",
+    ),
+    ("healpix", "local-neighbour-index"): (
+        "neighbour table indexed with local instead of global cell ids",
+        "wrong decoder input at shard edges",
+    ),
+    ("healpix", "empty-skip"): (
+        "a rank with an empty domain skips modules or collectives",
+        "hang: the others wait in a collective it never enters",
+    ),
+    ("healpix", "empty-none-grad"): (
+        "an empty rank leaves parameters out of the graph",
+        "grad None vs zeros; a hang where only gradient hooks sync",
+    ),
+    ("healpix", "non-autograd-gather"): (
+        "plain dist.all_gather instead of an autograd-aware gather",
+        "encoder params get no gradient from other ranks' losses",
+    ),
+    ("healpix", "grad-scale"): (
+        "loss on gathered predictions on every rank with summed gradients",
+        "grads S x too large",
+    ),
+    ("healpix", "rank-local-nan-check"): (
+        "a skip-batch decision (NaN check) taken per rank without a group reduction",
+        "ranks take different branches: a hang or wrong fields",
+    ),
+    ("healpix", "same-batch-violated"): (
+        "ranks of one spatial group read different samples",
+        "wrong everything",
+    ),
+}
+
+
+def markdown_table(ranks: int = 4) -> list[str]:
+    """The README's fault table: one row per fault of the matrix on ``ranks`` ranks."""
+    rows = ["| stepper | fault | the bug | what goes wrong | caught as |", "|---|---|---|---|---|"]
+    for stepper, _make, _kw, _s, fault, expected in fault_matrix(ranks):
+        bug, effect = DESCRIPTIONS[(stepper, fault)]
+        caught = ", ".join(sorted(expected))
+        rows.append(f"| {stepper} | `{fault}` | {bug} | {effect} | {caught} |")
+    return rows
+
+
+def document(ranks: int = 4) -> str:
+    """FAULTS.md: the catalogue the harness's own tests and ``harness-check`` prove."""
+    lines = [
+        "# Fault catalogue",
+        "",
+        "Real bugs that spatial model parallelism has produced in weather and climate models,",
+        "each a `faults=` switch on a built-in stepper, placed where that bug really lives.",
+        "`tests/faults/test_catalogue.py` shows that `check_equivalence` fails on each with one",
+        "of the quantities below (and passes on the same layout without it); `harness-check`",
+        "prints the same matrix. Generated from `harness/steppers/catalogue.py`",
+        "(`python -m harness.steppers.catalogue > FAULTS.md`); a test fails if it drifts.",
+        "",
+        *markdown_table(ranks),
+        "",
+        "The harness's own faults (a rank raises, dies, hangs, returns something unpicklable,",
+        "leaves a collective or a send pending; a rank function that cannot be imported) are",
+        "tested in `tests/distributed/test_pool.py` and `tests/plugin/`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--readme" in sys.argv:
+        print("\n".join(markdown_table()))
+    else:
+        sys.stdout.write(document())

@@ -52,6 +52,7 @@ from harness.collectives import all_gather_uneven, reduce_loss, sync_gradients
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.partition import CellPartition, cell_of
+from harness.steppers import catalogue
 from harness.topology import Topology, cached_groups
 
 HEALPIX_FAULTS = frozenset(
@@ -103,14 +104,7 @@ _DEPTH = 4
 
 def check_faults(faults: Any) -> frozenset[str]:
     """``faults`` as a frozenset of known HEALPix fault ids, or a ``ConfigError``."""
-    faults = frozenset((faults,) if isinstance(faults, str) else faults)
-    unknown = faults - HEALPIX_FAULTS
-    if unknown:
-        raise ConfigError(
-            f"unknown HEALPix fault(s) {sorted(unknown)}; valid ids: "
-            f"{', '.join(sorted(HEALPIX_FAULTS))}"
-        )
-    return faults
+    return catalogue.check_faults(faults, HEALPIX_FAULTS, "HEALPix")
 
 
 # ---------------------------------------------------------------------- gathers
@@ -256,7 +250,8 @@ class HealpixStepper(nn.Module):
         return pooled.reshape(batch, self.n_local, self.hidden)
 
     def encode(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.encoder(pooled + self.cell_embedding[self.lo : self.hi])
+        z: torch.Tensor = self.encoder(pooled + self.cell_embedding[self.lo : self.hi])
+        return z
 
     def gather_latent(self, z: torch.Tensor) -> torch.Tensor:
         """Every rank's latent cells, in global cell order: ``(B, npix, H)``."""
@@ -267,12 +262,14 @@ class HealpixStepper(nn.Module):
     def mix(self, z: torch.Tensor) -> torch.Tensor:
         """The global step: attention over all cells, the same on every rank."""
         scores = self.query(z) @ self.key(z).transpose(-1, -2) / math.sqrt(self.hidden)
-        return z + torch.softmax(scores, dim=-1) @ self.value(z)
+        mixed: torch.Tensor = z + torch.softmax(scores, dim=-1) @ self.value(z)
+        return mixed
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """Prediction of each own cell from its 9-cell neighbourhood: ``(B, n_local, C)``."""
         near = z[:, self.neighbourhood]  # (B, n_local, 9, H)
-        return self.decoder(near.flatten(-2))
+        out: torch.Tensor = self.decoder(near.flatten(-2))
+        return out
 
     def gather_predictions(self, pred: torch.Tensor) -> torch.Tensor:
         """Every rank's predictions on the whole globe, sample-major: ``(B, npix, C)``."""

@@ -19,7 +19,7 @@ from torch import nn
 
 from harness.collectives import reduce_loss, spatial_sum, sync_gradients
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
-from harness.errors import ConfigError
+from harness.steppers.catalogue import check_faults
 from harness.topology import Topology
 
 FAULTS = ("no-grad-sync", "wrong-shard-index", "non-differentiable-reduce")
@@ -49,7 +49,8 @@ class CoupledMLP(nn.Module):
         else:
             total = spatial_sum(local, topo)  # replicated global sum, summed backward
         mean = total / npos
-        return x + self.decoder(h + mean[:, None, :])
+        out: torch.Tensor = x + self.decoder(h + mean[:, None, :])
+        return out
 
 
 class CoupledMLPCase(SpatialCase):
@@ -75,12 +76,9 @@ class CoupledMLPCase(SpatialCase):
         dtype: torch.dtype = torch.float64,
         faults: tuple[str, ...] | frozenset[str] = (),
     ) -> None:
-        unknown = set(faults) - set(FAULTS)
-        if unknown:
-            raise ConfigError(f"unknown fault(s) {sorted(unknown)}; choose from {FAULTS}")
+        self.faults = check_faults(faults, FAULTS, "coupled-mlp")
         self.npos, self.channels, self.hidden, self.batch_size = npos, channels, hidden, batch_size
         self.dtype = dtype
-        self.faults = frozenset(faults)
 
     def build(self, topo: Topology) -> nn.Module:
         model = CoupledMLP(self.channels, self.hidden, self.faults)

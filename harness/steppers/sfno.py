@@ -42,10 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness._compat import use_uneven_transposes
-from harness.collectives import reduce_gradient, reduce_loss, spatial_sum, sync_gradients
+from harness.collectives import apply, reduce_gradient, reduce_loss, spatial_sum, sync_gradients
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.partition import LatLonPartition, sht_split_rule
+from harness.steppers import catalogue
 from harness.topology import Topology
 
 _UNEVEN_LAT = {"nlat": 30, "nlon": 16, "h": 4, "w": 1}  # bands [8, 8, 8, 6], unequal areas
@@ -78,15 +79,7 @@ GRIDS = ("equiangular", "legendre-gauss")
 
 def check_faults(faults: Any) -> frozenset[str]:
     """``faults`` as a frozenset of known SFNO fault ids, or a ``ConfigError``."""
-    if isinstance(faults, str):
-        faults = (faults,)
-    faults = frozenset(faults)
-    unknown = faults - SFNO_FAULTS
-    if unknown:
-        raise ConfigError(
-            f"unknown SFNO fault(s) {sorted(unknown)}; valid ids: {', '.join(sorted(SFNO_FAULTS))}"
-        )
-    return faults
+    return catalogue.check_faults(faults, SFNO_FAULTS, "SFNO")
 
 
 @dataclass(frozen=True)
@@ -312,7 +305,8 @@ class SFNOStepper(nn.Module):
             y = x + gain[:, None, None] * self.global_mean(x)
             y = self.isht(spectral(self.sht(y)))  # (B, E, lat, lon) -> (B, E, l, m) -> back
             x = x + mlp(F.gelu(y))
-        return state + self.decoder(x)
+        out: torch.Tensor = state + self.decoder(x)
+        return out
 
     def local_area_weights(self) -> torch.Tensor:
         """The area weights of this rank's latitudes."""
@@ -370,7 +364,7 @@ class SFNOStepper(nn.Module):
         group = topo.data_group
         if "reduce-over-world" in self.faults:
             group = dist.group.WORLD  # the bug: S replicas of each data group's loss summed
-        return _MeanOverGroup.apply(loss, group, topo.data_size)
+        return apply(_MeanOverGroup, loss, group, topo.data_size)
 
     # ------------------------------------------------------------ stepper API
 

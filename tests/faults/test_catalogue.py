@@ -8,9 +8,12 @@ layout without the fault must pass.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from harness import check_equivalence
+from harness.steppers import catalogue
 from harness.steppers.catalogue import fault_matrix
 
 RANKS = 4
@@ -56,3 +59,25 @@ def test_every_fault_layout_passes_without_its_fault(spatial, key):
         make(**kwargs), ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS)
     )
     assert report.ok, report
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_faults_md_is_the_catalogue_as_the_code_has_it():
+    assert (ROOT / "FAULTS.md").read_text() == catalogue.document(), (
+        "FAULTS.md drifted from harness/steppers/catalogue.py: "
+        "python -m harness.steppers.catalogue > FAULTS.md"
+    )
+
+
+def test_the_readme_fault_table_is_the_catalogue_as_the_code_has_it():
+    text = (ROOT / "README.md").read_text()
+    table = text.split("<!-- fault-table:start -->\n")[1].split("\n<!-- fault-table:end -->")[0]
+    assert table.splitlines() == catalogue.markdown_table(), (
+        "README.md's fault table drifted: paste python -m harness.steppers.catalogue --readme"
+    )
+
+
+def test_every_fault_of_the_matrix_is_described():
+    assert {(s, f) for s, *_, f, _ in MATRIX} == set(catalogue.DESCRIPTIONS)
