@@ -99,6 +99,25 @@ def group_sequence_numbers() -> dict[str, tuple[int, tuple[int, ...]]]:
     return out
 
 
+def operations_issued() -> int | None:
+    """How many operations this rank has issued on all its groups together (a progress
+    counter: it moves with every collective and send/recv, whoever issues it, Python code,
+    DDP's reducer or a bound function alike). ``None`` if it cannot be read right now."""
+    try:
+        return sum(seq for seq, _ in group_sequence_numbers().values())
+    except Exception:  # noqa: BLE001 - e.g. groups being created by the main thread
+        return None
+
+
+def current_frame(thread_id: int) -> Any:
+    """The Python frame thread ``thread_id`` is executing now, or ``None``.
+
+    ``sys._current_frames`` (CPython; documented, underscore-named "for specialized
+    purposes"): read from another thread while the main thread waits inside a collective.
+    """
+    return sys._current_frames().get(thread_id)
+
+
 #: torch.distributed functions that can leave an operation in flight after they return:
 #: those with ``async_op=`` and the point-to-point ones that always return a work.
 _ASYNC = (

@@ -149,7 +149,15 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _worker_main(
-    rank: int, world: int, conn: Connection, workdir: str, parent_pid: int, backend: str
+    rank: int,
+    world: int,
+    conn: Connection,
+    workdir: str,
+    parent_pid: int,
+    backend: str,
+    *,
+    probe: Connection | None = None,
+    preload: tuple[str, ...] = (),
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when ranks stop
     out = open(os.path.join(workdir, f"rank{rank}.out"), "ab", buffering=0)
@@ -168,7 +176,14 @@ def _worker_main(
 
     # Several ranks share a few cores: one thread each avoids oversubscription.
     torch.set_num_threads(1)
+    for module in preload:  # at start, not inside the first run's timeout
+        importlib.import_module(module)
     _warm_up(torch, os.path.join(workdir, f"warmup{rank}"), backend)
+    if probe is not None:
+        main = threading.get_ident()
+        threading.Thread(
+            target=_serve_probes, args=(probe, main), name="harness-probe", daemon=True
+        ).start()
     global _CURRENT
     _CURRENT = _Rank(rank, world, conn, backend)
     send(conn, "ready", pid=os.getpid())
@@ -194,6 +209,41 @@ def _warm_up(torch: Any, store_path: str, backend: str) -> None:
     dist.all_reduce(t)
     _end_group()
     _RankState.save().restore()  # its first call imports for a second too
+
+
+def _serve_probes(conn: Connection, main: int) -> None:
+    """Answer the pool's probes from a thread of its own, while the main thread runs (or
+    hangs in) the function: where the main thread is, whether that is inside a
+    torch.distributed call, and how many operations this rank's groups have seen. What the
+    pool's deadlock detection reads; a main thread holding the GIL delays the answer, which
+    the pool takes as progress."""
+    from harness._compat import current_frame, operations_issued
+
+    while True:
+        try:
+            _, fields = receive(conn)
+        except (EOFError, OSError):
+            return
+        frame = current_frame(main)
+        where, waiting, stack = "", False, ""
+        if frame is not None:
+            code = frame.f_code
+            where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+            waiting = f"{os.sep}torch{os.sep}distributed{os.sep}" in code.co_filename
+            if waiting:
+                stack = "".join(traceback.format_stack(frame, limit=40))
+        try:
+            send(
+                conn,
+                "probed",
+                n=fields.get("n"),
+                where=where,
+                waiting=waiting,
+                operations=operations_issued(),
+                stack=stack,
+            )
+        except (OSError, ValueError):
+            return
 
 
 class _Rank:
@@ -240,6 +290,11 @@ class _Rank:
         self.works.clear()
         ok, fields = _run_one(self.rank, self.world, payload, store, self.backend, timeout, reuse)
         self.ok = ok
+        if ok:  # what the fence needs, now: most runs then need no fence round trip
+            from harness._compat import group_sequence_numbers
+
+            fields["in_flight"] = self.works.pending(0.0)
+            fields["sequences"] = group_sequence_numbers()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
@@ -264,12 +319,14 @@ class _Rank:
         ok, detail = True, ""
         if keep and verify:
             ok, detail = _verify_group(run_id, self.world)
+        # Answer first, then put things back: the parent returns the run's results while
+        # the ranks restore, and the next run's message waits in the pipe until they have.
+        send(self.conn, "released", run_id=run_id, ok=ok, detail=detail)
         self.works.clear()
         self.run_id = None
         if self.saved is not None:
             _end_run(self.saved, keep_group=keep and ok and self.ok)
             self.saved = None
-        send(self.conn, "released", run_id=run_id, ok=ok, detail=detail)
 
 
 def _verify_group(run_id: int, world: int) -> tuple[bool, str]:
@@ -304,8 +361,9 @@ def _run_one(
     import torch.distributed as dist
 
     try:
-        module, file, call = pickle.loads(payload)
-        _ensure_module(module, file)
+        where, call = pickle.loads(payload)
+        for module, file in where:
+            _ensure_module(module, file)
         fn, args, kwargs = pickle.loads(call)
     except Exception as exc:  # noqa: BLE001
         return False, {

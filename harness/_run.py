@@ -29,6 +29,47 @@ if TYPE_CHECKING:
 #: How long the parent waits for the fence and release answers beyond the ranks' own
 #: deadlines, before it takes a silent rank to be stuck (then the pool restarts).
 FENCE_MARGIN = 10.0
+#: Deadlock detection starts this far into a run (shorter runs never pay for it) and
+#: probes the running ranks this often.
+PROBE_AFTER = 0.5
+PROBE_EVERY = 0.5
+
+
+class DeadlockWatch:
+    """Decides, from the ranks' probes, that a run can no longer finish.
+
+    A running rank is *blocked* when its main thread sits inside a torch.distributed call
+    and the operation count of its groups has not moved since the last probe. When every
+    running rank has been blocked for ``window`` seconds (some ranks may have returned),
+    nothing can complete any more: each waits for a peer that waits too, or that is gone.
+    A rank that is computing (its main thread outside torch.distributed, or too busy to
+    answer) is progress, so slow ranks never raise the alarm.
+    """
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self.next_probe = PROBE_AFTER
+        self.blocked: dict[int, tuple[float, tuple[Any, str]]] = {}  # rank -> (since, state)
+        self.stacks: dict[int, str] = {}
+
+    def deadlocked(self, run: Run, elapsed: float) -> bool:
+        if not self.window or elapsed < self.next_probe or run.problems:
+            return False
+        self.next_probe = elapsed + PROBE_EVERY
+        running = sorted(run.pending)
+        answers = run.pool._probe(running, timeout=PROBE_EVERY)
+        for r in running:
+            a = answers.get(r)
+            if a is None or not a["waiting"] or a["operations"] is None:
+                self.blocked.pop(r, None)
+                continue
+            state = (a["operations"], a["where"])
+            since, before = self.blocked.get(r, (elapsed, state))
+            self.blocked[r] = (since if before == state else elapsed, state)
+            self.stacks[r] = a["stack"]
+        return bool(running) and all(
+            r in self.blocked and elapsed - self.blocked[r][0] >= self.window for r in running
+        )
 
 
 class DiedIdle(Exception):
@@ -54,6 +95,7 @@ class Run:
         self.first_failure: float | None = None
         self.crashed = False
         self.dead: set[int] = set()
+        self.watch = DeadlockWatch(pool.deadlock_window)
 
     # ------------------------------------------------------------------ handlers
 
@@ -71,7 +113,11 @@ class Run:
         summary: str = "",
         detail: str = "",
         phase: str | None = None,
+        in_flight: list[str] | None = None,
+        sequences: dict[str, Any] | None = None,
     ) -> None:
+        if ok:  # what the rank said at return; the fence asks again only if needed
+            self.fences[rank] = (in_flight or [], sequences or {})
         self.pending.discard(rank)
         self.returned_at[rank] = time.monotonic() - self.t0
         self.pool._idle[rank] = True
@@ -154,6 +200,8 @@ class Run:
                 self.crashed or now - self.first_failure >= self.pool.error_grace
             ):
                 break
+            if self.watch.deadlocked(self, now - self.t0):
+                self._stuck(deadlock=True)
             self.poll(self.pending, min(0.2, deadline - now))
         if self.pending:
             self._stuck()
@@ -164,21 +212,31 @@ class Run:
             raise self._failure()
         return self._fence()
 
-    def _stuck(self) -> None:
-        """Ranks still running at the deadline (or after another failed): name everyone."""
+    def _stuck(self, *, deadlock: bool = False) -> None:
+        """Ranks still running at the deadline, deadlocked, or left after another failed:
+        name everyone."""
         pool = self.pool
         stuck = sorted(self.pending)
         stacks = pool._dump_stacks(stuck)
         waited = time.monotonic() - self.t0
-        kind = "stopped" if self.problems else "timeout"
+        kind = "deadlock" if deadlock else "stopped" if self.problems else "timeout"
         for r in stuck:
-            why = (
-                f"still running after {waited:.1f}s (timeout {self.timeout:g}s)"
-                if kind == "timeout"
-                else "still running after another rank failed (waiting in a collective?)"
-            )
-            self.fail(r, kind, why, stacks.get(r, "(no stack collected)"))
-        if kind == "timeout":
+            if kind == "deadlock":
+                where = self.watch.blocked[r][1][1]
+                why = (
+                    f"waiting inside torch.distributed for {self.watch.window:g}s with no "
+                    f"operation completing on any of its groups ({waited:.1f}s into the run; "
+                    f"at {where})"
+                )
+                stack = self.watch.stacks.get(r) or stacks.get(r, "")
+            elif kind == "timeout":
+                why = f"still running after {waited:.1f}s (timeout {self.timeout:g}s)"
+            else:
+                why = "still running after another rank failed (waiting in a collective?)"
+            if kind != "deadlock":
+                stack = stacks.get(r, "")
+            self.fail(r, kind, why, stack or "(no stack collected)")
+        if kind in ("timeout", "deadlock"):
             for r in sorted(self.returned_at, key=self.returned_at.__getitem__):
                 if r in self.results:
                     t = self.returned_at[r]
@@ -214,8 +272,12 @@ class Run:
         and a short deadline, then the group is kept.
         """
         everyone = range(self.n)
-        self._send_all("fence")
-        self._await(self.fences, FENCE_GRACE + FENCE_MARGIN)
+        if any(in_flight for in_flight, _ in self.fences.values()):
+            # In flight at return: an isend may only complete once its peer, returning
+            # later, has received it. Ask again, now that every rank has returned.
+            self.fences.clear()
+            self._send_all("fence")
+            self._await(self.fences, FENCE_GRACE + FENCE_MARGIN)
         pending = {r: f[0] for r, f in self.fences.items() if f[0]}
         if pending:
             for r, ops in sorted(pending.items()):

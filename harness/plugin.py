@@ -21,6 +21,7 @@ from harness.errors import ConfigError
 from harness.goldens import GoldenResult, GoldenStore, golden_stem
 from harness.launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch, launcher_env
 from harness.pool import (
+    DEADLOCK_WINDOW,
     DEFAULT_TIMEOUT,
     OVERSUBSCRIBE_LIMIT,
     START_METHODS,
@@ -71,6 +72,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write a PNG error map of each failing field to DIR (needs matplotlib)",
     )
     group.addoption(
+        "--spatial-deadlock-window",
+        dest="spatial_deadlock_window",
+        default=None,
+        metavar="SECONDS",
+        help=f"fail a run as a deadlock once every running rank has waited this long inside "
+        f"torch.distributed with nothing completing (default {DEADLOCK_WINDOW:g}; 0: off, "
+        "wait for the timeout)",
+    )
+    group.addoption(
+        "--spatial-preload",
+        dest="spatial_preload",
+        default=None,
+        metavar="MODULES",
+        help="comma-separated modules the rank processes import once, before any test "
+        "(your model package and its heavy dependencies)",
+    )
+    group.addoption(
         "--spatial-oversubscribe",
         action="store_true",
         dest="spatial_oversubscribe",
@@ -87,6 +105,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addini("spatial_ranks", f"default for --spatial-ranks ({DEFAULT_RANKS})", default=None)
     parser.addini("spatial_timeout", "default for --spatial-timeout", default=None)
+    parser.addini("spatial_deadlock_window", "default for --spatial-deadlock-window", default=None)
+    parser.addini(
+        "spatial_preload",
+        "modules the rank processes import once, before any test (one per line or "
+        "comma-separated): default for --spatial-preload",
+        type="linelist",
+        default=[],
+    )
     parser.addini(
         "spatial_start_method",
         f"how rank processes start: one of {', '.join(START_METHODS)} (default forkserver: "
@@ -126,6 +152,42 @@ def _parse_timeout(raw: Any) -> float:
         f"--spatial-timeout must be a positive number of seconds, got {raw!r}; "
         "e.g. --spatial-timeout 120"
     )
+
+
+def _parse_window(raw: Any) -> float:
+    if raw is None:
+        return DEADLOCK_WINDOW
+    try:
+        window = float(raw)
+    except ValueError:
+        window = -1.0
+    if window >= 0:
+        return window
+    raise pytest.UsageError(
+        f"--spatial-deadlock-window must be a number of seconds >= 0 (0: off), got {raw!r}; "
+        f"e.g. --spatial-deadlock-window {DEADLOCK_WINDOW:g}"
+    )
+
+
+def _parse_preload(config: pytest.Config) -> list[str]:
+    """The modules to preload, each checked to exist now (the fork server would silently
+    skip one it cannot import)."""
+    import importlib.util
+
+    raw = config.getoption("spatial_preload")
+    names = raw.split(",") if raw is not None else config.getini("spatial_preload")
+    modules = [n.strip() for item in names for n in str(item).split(",") if n.strip()]
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise pytest.UsageError(
+                f"--spatial-preload: no module named {name!r} in this environment; install "
+                "it, or check the name (a dotted module path, e.g. my_model.networks)"
+            )
+    return modules
 
 
 @pytest.hookimpl(tryfirst=True)  # before Hypothesis' plugin loads --hypothesis-profile
@@ -172,7 +234,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_registry_key] = _launcher_registry(config, env, timeout)
     else:
         config.stash[_registry_key] = PoolRegistry(
-            default_ranks=ranks, timeout=timeout, start_method=start_method
+            default_ranks=ranks,
+            timeout=timeout,
+            start_method=start_method,
+            deadlock_window=_parse_window(_setting(config, "spatial_deadlock_window")),
+            preload=_parse_preload(config),
         )
     root = config.inipath.parent if config.inipath else config.rootpath
     session = HarnessSession(
@@ -410,6 +476,10 @@ def pytest_report_header(config: pytest.Config) -> str:
             f"spatial ranks {registry.default_ranks}, backend gloo, "
             f"start method {registry.start_method}"
         )
+        window = registry.deadlock_window
+        how += f", deadlock detection {f'after {window:g}s' if window else 'off'}"
+        if registry.preload:
+            how += f", preload {','.join(registry.preload)}"
     return f"harness: {how}, timeout {registry.timeout:g}s, torch {torch.__version__}"
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import multiprocessing as mp
 import os
 import pickle
@@ -51,6 +52,10 @@ DEFAULT_TIMEOUT = 120.0
 ERROR_GRACE = 3.0
 #: How long a rank may take to start (import torch, set up) before the start counts as failed.
 START_TIMEOUT = 180.0
+#: A run whose every running rank has waited inside a torch.distributed call this long,
+#: with no operation issued on any of its groups, can no longer finish: it fails as a
+#: deadlock at once instead of at the timeout. 0 turns detection off.
+DEADLOCK_WINDOW = 2.0
 START_METHODS = ("spawn", "forkserver")
 
 #: More rank processes than this many per core is refused unless asked for: they would
@@ -108,6 +113,8 @@ class RankPool:
         start_method: str = "spawn",
         backend: str = "gloo",
         error_grace: float = ERROR_GRACE,
+        deadlock_window: float = DEADLOCK_WINDOW,
+        preload: Sequence[str] = (),
     ) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ConfigError(f"RankPool needs world_size >= 1, got {world_size!r}")
@@ -123,6 +130,14 @@ class RankPool:
         self.start_method = start_method
         self.backend = backend
         self.error_grace = error_grace
+        if deadlock_window < 0:
+            raise ConfigError(
+                f"deadlock_window must be >= 0 seconds (0: off), got {deadlock_window!r}"
+            )
+        self.deadlock_window = float(deadlock_window)
+        self.preload = tuple(preload)
+        self._probes: list[Connection] = []
+        self._probe_count = 0
         self.starts = 0  # how many times the processes were (re)started
         self.runs = 0
         self.last_outputs: list[str] = [""] * world_size
@@ -161,8 +176,11 @@ class RankPool:
         self._kill()
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
-            # The server imports torch once; each rank is then a cheap fork of it.
-            ctx.set_forkserver_preload(["harness._preload"])
+            # The server imports torch (and the modules asked for) once; each rank is then a
+            # cheap fork of it. The server is one per process: a second preload list only
+            # applies to a server started later, so ranks import the list again (cheap when
+            # the server has it already).
+            ctx.set_forkserver_preload(["harness._preload", *self.preload])
         self._workdir = tempfile.mkdtemp(prefix=f"harness-pool{self.world_size}-")
         parent_pid = os.getpid()
         with _no_main_module():
@@ -174,16 +192,20 @@ class RankPool:
     def _spawn(self, ctx: Any, parent_pid: int) -> None:
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
+            probe_end, probe_child = ctx.Pipe(duplex=True)  # answered by a rank's own thread
             proc = ctx.Process(
                 target=_worker_main,
                 args=(rank, self.world_size, child_end, self._workdir, parent_pid, self.backend),
+                kwargs={"probe": probe_child, "preload": self.preload},
                 name=f"harness-rank{rank}",
                 daemon=True,
             )
             proc.start()
             child_end.close()
+            probe_child.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
+            self._probes.append(probe_end)
 
     def _await_ready(self, deadline: float) -> None:
         for rank, conn in enumerate(self._conns):
@@ -222,10 +244,10 @@ class RankPool:
             proc.join(5.0)
             with contextlib.suppress(ValueError):
                 proc.close()
-        for conn in self._conns:
+        for conn in [*self._conns, *self._probes]:
             with contextlib.suppress(OSError):
                 conn.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._probes = [], [], []
         if self._workdir:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
@@ -315,6 +337,27 @@ class RankPool:
     def _crash_log(self, rank: int) -> str:
         return self._read_log(rank, 0, "crash").strip()
 
+    def _probe(self, ranks: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
+        """Ask each rank's probe thread where its main thread is and how many operations its
+        groups have seen; ranks that do not answer in time (busy holding the GIL, say) are
+        left out: they are taken to be making progress."""
+        self._probe_count += 1
+        asked: dict[Any, int] = {}
+        for r in ranks:
+            with contextlib.suppress(OSError, ValueError):
+                send(self._probes[r], "probe", n=self._probe_count)
+                asked[self._probes[r]] = r
+        answers: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(answers) < len(asked) and time.monotonic() < deadline:
+            waiting = [c for c, r in asked.items() if r not in answers]
+            for conn in wait(waiting, timeout=max(0.0, deadline - time.monotonic())):
+                with contextlib.suppress(EOFError, OSError):
+                    _, fields = receive(conn)  # type: ignore[arg-type]
+                    if fields.pop("n", None) == self._probe_count:  # not a late answer
+                        answers[asked[conn]] = fields
+        return answers
+
     def _dump_stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         """Ask each rank for its Python stack (faulthandler on SIGUSR1) and read them back."""
         before = {r: _size(self._log_path(r, "stack")) for r in ranks}
@@ -358,9 +401,9 @@ def _size(path: str) -> int:
 
 
 def _clean_stack(text: str) -> str:
-    """Drop the pool's own watchdog thread from a faulthandler dump; keep the rest."""
+    """Drop the pool's own threads (watchdog, probe) from a faulthandler dump; keep the rest."""
     blocks = text.strip().split("\n\n")
-    keep = [b for b in blocks if "_watch_parent" not in b]
+    keep = [b for b in blocks if "_watch_parent" not in b and "_serve_probes" not in b]
     return "\n\n".join(keep or blocks)
 
 
@@ -379,16 +422,37 @@ def _dump_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
             f"rank processes cannot import it. Move it to module level of {module!r} "
             "(rank processes import functions by module and name)."
         )
+    modules: set[str] = set()
     try:
-        call = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = io.BytesIO()
+        _RecordingPickler(buffer, modules).dump((fn, args, kwargs))
+        call = buffer.getvalue()
     except Exception as exc:
         raise PicklingProblem(
             f"cannot send {qualname or fn!r} and its arguments to the ranks: {exc}. "
             "Rank functions must be module-level and their arguments picklable "
             "(tensors, numbers, dataclasses; not open files, locks or lambdas)."
         ) from exc
-    file = getattr(sys.modules.get(module or ""), "__file__", None)
-    return pickle.dumps((module, file, call))
+    # Every module the call refers to (the function's, and the classes of its arguments,
+    # e.g. a SpatialCase defined in a script's __main__), with the file the parent loaded it
+    # from: the ranks load the same file where the module name alone would not find it.
+    where = [(m, getattr(sys.modules.get(m), "__file__", None)) for m in sorted(modules)]
+    return pickle.dumps((where, call))
+
+
+class _RecordingPickler(pickle.Pickler):
+    """A pickler that notes the module of every class and function it pickles by name."""
+
+    def __init__(self, file: io.BytesIO, modules: set[str]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.modules = modules
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)):
+            module = getattr(obj, "__module__", None)
+            if module:
+                self.modules.add(module)
+        return NotImplemented
 
 
 def check_oversubscription(ranks: int, *, allow: bool = False, how: str = "allow=True") -> None:
@@ -423,17 +487,27 @@ class PoolRegistry:
         timeout: float = DEFAULT_TIMEOUT,
         start_method: str = "spawn",
         max_processes: int = 8,
+        deadlock_window: float = DEADLOCK_WINDOW,
+        preload: Sequence[str] = (),
     ) -> None:
         self.default_ranks = default_ranks
         self.timeout = timeout
         self.start_method = start_method
+        self.deadlock_window = deadlock_window
+        self.preload = tuple(preload)
         self.max_processes = max(max_processes, default_ranks)
         self._pools: dict[int, RankPool] = {}
 
     def get(self, world_size: int) -> RankPool:
         pool = self._pools.pop(world_size, None)
         if pool is None:
-            pool = RankPool(world_size, timeout=self.timeout, start_method=self.start_method)
+            pool = RankPool(
+                world_size,
+                timeout=self.timeout,
+                start_method=self.start_method,
+                deadlock_window=self.deadlock_window,
+                preload=self.preload,
+            )
         self._pools[world_size] = pool  # most recently used last
         while sum(p.world_size for p in self._pools.values()) > self.max_processes:
             oldest = next(iter(self._pools))

@@ -87,13 +87,13 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
     "gather-over-world": ({"field"}, DATA2, 2),
     "rank-order": ({"field"}, EVEN, None),
     "local-neighbour-index": ({"field"}, EVEN, None),
-    "empty-skip": ({"timeout"}, QUIET, None),
+    "empty-skip": ({"deadlock", "timeout"}, QUIET, None),
     # caught as error: the stepper's graph check makes every rank raise the same error
     # (with only gradient hooks a rank whose parameter never gets a gradient hangs the rest)
     "empty-none-grad": ({"grad", "error"}, QUIET, None),
     "non-autograd-gather": ({"grad"}, EVEN, None),
     "grad-scale": ({"grad"}, EVEN, None),
-    "rank-local-nan-check": ({"timeout", "field"}, QUIET, None),
+    "rank-local-nan-check": ({"deadlock", "timeout", "field"}, QUIET, None),
     "same-batch-violated": ({"field", "loss"}, EVEN, None),
 }
 

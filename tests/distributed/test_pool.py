@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from harness import PicklingProblem, RankCrash, RankError, RankPool, RankTimeout, Topology
-from harness.errors import RankPending
+from harness.errors import RankDeadlock, RankPending
 
 # ---------------------------------------------------------------- rank functions
 
@@ -180,27 +180,73 @@ def test_a_rank_that_dies_is_named_within_a_second_and_the_pool_restarts(spatial
     assert pool.starts == starts + 1
 
 
-@pytest.mark.spatial(timeout=3)
+@pytest.mark.spatial(timeout=100)
 @pytest.mark.spatial_pool
-def test_a_skipped_collective_times_out_with_every_ranks_stack(spatial):
+def test_a_skipped_collective_is_a_deadlock_found_long_before_the_timeout(spatial):
     t0 = time.monotonic()
-    with pytest.raises(RankTimeout) as info:
+    with pytest.raises(RankDeadlock) as info:
         spatial.run(skip_collective_on, 3)
-    # ended by the run's timeout (3 s) plus stack collection, not by the process group's
-    # own timeout (>= 60 s): a logic check, with room for a loaded machine
-    assert time.monotonic() - t0 < 30
+    # found by the deadlock watch (about 2-3 s), not by the 100 s timeout: a logic check with
+    # room for a loaded machine; the seconds themselves are measured in benchmarks/hangs.py
+    assert time.monotonic() - t0 < 50
     err = info.value
+    assert isinstance(err, RankTimeout)  # code that handles hangs handles this too
     assert err.ranks == [0, 1, 2]
     # the rank that returned is the culprit: listed first, with when it returned
     assert err.returned == [3] and err.problems[0].rank == 3
     assert "returned without error after" in err.problems[0].summary
-    assert "while rank 3/4 had returned" in str(err)
-    waiting = [p for p in err.problems if p.kind == "timeout"]
+    assert str(err).startswith(
+        "run deadlocked on rank 0/4, 1/4, 2/4 (found before the 100s "
+        "timeout) while rank 3/4 had returned"
+    )
+    waiting = [p for p in err.problems if p.kind == "deadlock"]
     assert [p.rank for p in waiting] == [0, 1, 2]
     for problem in waiting:
         assert "skip_collective_on" in problem.detail  # each waiting rank's stack
         assert "all_reduce" in problem.detail
+        assert problem.summary.startswith("waiting inside torch.distributed for 2s")
     assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0  # only that run failed
+
+
+@pytest.mark.spatial_pool
+def test_without_deadlock_detection_a_skipped_collective_waits_for_the_timeout():
+    with RankPool(4, timeout=3, start_method="forkserver", deadlock_window=0) as pool:
+        with pytest.raises(RankTimeout) as info:
+            pool.run(skip_collective_on, 3)
+        assert not isinstance(info.value, RankDeadlock)
+        assert str(info.value).startswith("run timed out after 3s on rank 0/4, 1/4, 2/4")
+        assert [p.rank for p in info.value.problems if p.kind == "timeout"] == [0, 1, 2]
+
+
+def compute_then_reduce(seconds: float) -> float:
+    """Slow but correct: rank 0 computes (here: sleeps) while the others wait for it."""
+    if dist.get_rank() == 0:
+        time.sleep(seconds)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def many_small_collectives(seconds: float) -> int:
+    """Slow but correct: a long loop of collectives, each completing."""
+    n, t0 = 0, time.monotonic()
+    while True:  # every rank decides together when to stop (MIN over the group)
+        flag = torch.tensor([1.0 if time.monotonic() - t0 < seconds else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        n += 1
+        if flag.item() == 0.0:
+            return n
+
+
+@pytest.mark.spatial(timeout=60)
+def test_a_rank_computing_longer_than_the_window_is_not_a_deadlock(spatial):
+    assert spatial.run(compute_then_reduce, 5.0) == [4.0] * 4
+
+
+@pytest.mark.spatial(timeout=60)
+def test_a_long_loop_of_completing_collectives_is_not_a_deadlock(spatial):
+    counts = spatial.run(many_small_collectives, 5.0)
+    assert len(set(counts)) == 1 and counts[0] > 1
 
 
 @pytest.mark.spatial_pool

@@ -26,7 +26,7 @@ MATRIX = list(fault_matrix(RANKS))
 )
 def test_each_fault_is_caught_with_its_quantity_and_a_message_that_locates_it(spatial, entry):
     stepper, make, kwargs, spatial_size, fault, expected = entry
-    timeout = HANG_TIMEOUT if "timeout" in expected else None
+    timeout = HANG_TIMEOUT if "deadlock" in expected else None
     report = check_equivalence(
         make(**kwargs, faults=(fault,)),
         ranks=RANKS,
@@ -38,7 +38,7 @@ def test_each_fault_is_caught_with_its_quantity_and_a_message_that_locates_it(sp
     assert report.quantities & expected, report
     caught = next(m for m in report.mismatches if m.quantity in expected)
     assert caught.where, caught  # where: a position, a cell, a traceback's summary
-    if caught.quantity in ("error", "crash", "timeout"):
+    if caught.quantity in ("error", "crash", "timeout", "deadlock"):
         assert caught.rank is not None and caught.detail  # the rank and its traceback/stack
     else:
         assert caught.step is not None  # the step it first shows at

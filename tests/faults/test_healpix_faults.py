@@ -49,7 +49,7 @@ def _grads_exactly_4x(report):
 
 
 def _others_wait_in_the_latent_gather(report):
-    culprit, *waiting = [m for m in report.mismatches if m.quantity == "timeout"]
+    culprit, *waiting = [m for m in report.mismatches if m.quantity == "deadlock"]
     assert culprit.rank == 1 and "returned without error" in culprit.where  # named first
     assert {m.rank for m in waiting} == {0, 2, 3}
     assert all("all_gather" in m.detail and "gather_latent" in m.detail for m in waiting)
@@ -63,7 +63,7 @@ def _error_on_every_rank_naming_the_parameters(report):
 
 
 def _every_rank_stuck(report):
-    waiting = [m for m in report.mismatches if m.quantity == "timeout"]
+    waiting = [m for m in report.mismatches if m.quantity == "deadlock"]
     assert {m.rank for m in waiting} == {0, 1, 2, 3}  # rank 1 one collective ahead
     assert any("check_graph" in m.detail for m in waiting)
 
@@ -81,7 +81,7 @@ EVIDENCE = {
 @pytest.mark.parametrize("fault", sorted(EVIDENCE))
 def test_the_report_of_each_fault_carries_the_evidence_that_points_at_it(spatial, fault):
     expected, kwargs, spatial_size = FAULT_CHECKS[fault]
-    timeout = TIMEOUT if "timeout" in expected else None
+    timeout = TIMEOUT if "deadlock" in expected else None
     broken = _check({**kwargs, "faults": {fault}}, spatial_size, spatial, timeout=timeout)
     assert broken.quantities & expected, broken
     EVIDENCE[fault](broken)

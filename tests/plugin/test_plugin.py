@@ -125,6 +125,77 @@ def test_an_unknown_marker_option_is_named(pytester):
     ) in result.stdout.str()
 
 
+@pytest.mark.parametrize("value", ["-1", "soon"])
+def test_a_bad_deadlock_window_is_a_usage_error(pytester, value):
+    result = pytester.runpytest(f"--spatial-deadlock-window={value}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--spatial-deadlock-window must be a number of seconds >= 0*"])
+
+
+def test_preload_and_deadlock_window_come_from_the_ini_file_and_show_in_the_header(pytester):
+    pytester.makeini(
+        "[pytest]\nspatial_preload =\n    json\n    email.mime\nspatial_deadlock_window = 0\n"
+    )
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest()
+    result.stdout.fnmatch_lines(["harness: * deadlock detection off, preload json,email.mime, *"])
+    result = pytester.runpytest("--spatial-preload=json,no_such_module_here")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--spatial-preload: no module named 'no_such_module_here'*"])
+
+
+def test_a_preloaded_module_is_imported_once_before_the_ranks_fork(pytester):
+    pytester.makeini("[pytest]\npythonpath = .\nspatial_preload = heavy_model\n")
+    pytester.makepyfile(
+        heavy_model="import os\nIMPORTED_IN = os.getpid()\n",
+        test_preload="""
+        import os
+
+        def where_imported():
+            import heavy_model
+            return heavy_model.IMPORTED_IN, os.getppid()
+
+        def test_preloaded(spatial):
+            answers = spatial.run(where_imported, ranks=2)
+            # imported in the fork server, the ranks' parent: once, not once per rank
+            assert all(imported == parent for imported, parent in answers)
+        """,
+    )
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+SLOW_BUT_CORRECT = """
+import time
+import pytest
+import torch, torch.distributed as dist
+
+def compute_then_reduce(rank, seconds):
+    if dist.get_rank() == rank:
+        time.sleep(seconds)          # waiting for a GPU, a slow disk...
+    elif dist.get_rank() == (rank + 1) % 4:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            torch.randn(64, 64) @ torch.randn(64, 64)   # ...or really computing
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+@pytest.mark.parametrize("rank", range(4))
+@pytest.mark.spatial(timeout=120)
+def test_slow(spatial, rank):
+    assert spatial.run(compute_then_reduce, rank, 4.0) == [4.0] * 4
+"""
+
+
+@pytest.mark.spatial_pool
+def test_slow_but_correct_ranks_raise_no_false_deadlock_under_xdist(pytester):
+    # 4 s of computing on some ranks, twice the detection window, while the others wait in
+    # a collective; two xdist workers with 4 ranks each on a 2-core machine
+    pytester.makepyfile(test_slow=SLOW_BUT_CORRECT)
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4)
+
+
 def test_a_bad_timeout_is_a_usage_error(pytester):
     result = pytester.runpytest("--spatial-timeout=soon")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -137,7 +208,10 @@ def test_the_ini_file_sets_defaults_and_the_header_shows_them(pytester):
     result = pytester.runpytest()
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
-        ["harness: spatial ranks 3, backend gloo, start method forkserver, timeout 7s, torch *"]
+        [
+            "harness: spatial ranks 3, backend gloo, start method forkserver, deadlock "
+            "detection after 2s, timeout 7s, torch *"
+        ]
     )
 
 
@@ -331,8 +405,8 @@ def test_next(spatial):
 """
 
 
-def test_a_deadlock_fails_after_the_timeout_the_next_test_passes_and_no_rank_survives(pytester):
-    pytester.makepyfile(test_hang=HANG.format(timeout=3))
+def test_a_deadlock_fails_before_the_timeout_the_next_test_passes_and_no_rank_survives(pytester):
+    pytester.makepyfile(test_hang=HANG.format(timeout=60))
     tag = uuid.uuid4().hex
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -346,7 +420,7 @@ def test_a_deadlock_fails_after_the_timeout_the_next_test_passes_and_no_rank_sur
     out = proc.stdout
     assert proc.returncode == 1, out
     assert "1 failed, 1 passed" in out
-    assert "run timed out after 3s on rank 1/4, 2/4, 3/4" in out
+    assert "run deadlocked on rank 1/4, 2/4, 3/4 (found before the 60s timeout)" in out
     assert out.count("in hang") >= 3  # each waiting rank's stack names the function
     assert time.monotonic() - t0 < 60
     assert _wait_gone(tag) == []
