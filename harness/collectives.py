@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from harness.errors import ConfigError
-from harness.partition import CellPartition, ownership
+from harness.partition import CellPartition, LatLonPartition, ownership
 from harness.topology import Topology
 
 # ---------------------------------------------------------------------- sums
@@ -368,6 +368,177 @@ def halo_exchange(
     _agree(x, dim, topo.spatial_group, topo.spatial_size, problem)
     out = apply(_HaloExchange, x, _halo_plan(partition, rank), dim, topo.spatial_group)
     return out
+
+
+# ---------------------------------------------------------------------- lat x lon halo
+
+POLES = ("zeros", "edge")
+
+
+@functools.lru_cache(maxsize=32)
+def _grid_halo_plan(
+    partition: LatLonPartition, rank: int, width: int, pole: str
+) -> tuple[torch.Tensor, ...]:
+    """Where each cell of every rank's padded block comes from, as index tensors for
+    ``rank``: (local source, local destination, send index, remote destination, fill
+    destination) and the send / receive split sizes (last two, as tensors). Every rank
+    derives it from the same partition: no negotiation.
+
+    The padded block of rank ``q`` is its own block grown by ``width`` cells on each side.
+    Longitudes wrap around the globe; latitudes beyond a pole are zeros (``pole="zeros"``)
+    or the pole row repeated (``pole="edge"``).
+    """
+    nlon = partition.nlon
+
+    def sources(q: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For each padded position of rank q (row-major): owner rank, owner-local flat
+        index (-1: no source, a zero), and whether it lies outside q's own block."""
+        lats, lons = partition.slices(q)
+        rows = np.arange(lats.start - width, lats.stop + width)
+        cols = np.arange(lons.start - width, lons.stop + width) % nlon
+        if pole == "edge":
+            rows = np.clip(rows, 0, partition.nlat - 1)
+        lat, lon = np.meshgrid(rows, cols, indexing="ij")
+        lat, lon = lat.ravel(), lon.ravel()
+        valid = (lat >= 0) & (lat < partition.nlat)
+        owner = np.full(lat.shape, -1, dtype=np.int64)
+        local = np.full(lat.shape, -1, dtype=np.int64)
+        for r in range(partition.ranks):
+            (r_lats, r_lons), (_, r_nlon) = partition.slices(r), partition.shape(r)
+            mine = valid & (lat >= r_lats.start) & (lat < r_lats.stop)
+            mine &= (lon >= r_lons.start) & (lon < r_lons.stop)
+            owner[mine] = r
+            local[mine] = (lat[mine] - r_lats.start) * r_nlon + (lon[mine] - r_lons.start)
+        return owner, local, valid
+
+    own_owner, own_local, own_valid = sources(rank)
+    positions = np.arange(own_owner.size)
+    local_dst = positions[own_owner == rank]
+    local_src = own_local[own_owner == rank]
+    fill_dst = positions[~own_valid]
+    # what arrives from each rank p, in rank order; within p in my padded order
+    remote_dst = np.concatenate(
+        [positions[own_owner == p] for p in range(partition.ranks) if p != rank]
+        or [np.zeros(0, dtype=np.int64)]
+    )
+    recv_splits = [int((own_owner == p).sum()) if p != rank else 0 for p in range(partition.ranks)]
+    sends, send_splits = [], []
+    for q in range(partition.ranks):
+        if q == rank:
+            send_splits.append(0)
+            continue
+        owner, local, _ = sources(q)
+        chunk = local[owner == rank]
+        sends.append(chunk)
+        send_splits.append(len(chunk))
+    send_index = np.concatenate(sends or [np.zeros(0, dtype=np.int64)])
+
+    def as_tensor(a: Any) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(a, dtype=np.int64))
+
+    return (
+        as_tensor(local_src),
+        as_tensor(local_dst),
+        as_tensor(send_index),
+        as_tensor(remote_dst),
+        as_tensor(fill_dst),
+        as_tensor(send_splits),
+        as_tensor(recv_splits),
+    )
+
+
+class _GridHalo(torch.autograd.Function):
+    """Forward: the rank's block padded with its neighbours' edge cells (own cells copied,
+    others' received in one all-to-all). Backward: each padded cell's gradient goes back to
+    the rank that owns the cell, which adds it to that cell (a cell in several halos, or in
+    its own wrapped halo, collects every copy's gradient)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        plan: tuple[torch.Tensor, ...],
+        padded: tuple[int, int],
+        group: Any,
+    ) -> torch.Tensor:
+        local_src, local_dst, send_index, remote_dst, _fill, send_splits, recv_splits = plan
+        flat = x.reshape(*x.shape[:-2], -1)
+        out = flat.new_zeros((*flat.shape[:-1], padded[0] * padded[1]))
+        out[..., local_dst] = flat[..., local_src]
+        if group is not None and int(send_splits.sum() + recv_splits.sum()):
+            send = flat[..., send_index].movedim(-1, 0).contiguous()
+            recv = send.new_empty((int(recv_splits.sum()), *send.shape[1:]))
+            # gloo's all_to_all_single takes uneven and zero split sizes (torch 2.13)
+            dist.all_to_all_single(
+                recv, send, recv_splits.tolist(), send_splits.tolist(), group=group
+            )
+            out[..., remote_dst] = recv.movedim(0, -1)
+        # sharded: each rank holds its own block plus a ring of its neighbours' cells
+        ctx.plan, ctx.group, ctx.shape = plan, group, x.shape
+        return out.reshape(*flat.shape[:-1], *padded)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        local_src, local_dst, send_index, remote_dst, _fill, send_splits, recv_splits = ctx.plan
+        g = grad.reshape(*grad.shape[:-2], -1)
+        out = g.new_zeros((*g.shape[:-1], ctx.shape[-2] * ctx.shape[-1]))
+        out.index_add_(-1, local_src, g[..., local_dst])
+        if ctx.group is not None and int(send_splits.sum() + recv_splits.sum()):
+            back = g[..., remote_dst].movedim(-1, 0).contiguous()
+            mine = back.new_empty((int(send_splits.sum()), *back.shape[1:]))
+            dist.all_to_all_single(
+                mine, back, send_splits.tolist(), recv_splits.tolist(), group=ctx.group
+            )
+            out.index_add_(-1, send_index, mine.movedim(0, -1))
+        return out.reshape(ctx.shape), None, None, None
+
+
+def grid_halo_exchange(
+    x: torch.Tensor,
+    partition: LatLonPartition,
+    topo: Topology,
+    width: int = 1,
+    pole: str = "zeros",
+) -> torch.Tensor:
+    """This rank's lat x lon block with a halo of ``width`` cells on every side.
+
+    ``x`` is ``(..., nlat_local, nlon_local)``, the rank's block of ``partition`` (spatial
+    rank ``topo.spatial_rank``); the result is ``(..., nlat_local + 2 width, nlon_local + 2
+    width)``: the block in the middle, its neighbours' edge cells around it, for a stencil
+    (a 3 x 3 convolution needs ``width=1``). Longitudes wrap around the globe; beyond a pole
+    the halo is zeros (``pole="zeros"``) or the pole row again (``pole="edge"``).
+    Gradients of halo cells go back to their owners. The reference (one rank, the whole
+    grid) gets the same padding with no communication, so one model serves both. Every rank
+    must call it, with the same arguments.
+    """
+    if pole not in POLES:
+        raise ConfigError(f"pole must be one of {POLES}, got {pole!r}")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise ConfigError(f"width must be an integer >= 0, got {width!r}")
+    if partition.ranks != topo.spatial_size:
+        raise ConfigError(
+            f"grid_halo_exchange: the partition has {partition.ranks} ranks but the spatial "
+            f"group {topo.spatial_size}; use LatLonPartition(nlat, nlon, h, w) with "
+            f"h * w == {topo.spatial_size} (or nlat, nlon alone for the reference)"
+        )
+    rank = topo.spatial_rank
+    shape = partition.shape(rank)
+    if tuple(x.shape[-2:]) != shape:
+        raise ConfigError(
+            f"grid_halo_exchange: x ends in {tuple(x.shape[-2:])} but spatial rank {rank}'s "
+            f"block of the {partition.nlat}x{partition.nlon} grid is {shape}; pass the rank's "
+            "own block (partition.slices(rank))"
+        )
+    if width > min(min(partition.lat_sizes), min(partition.lon_sizes)):
+        raise ConfigError(
+            f"grid_halo_exchange: width {width} is more than the narrowest block "
+            f"({min(partition.lat_sizes)} rows, {min(partition.lon_sizes)} columns): a halo "
+            "would need cells of ranks beyond the neighbours; use a coarser process grid"
+        )
+    plan = _grid_halo_plan(partition, rank, width, pole)
+    padded = (shape[0] + 2 * width, shape[1] + 2 * width)
+    group = topo.spatial_group if topo.spatial_size > 1 else None
+    return apply(_GridHalo, x, plan, padded, group)
 
 
 # ---------------------------------------------------------------------- gradient sync

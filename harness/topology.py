@@ -141,9 +141,18 @@ class Topology:
         """Split the spatial group into an ``h`` (polar) x ``w`` (azimuth) process grid.
 
         Spatial rank ``s`` sits at polar index ``s // w`` and azimuth index ``s % w``.
-        Returns ``(polar_group, azimuth_group)`` of this rank; ``None`` for the reference.
+        Returns ``(polar_group, azimuth_group)`` of this rank; ``(None, None)`` for the
+        reference, whatever ``h`` and ``w`` (it runs the whole grid on one process), so one
+        ``build`` serves both.
+
+        >>> Topology.single().grid(2, 2)
+        (None, None)
         """
-        if h < 1 or w < 1 or h * w != self.spatial_size:
+        if h < 1 or w < 1:
+            raise ConfigError(f"process grid {h}x{w}: h and w must be >= 1")
+        if self.spatial_group is None and self.spatial_size == 1:
+            return None, None
+        if h * w != self.spatial_size:
             raise ConfigError(
                 f"process grid {h}x{w} has {h * w} ranks but the spatial group has "
                 f"{self.spatial_size}; choose h*w == {self.spatial_size}"

@@ -14,10 +14,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness import RankError, Topology
+from harness import ConfigError, RankError, Topology
 from harness.collectives import (
     all_gather_uneven,
     assemble,
+    grid_halo_exchange,
     halo_exchange,
     reduce_gradients,
     reduce_loss,
@@ -244,6 +245,29 @@ def latlon_model(part: LatLonPartition, topo: Topology | None, seed: int) -> dic
     return _detach({"full": full, "loss": mean, "grad": x.grad})
 
 
+def stencil_model(
+    part: LatLonPartition, width: int, pole: str, seed: int, reference: bool = False
+) -> dict:
+    """A (2 width + 1)^2 stencil over the halo-padded block, then an area-weighted loss.
+
+    Returns the padded block, the stencil's output and the gradient of the block: the
+    gradient is only right if every halo cell's gradient went back to its owner.
+    """
+    topo = Topology.single() if reference else Topology.create()
+    if reference:
+        part = LatLonPartition(part.nlat, part.nlon, rule=part.rule)
+    field = _randn(seed, 2, part.nlat, part.nlon)
+    kernel = _randn(seed + 1, 3, 2, 2 * width + 1, 2 * width + 1)
+    weight = _randn(seed + 2, 3, part.nlat, part.nlon)
+    rows, cols = part.slices(topo.spatial_rank)
+    x = field[:, rows, cols].clone().requires_grad_()
+    padded = grid_halo_exchange(x, part, topo, width=width, pole=pole)
+    out = torch.nn.functional.conv2d(padded[None], kernel)[0]  # (3, own rows, own cols)
+    loss = reduce_loss((out * weight[:, rows, cols]).sum(), topo)
+    loss.backward()
+    return _detach({"padded": padded, "out": out, "loss": loss, "grad": x.grad})
+
+
 def assemble_twice_owned() -> None:
     topo = Topology.create()
     own = torch.tensor([0]) if topo.spatial_rank < 2 else torch.tensor([topo.spatial_rank])
@@ -403,3 +427,51 @@ def test_a_wrong_shard_length_on_one_rank_fails_on_every_rank_naming_it(spatial)
         spatial.run(halo_with_wrong_length, 2, ranks=4, timeout=20)
     assert sorted(info.value.ranks) == [0, 1, 2, 3]
     assert "rank 2/4: x's length along dim is not the rank's number of cells" in str(info.value)
+
+
+@DISTRIBUTED
+@given(
+    part=st.sampled_from([4, 2]).flatmap(
+        lambda r: latlon_partitions(ranks=r, max_nlat=9, max_nlon=12)
+    ),
+    width=st.sampled_from([1, 2]),
+    pole=st.sampled_from(["zeros", "edge"]),
+)
+def test_a_lat_lon_halo_matches_the_reference_padding_forward_and_backward(
+    spatial, part, width, pole
+):
+    if width > min(*part.lat_sizes, *part.lon_sizes):
+        return  # refused for such grids: a test of its own below
+    ref = stencil_model(part, width, pole, seed=12, reference=True)
+    got = spatial.run(stencil_model, part, width, pole, 12, ranks=part.ranks, timeout=30)
+    for r, g in enumerate(got):
+        rows, cols = part.slices(r)
+        block = (slice(rows.start, rows.stop + 2 * width), slice(cols.start, cols.stop + 2 * width))
+        _close(g["padded"], ref["padded"][:, block[0], block[1]], "padded block", r)
+        _close(g["out"], ref["out"][:, rows, cols], "stencil output", r)
+        _close(g["loss"], ref["loss"], "loss", r)
+        _close(g["grad"], ref["grad"][:, rows, cols], "gradient through the halo", r)
+
+
+def test_the_reference_halo_wraps_longitudes_and_pads_the_poles():
+    x = torch.arange(12.0).reshape(3, 4)
+    part = LatLonPartition(3, 4)
+    zeros = grid_halo_exchange(x, part, Topology.single(), width=1)
+    assert zeros.tolist() == [
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        [3.0, 0.0, 1.0, 2.0, 3.0, 0.0],
+        [7.0, 4.0, 5.0, 6.0, 7.0, 4.0],
+        [11.0, 8.0, 9.0, 10.0, 11.0, 8.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    ]
+    edge = grid_halo_exchange(x, part, Topology.single(), width=1, pole="edge")
+    assert edge[0].tolist() == edge[1].tolist() and edge[-1].tolist() == edge[-2].tolist()
+
+
+def test_a_halo_wider_than_a_block_or_a_wrong_block_is_refused():
+    with pytest.raises(ConfigError, match="width 3 is more than the narrowest block"):
+        grid_halo_exchange(torch.zeros(2, 4), LatLonPartition(2, 4), Topology.single(), width=3)
+    with pytest.raises(ConfigError, match=r"x ends in \(3, 4\) but spatial rank 0's block"):
+        grid_halo_exchange(torch.zeros(3, 4), LatLonPartition(2, 4), Topology.single())
+    with pytest.raises(ConfigError, match="pole must be one of"):
+        grid_halo_exchange(torch.zeros(2, 4), LatLonPartition(2, 4), Topology.single(), pole="wrap")
