@@ -28,6 +28,7 @@ from harness.compare import (
     nonfinite_text,
     scale_hint,
 )
+from harness.hints import boundary_hint, likely_cause, precision_hint, shard_shape_hint
 from harness.partition import ownership
 from harness.records import FieldRecord, RunRecord, StepRecord
 
@@ -63,6 +64,7 @@ class Comparison:
         default_factory=lambda: {q: QuantityStats() for q in NUMERIC}
     )
     field_errors: list[FieldError] = field(default_factory=list)
+    likely: str = ""  # the one line most likely to name the bug (hints.likely_cause)
 
 
 class Judge:
@@ -102,6 +104,8 @@ class Judge:
         hint = ""
         if quantity in ("grad", "loss"):
             hint = scale_hint(actual, expected, self.layout.spatial_size)
+        if not hint and not d.problem:
+            hint = precision_hint(actual, expected, self.tolerance.bound(quantity).atol)
         return Mismatch(
             quantity, name, step, rank, d.max_abs, d.max_rel, loc, d.count, d.total, hint=hint
         )
@@ -134,6 +138,7 @@ def compare_runs(
         out.field_errors += errors
         m += check_params(judge, step, ref_step, steps)
         m += check_buffers(step, ref_step, steps)
+    out.likely = likely_cause(out.mismatches)
     return out
 
 
@@ -352,6 +357,10 @@ def check_fields(
         if missing:
             continue
         shards = [f for f in recs if f is not None]
+        trap = _batch_trap(name, step, ref_field.values, shards, layout)
+        if trap is not None:
+            found.append(trap)
+            continue
         if not any(f.sharded for f in shards):
             found += _replicated_field(judge, name, step, ref_field.values, shards)
             continue
@@ -368,6 +377,36 @@ def check_fields(
             found += more
             errors += [error] if error else []
     return found, errors
+
+
+BATCH_HINT = (
+    "size the global batch without topo.data_size (the reference has data_size 1, so it "
+    "sees another batch) and split it with data_share(n, topo)"
+)
+
+
+def _batch_trap(
+    name: str, step: int, ref: torch.Tensor, fields: list[FieldRecord], layout: Layout
+) -> Mismatch | None:
+    """With data groups, the reference must see exactly the samples (dim 0) that the groups
+    see together; otherwise every comparison after it reads like a model bug."""
+    if layout.data_size == 1 or ref.dim() == 0:
+        return None
+    groups = [fields[g * layout.spatial_size].values for g in range(layout.data_size)]
+    if any(v.dim() == 0 for v in groups):
+        return None
+    together = sum(int(v.shape[0]) for v in groups)
+    if together == ref.shape[0]:
+        return None
+    return Mismatch(
+        "batch",
+        name,
+        step,
+        None,
+        where=f"the reference saw {ref.shape[0]} samples, the {layout.data_size} data groups "
+        f"{together} together ({', '.join(str(int(v.shape[0])) for v in groups)})",
+        hint=BATCH_HINT,
+    )
 
 
 def _replicated_field(
@@ -454,6 +493,7 @@ def assemble_field(
                 rank,
                 f"shard {f.values.dtype} {tuple(f.values.shape)} where the reference gives "
                 f"{ref.dtype} {tuple(expected_shape)} for its {idx.numel()} positions",
+                shard_shape_hint(f.values.shape, idx.numel(), ref.dim()),
             )
             continue
         placed.append((rank, idx, f.values))
@@ -489,7 +529,14 @@ def assemble_field(
     if m is None:
         return [], None
     err = (out - ref).abs().to(torch.float64)
-    err = err.movedim(dim, -1).reshape(-1, size).amax(0) if err.dim() > 1 else err
+    mag = ref.abs().to(torch.float64)
+    if err.dim() > 1:
+        err = err.movedim(dim, -1).reshape(-1, size).amax(0)
+        mag = mag.movedim(dim, -1).reshape(-1, size).amax(0)
+    bound = judge.tolerance.field
+    where_hint = boundary_hint(err, owners, bound.atol + bound.rtol * mag, grid, unit)
+    if where_hint:
+        m.hint = where_hint
     group = first // judge.layout.spatial_size
     return [m], FieldError(name, step, group, err, owners, grid, unit)
 

@@ -113,8 +113,9 @@ class Tolerance:
 class Mismatch:
     """One thing the partitioned run got wrong.
 
-    ``quantity`` is one of ``loss, grad, field, coverage, param, sync, buffer, nonfinite,
-    crash, error, timeout, deadlock, pending``; ``step`` is ``None`` for the parameters right
+    ``quantity`` is one of ``loss, grad, field, coverage, batch, param, sync, buffer,
+    nonfinite, crash, error, timeout, deadlock, pending``; ``step`` is ``None`` for the
+    parameters right
     after ``build``; ``rank`` is ``None`` when the mismatch belongs to no single rank.
     ``run`` says whose values are at fault when that is not the partitioned run's
     (``"reference"`` or ``"golden"``); ``of`` is the quantity a ``nonfinite`` value was found
@@ -385,6 +386,9 @@ REMEDIES = {
     "deadlock": "The run could no longer finish: a rank returned or waits in a collective "
     "that the others never enter. The rank that returned is the likely culprit; every "
     "waiting rank's stack is above.",
+    "batch": "The reference's batch is not the data groups' batches together: size the "
+    "global batch without topo.data_size (the reference always has data_size 1) and give "
+    "each data group its share with data_share(n, topo).",
     "pending": "A rank returned with a collective or a send still pending (an async_op work "
     "never waited on, an isend without its recv): wait on every work before returning, and "
     "match every send with a receive on its peer.",
@@ -444,6 +448,7 @@ class EquivalenceReport:
     reference: dict[str, torch.Tensor] = field(default_factory=dict)
     field_errors: list[FieldError] = field(default_factory=list)
     seconds: float = 0.0
+    likely: str = ""  # the one line most likely to name the bug, if the evidence says
 
     @property
     def ok(self) -> bool:
@@ -480,10 +485,10 @@ class EquivalenceReport:
         }
 
     def __str__(self) -> str:
-        head = (
-            f"{self.case} on {self.ranks} ranks (spatial {self.spatial_size}, "
-            f"{self.partition}), {self.steps} steps, {self.dtype}: "
-        )
+        layout = f"spatial {self.spatial_size}"
+        if self.partition and self.partition != layout:
+            layout += f", {self.partition}"
+        head = f"{self.case} on {self.ranks} ranks ({layout}), {self.steps} steps, {self.dtype}: "
         if self.ok:
             worst = ", ".join(
                 f"{q} {self.worst(q):.1e}" for q in NUMERIC if self.worst(q) is not None
@@ -492,6 +497,7 @@ class EquivalenceReport:
         lines = [
             head + f"{len(self.mismatches)} mismatch(es) with the reference",
             f"First: {self.mismatches[0].headline()}",
+            *([f"Likely cause: {self.likely}"] if self.likely else []),
             "",
         ]
         table = mismatch_table(self.mismatches)

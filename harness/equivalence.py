@@ -412,6 +412,7 @@ def check_equivalence(
         found.stats,
         found.field_errors,
     )
+    report.likely = found.likely
     report.seconds = time.perf_counter() - t0
     return report
 

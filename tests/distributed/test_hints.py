@@ -1,0 +1,165 @@
+"""Hints computed from the evidence: each one, from a case that really has that bug."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import Outputs, Shard, SpatialCase, Topology, check_equivalence, data_share
+from harness.checks import BATCH_HINT, SHARD_HINT
+from harness.collectives import grid_halo_exchange, reduce_loss, spatial_sum, sync_gradients
+from harness.partition import LatLonPartition
+from harness.steppers.mlp import CoupledMLP, CoupledMLPCase
+
+NLAT, NLON, H, W = 16, 24, 2, 2
+
+
+class Stencil(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = torch.nn.Parameter(torch.randn(2, 2, 3, 3) / 9)
+
+
+class StencilCase(SpatialCase):
+    """A 3 x 3 stencil on a lat x lon grid; ``no-halo`` pads each block with zeros instead
+    of its neighbours' cells (the bug: right inside every block, wrong on its edges)."""
+
+    name, dtype = "stencil", torch.float64
+
+    def __init__(self, fault: str = "") -> None:
+        self.fault = fault
+
+    def part(self, topo: Topology) -> LatLonPartition:
+        if topo.spatial_group is None:
+            return LatLonPartition(NLAT, NLON)
+        return LatLonPartition(NLAT, NLON, H, W)
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        model = Stencil()
+        sync_gradients(model, topo)
+        return model
+
+    def batch(self, topo: Topology, step: int) -> torch.Tensor:
+        rows, cols = self.part(topo).slices(topo.spatial_rank)
+        return torch.randn(2, 2, NLAT, NLON)[:, :, rows, cols]
+
+    def forward(self, model: torch.nn.Module, x: torch.Tensor, topo: Topology) -> Outputs:
+        part = self.part(topo)
+        if self.fault == "no-halo" and topo.spatial_group is not None:
+            padded = F.pad(x, (1, 1, 1, 1))  # the bug: the neighbours' cells never come
+        else:
+            padded = grid_halo_exchange(x, part, topo, width=1)
+        y = F.conv2d(padded, model.kernel)
+        loss = reduce_loss((y**2).sum(), topo) / y.new_tensor(2 * 2 * NLAT * NLON)
+        if topo.spatial_group is None:
+            return Outputs(loss, {"y": y})
+        rows, cols = part.slices(topo.spatial_rank)
+        return Outputs(loss, {"y": Shard.grid(y, rows, cols, NLAT, NLON)})
+
+
+def test_a_missing_halo_is_named_from_errors_on_the_block_edges(spatial):
+    assert check_equivalence(StencilCase(), ranks=4, pool=spatial.pool(4)).ok
+    report = check_equivalence(StencilCase("no-halo"), ranks=4, pool=spatial.pool(4))
+    field = next(m for m in report.mismatches if m.quantity == "field")
+    assert "latitude" not in field.hint and "border another rank" in field.hint
+    assert field.hint.startswith("the ") and "a halo exchange is off" in field.hint
+    # the loss differs first, but the report's one line points at the halo, not the loss
+    assert report.mismatches[0].quantity == "loss"
+    assert report.likely == field.hint
+    assert f"Likely cause: {field.hint}" in str(report)
+
+
+class Float32Sum(CoupledMLP):
+    """The global mean goes through float32 (a float32 buffer, say) in a float64 model."""
+
+    def forward(self, x: torch.Tensor, npos: int, topo: Topology) -> torch.Tensor:
+        h = torch.tanh(self.encoder(x))
+        total = spatial_sum(h.sum(dim=1).float(), topo).to(h.dtype)  # the bug
+        return x + self.decoder(h + (total / npos)[:, None, :])
+
+
+class Float32Case(CoupledMLPCase):
+    name = "float32-collective"
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        model = Float32Sum(self.channels, self.hidden, self.faults)
+        sync_gradients(model, topo)
+        return model
+
+
+def test_a_float32_step_in_a_float64_run_is_named_from_the_size_of_its_errors(spatial):
+    report = check_equivalence(Float32Case(npos=16), ranks=4, pool=spatial.pool(4))
+    assert not report.ok
+    hinted = [m for m in report.mismatches if "float32 rounding" in m.hint]
+    assert hinted and "(float32 rounding is 1e-07) in a float64 run" in hinted[0].hint
+    assert "float32 rounding" in report.likely
+
+
+class BatchFromDataSize(CoupledMLPCase):
+    """Sizes its global batch from topo.data_size: the reference (data_size 1) sees less."""
+
+    name = "batch-from-data-size"
+
+    def batch(self, topo: Topology, step: int) -> dict[str, torch.Tensor]:
+        n = 2 * topo.data_size  # the bug
+        x, target = torch.randn(n, self.npos, 3), torch.randn(n, self.npos, 3)
+        rows = data_share(n, topo)
+        return {"x": x[rows], "target": target[rows]}
+
+    def forward(self, model, batch, topo):  # type: ignore[no-untyped-def]
+        out = model(batch["x"], self.npos, topo)
+        loss = reduce_loss(((out - batch["target"]) ** 2).sum(), topo) / out.numel()
+        return Outputs(loss, {"out": out})
+
+
+def test_a_global_batch_sized_from_the_data_groups_is_named_as_such(spatial):
+    report = check_equivalence(
+        BatchFromDataSize(npos=6), ranks=4, spatial_size=1, pool=spatial.pool(4)
+    )
+    batch = [m for m in report.mismatches if m.quantity == "batch"]
+    assert batch and batch[0].where == (
+        "the reference saw 2 samples, the 4 data groups 8 together (2, 2, 2, 2)"
+    )
+    assert batch[0].hint == BATCH_HINT and report.likely == BATCH_HINT
+
+
+class Unflattened(StencilCase):
+    """Returns each block as it is, (..., rows, cols), with Shard.grid's flat index."""
+
+    def forward(self, model, x, topo):  # type: ignore[no-untyped-def]
+        out = super().forward(model, x, topo)
+        shard = out.fields["y"]
+        if not isinstance(shard, Shard):
+            return out
+        rows, cols = self.part(topo).slices(topo.spatial_rank)
+        block = shard.values.reshape(*shard.values.shape[:-1], rows.stop - rows.start, -1)
+        return Outputs(out.loss, {"y": Shard(block, shard.index, -1, shard.grid_shape)})
+
+
+class PlainBlock(StencilCase):
+    """Returns each rank's block as a plain tensor, as if it were the whole field."""
+
+    def forward(self, model, x, topo):  # type: ignore[no-untyped-def]
+        out = super().forward(model, x, topo)
+        rows, cols = self.part(topo).slices(topo.spatial_rank)
+        if topo.spatial_group is None:
+            return out
+        values = out.fields["y"].values  # type: ignore[union-attr]
+        return Outputs(
+            out.loss, {"y": values.reshape(*values.shape[:-1], rows.stop - rows.start, -1)}
+        )
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        (Unflattened, "block, not flattened: use Shard.grid(values, rows, cols, nlat, nlon)"),
+        (PlainBlock, SHARD_HINT),
+    ],
+    ids=["unflattened", "plain-tensor"],
+)
+def test_a_shard_of_the_wrong_shape_suggests_shard_grid(spatial, case, says):
+    report = check_equivalence(case(), ranks=4, pool=spatial.pool(4))
+    assert any(says in m.hint for m in report.mismatches), report
+    assert "Shard.grid" in report.likely
