@@ -1,12 +1,18 @@
 """The main job: verify the built-in steppers on N ranks and print the equivalence summary.
 
-    harness-check                 # or: python -m harness
-    harness-check --ranks 4 --no-faults
-    harness-check --update-goldens
+    harness-check                      # or: python -m harness
+    harness-check --ranks 4 -k sfno    # only the layouts and faults whose label has "sfno"
+    harness-check --only faults        # only the fault matrix
+    harness-check --update-goldens     # (re)record the goldens of the passing checks
 
 Each built-in stepper runs as the single-process reference and partitioned on a warm pool
-of gloo ranks; the table shows the worst relative error per quantity and the verdict. Then
-every fault of the catalogue (FAULTS.md) is injected in turn, to show that each is caught.
+of gloo ranks; a line per check as it goes, then a table of the worst relative error per
+quantity, golden status and verdict. Then every fault of the catalogue (FAULTS.md) is
+injected in turn, to show that each is caught.
+
+Exit codes: 0 every check passed (goldens that were never recorded for this rank count are
+said, not failed); 1 a layout mismatched, a golden differs, or a fault went uncaught;
+2 bad arguments.
 """
 
 from __future__ import annotations
@@ -20,11 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.compare import Tolerance, equivalence_table, format_table
+from harness.compare import EquivalenceReport, Tolerance, equivalence_table, format_table
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError
-from harness.goldens import GoldenStore
+from harness.goldens import GoldenResult, GoldenStore
 from harness.pool import PoolRegistry, check_oversubscription
+
+#: The goldens recorded for the main job, shipped inside the package.
+MAIN_GOLDENS = Path(__file__).resolve().parent / "main_goldens"
+WIDTH = 100  # every table fits a 100-column terminal
 
 
 @dataclass
@@ -55,22 +65,51 @@ def fault_configs(ranks: int) -> Iterator[tuple[str, Config, str, set[str]]]:
         yield stepper, Config(stepper, make, kw, s), fault, expected
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness-check",
         description="Verify the built-in spatially parallel steppers against their "
-        "single-process references.",
+        "single-process references, then show that every fault of the catalogue is caught.",
+        epilog="Exit codes: 0 all passed; 1 a check failed; 2 bad arguments.",
     )
     parser.add_argument("--ranks", type=int, default=4, help="rank processes (default 4)")
     parser.add_argument("--timeout", type=float, default=120.0, help="per-run timeout, s")
-    parser.add_argument("--no-faults", action="store_true", help="skip the fault matrix")
     parser.add_argument(
-        "--golden-dir", default="goldens/main", help="goldens of the main job (default %(default)s)"
+        "-k",
+        dest="select",
+        default="",
+        metavar="TEXT",
+        help="only layouts and faults whose label contains TEXT (comma-separated: any of them)",
     )
-    parser.add_argument("--update-goldens", action="store_true", help="(re)write the goldens")
+    parser.add_argument(
+        "--only",
+        choices=("layouts", "faults"),
+        help="run only the layouts or only the fault matrix",
+    )
+    parser.add_argument("--no-faults", action="store_true", help="same as --only layouts")
+    parser.add_argument(
+        "--golden-dir",
+        default=str(MAIN_GOLDENS),
+        help="goldens of the main job (default: the ones shipped with the package)",
+    )
+    parser.add_argument(
+        "--update-goldens",
+        action="store_true",
+        help="(re)record the goldens of the checks that pass",
+    )
     parser.add_argument(
         "--oversubscribe", action="store_true", help="allow many more ranks than CPU cores"
     )
+    return parser
+
+
+def _selected(label: str, select: str) -> bool:
+    words = [w.strip() for w in select.split(",") if w.strip()]
+    return not words or any(w in label for w in words)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error(f"--ranks must be an integer >= 1, got {args.ranks}")
@@ -83,107 +122,175 @@ def main(argv: list[str] | None = None) -> int:
         check_oversubscription(args.ranks, allow=args.oversubscribe, how="pass --oversubscribe")
     except ConfigError as exc:
         parser.error(f"--ranks {args.ranks}: {exc}")
-
+    only = "layouts" if args.no_faults else args.only
     registry = PoolRegistry(
         default_ranks=args.ranks, timeout=args.timeout, start_method="forkserver"
     )
+    failures: list[str] = []
+    t0 = time.perf_counter()
+    try:
+        print(
+            f"harness: checking the built-in steppers on {args.ranks} ranks (gloo, CPU) "
+            "against their single-process references",
+            flush=True,
+        )
+        if only != "faults":
+            failures += _layouts(args, registry)
+        if only != "layouts":
+            failures += _fault_matrix(args, registry)
+    finally:
+        registry.close()
+    took = time.perf_counter() - t0
+    if failures:
+        print(f"\n{len(failures)} CHECK(S) FAILED in {took:.0f}s:")
+        for reason in failures:
+            print(f"  {reason}")
+        return 1
+    print(f"\nALL CHECKS PASSED in {took:.0f}s")
+    return 0
+
+
+# ---------------------------------------------------------------------- layouts
+
+
+def _layouts(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
+    chosen = [c for c in configs(args.ranks) if _selected(c.label, args.select)]
+    if not chosen:
+        print(f"\nno layout matches -k {args.select!r}")
+        return []
     store = GoldenStore(Path(args.golden_dir), update=args.update_goldens)
     for path in store.sweep():
         print(f"removed {path}: the temporary file of an interrupted golden write")
-    use_goldens = args.update_goldens or Path(args.golden_dir).is_dir()
-    failed = 0
-    try:
-        t0 = time.perf_counter()
+    print(
+        f"\nLayouts ({len(chosen)}): the reference against the partitioned run on "
+        f"{args.ranks} ranks",
+        flush=True,
+    )
+    rows, failures = [], []
+    for i, cfg in enumerate(chosen, 1):
+        report = check_equivalence(
+            cfg.case(),
+            ranks=args.ranks,
+            spatial_size=cfg.spatial_size,
+            pool=registry.get(args.ranks),
+            timeout=args.timeout,
+        )
+        row = report.summary_row()
+        row["case"] = cfg.label
+        golden = _golden(store, cfg, report, args.ranks) if report.reference else None
+        row["golden"] = _golden_word(golden)
+        verdict = "equivalent" if report.ok else "MISMATCH: " + ",".join(row["problems"])
         print(
-            f"harness: checking the built-in steppers on {args.ranks} ranks "
-            "(gloo, CPU) against their single-process references",
+            f"  [{i}/{len(chosen)}] {cfg.label} ({report.partition}): {verdict}, golden "
+            f"{row['golden']} ({report.seconds:.1f}s)",
             flush=True,
         )
-        rows = []
-        for cfg in configs(args.ranks):
-            report = check_equivalence(
-                cfg.case(),
-                ranks=args.ranks,
-                spatial_size=cfg.spatial_size,
-                pool=registry.get(args.ranks),
-                timeout=args.timeout,
+        if not report.ok:
+            print(_indent(str(report)))
+            failures.append(f"{cfg.label}: {_first_reason(report)}")
+        elif golden is not None and golden.status == "failed":
+            print(_indent(str(golden)))
+            failures.append(
+                f"{cfg.label}: its golden differs ({golden.path}); if the change "
+                "is intended, run with --update-goldens"
             )
-            row = report.summary_row()
-            row["case"] = cfg.label
-            if use_goldens and report.reference:
-                dtype = next(iter(report.reference.values())).dtype
-                path = store.root / f"{_slug(cfg.label)}-r{args.ranks}.pt"
-                if store.update and not report.ok:  # goldens only from passing checks
-                    result = store.not_updated(path, "the equivalence check failed")
-                else:
-                    result = store.check(
-                        path,
-                        report.reference,
-                        bound=Tolerance.for_dtype(dtype).field,
-                        provenance={
-                            "case": cfg.label,
-                            "ranks": args.ranks,
-                            "partition": report.partition,
-                        },
-                    )
-                row["golden"] = result.status
-                failed += not result.ok
-            failed += not report.ok
-            rows.append(row)
-            print(
-                f"  {cfg.label:<22} {'equivalent' if report.ok else 'MISMATCH'}"
-                f"  ({report.seconds:.1f}s)",
-                flush=True,
-            )
-            if not report.ok:
-                print(report)
-        print()
-        for line in equivalence_table(rows):
-            print(line)
-        if not use_goldens:
-            print(f"(no goldens at {args.golden_dir}: run with --update-goldens to record them)")
-
-        if not args.no_faults:
-            failed += _fault_matrix(args, registry)
+        rows.append(row)
+    print()
+    for line in equivalence_table(rows, width=WIDTH, show_ranks=False):
+        print(line)
+    missing = [r["case"] for r in rows if r["golden"] == "none"]
+    if missing:
         print(
-            f"\n{'ALL CHECKS PASSED' if not failed else f'{failed} CHECK(S) FAILED'} "
-            f"in {time.perf_counter() - t0:.0f}s"
+            f"(no goldens recorded for {args.ranks} ranks in {args.golden_dir} for: "
+            f"{', '.join(missing)}; --update-goldens records them; not a failure)"
         )
-    finally:
-        registry.close()
-    return 1 if failed else 0
+    return failures
 
 
-def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> int:
-    matrix = list(fault_configs(args.ranks))
-    print("\nInjected faults (FAULTS.md): each must make the check fail with the named quantity")
-    header = ("stepper", "fault", "expected", "caught as (first, then the rest)", "verdict")
-    rows = []
-    missed = 0
-    for stepper, cfg, fault, expected in matrix:
+def _golden(store: GoldenStore, cfg: Config, report: EquivalenceReport, ranks: int) -> GoldenResult:
+    path = store.root / f"{_slug(cfg.label)}-r{ranks}.pt"
+    if store.update and not report.ok:  # goldens only from passing checks
+        return store.not_updated(path, "the equivalence check failed")
+    if not store.update and not path.exists():
+        return GoldenResult(path, "missing")
+    dtype = next(iter(report.reference.values())).dtype
+    return store.check(
+        path,
+        report.reference,
+        bound=Tolerance.for_dtype(dtype).field,
+        provenance={"case": cfg.label, "ranks": ranks, "partition": report.partition},
+    )
+
+
+def _golden_word(result: GoldenResult | None) -> str:
+    if result is None:
+        return "-"
+    return {"missing": "none", "not updated": "kept"}.get(result.status, result.status)
+
+
+def _first_reason(report: EquivalenceReport) -> str:
+    first = report.mismatches[0].headline()
+    return f"{first} ({report.likely})" if report.likely else first
+
+
+# ---------------------------------------------------------------------- faults
+
+
+def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
+    from harness.steppers.catalogue import skipped_faults
+
+    matrix = [f for f in fault_configs(args.ranks) if _selected(f"{f[0]}:{f[2]}", args.select)]
+    skipped = [s for s in skipped_faults(args.ranks) if _selected(f"{s[0]}:{s[1]}", args.select)]
+    print(
+        f"\nInjected faults ({len(matrix)}): each must make the check fail with an expected "
+        "quantity",
+        flush=True,
+    )
+    rows, failures = [], []
+    for i, (stepper, cfg, fault, expected) in enumerate(matrix, 1):
+        t0 = time.perf_counter()
         report = check_equivalence(
             cfg.case(faults=(fault,)),
             ranks=args.ranks,
             spatial_size=cfg.spatial_size,
             pool=registry.get(args.ranks),
-            timeout=min(args.timeout, 10.0),
+            timeout=min(args.timeout, 30.0),
         )
-        caught = report.quantities & expected
-        missed += not caught
+        caught = bool(report.quantities & expected)
         first = report.mismatches[0].quantity if report.mismatches else "-"
         rest = sorted(report.quantities - {first})
         shown = first + (f" (+{','.join(rest)})" if rest else "")
+        verdict = f"caught as {shown}" if caught else "MISSED"
+        took = time.perf_counter() - t0
+        print(f"  [{i}/{len(matrix)}] {stepper}:{fault}: {verdict} ({took:.1f}s)", flush=True)
+        if not caught:
+            failures.append(
+                f"{stepper}:{fault} was not caught as {'/'.join(sorted(expected))}"
+                f" (the check said: {', '.join(sorted(report.quantities)) or 'ok'})"
+            )
         rows.append(
             (stepper, fault, ",".join(sorted(expected)), shown, "caught" if caught else "MISSED")
         )
-    for line in format_table(header, rows):
-        print(line)
-    print(f"{len(rows) - missed}/{len(rows)} faults caught")
-    return missed
+    if rows:
+        print()
+        header = ("stepper", "fault", "expected", "caught as (first, +rest)", "verdict")
+        for line in format_table(header, rows):
+            print(line[:WIDTH])
+        print(f"{len(rows) - len(failures)}/{len(rows)} faults caught")
+    by_reason: dict[str, list[str]] = {}
+    for stepper, fault, reason in skipped:
+        by_reason.setdefault(reason, []).append(f"{stepper}:{fault}")
+    for reason, faults in by_reason.items():
+        print(f"skipped {len(faults)} fault(s), {reason}: {', '.join(faults)}")
+    return failures
 
 
 def _slug(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in label)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())
 
 
 if __name__ == "__main__":

@@ -600,10 +600,17 @@ def mismatch_table(mismatches: Sequence[Mismatch]) -> list[str]:
     return format_table(header, rows, free_last=True)
 
 
-def equivalence_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The terminal table of every equivalence checked: one line per check."""
-    header = ("case", "ranks", "partition", "dtype", *NUMERIC, "golden", "verdict")
-    body = []
+def equivalence_table(
+    rows: list[dict[str, Any]], width: int | None = None, *, show_ranks: bool = True
+) -> list[str]:
+    """The terminal table of every equivalence checked: one line per check.
+
+    With ``width``, the partition column is shortened (ending in "...") until each line
+    fits, down to 12 characters. ``show_ranks=False`` leaves out the ranks column (when
+    every row has the same).
+    """
+    header: tuple[str, ...] = ("case", "ranks", "partition", "dtype", *NUMERIC, "golden", "verdict")
+    body: list[tuple[str, ...]] = []
     for r in rows:
         w = r["worst"]
         body.append(
@@ -617,7 +624,19 @@ def equivalence_table(rows: list[dict[str, Any]]) -> list[str]:
                 "equivalent" if r["ok"] else "MISMATCH: " + ",".join(r["problems"]),
             )
         )
+    if not show_ranks:
+        header = (header[0], *header[2:])
+        body = [(b[0], *b[2:]) for b in body]
+    p = header.index("partition")
+    if width is not None and body:
+        longest = max(len(line) for line in format_table(header, body))
+        room = max(12, max(len(b[p]) for b in body) - max(0, longest - width))
+        body = [(*b[:p], _shorten(b[p], room), *b[p + 1 :]) for b in body]
     return [
         "worst relative error per quantity, partitioned vs reference:",
         *format_table(header, body),
     ]
+
+
+def _shorten(text: str, room: int) -> str:
+    return text if len(text) <= room else text[: room - 3] + "..."

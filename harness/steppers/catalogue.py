@@ -110,10 +110,12 @@ def main_configs(ranks: int) -> list[Config]:
 def fault_matrix(ranks: int) -> Iterator[Fault]:
     """(stepper, factory, kwargs, spatial_size, fault id, expected quantities) per fault.
 
-    The stepper layouts are sized for 4 ranks; with another count only the MLP's run.
+    The stepper layouts are sized for 4 ranks; with another count only the MLP's run (and
+    on one rank none: ``skipped_faults`` says why).
     """
-    for fault, expected in MLP_FAULTS.items():
-        yield "coupled-mlp", _mlp, {"npos": 37}, None, fault, expected
+    if ranks >= 2:
+        for fault, expected in MLP_FAULTS.items():
+            yield "coupled-mlp", _mlp, {"npos": 37}, None, fault, expected
     if ranks != 4:
         return
     from harness.steppers.sfno import FAULT_CHECKS
@@ -124,6 +126,23 @@ def fault_matrix(ranks: int) -> Iterator[Fault]:
 
     for fault, (expected, kwargs, spatial_size) in HEALPIX_CHECKS.items():
         yield "healpix", _healpix, kwargs, spatial_size, fault, expected
+
+
+def skipped_faults(ranks: int) -> list[tuple[str, str, str]]:
+    """(stepper, fault id, why) for each fault of the catalogue that ``ranks`` cannot show."""
+    out = []
+    if ranks < 2:
+        out += [
+            ("coupled-mlp", f, "one rank has no communication to get wrong") for f in MLP_FAULTS
+        ]
+    if ranks != 4:
+        from harness.steppers.healpix import HEALPIX_FAULTS
+        from harness.steppers.sfno import SFNO_FAULTS
+
+        why = "its layout is sized for 4 ranks (run --ranks 4)"
+        out += [("sfno", f, why) for f in sorted(SFNO_FAULTS)]
+        out += [("healpix", f, why) for f in sorted(HEALPIX_FAULTS)]
+    return out
 
 
 # ---------------------------------------------------------------------- the document

@@ -44,7 +44,7 @@ def test_the_main_job_injects_faults_and_reports_each_as_caught(tmp_path):
     proc = _main_job("--ranks", "2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout
     assert "3/3 faults caught" in proc.stdout  # with 2 ranks only the MLP's layouts apply
-    assert "no-grad-sync" in proc.stdout and "grad (+" in proc.stdout
+    assert "  [1/3] coupled-mlp:no-grad-sync: caught as grad (+" in proc.stdout
 
 
 def test_a_bad_rank_count_is_a_usage_error(tmp_path):
@@ -67,3 +67,69 @@ def test_far_more_ranks_than_cores_is_refused_with_the_way_to_insist(tmp_path):
     assert proc.returncode == 2
     assert "--ranks 100000: 100000 rank processes on a machine with" in proc.stderr
     assert "pass --oversubscribe to insist" in proc.stderr
+
+
+def test_three_ranks_explain_every_row_and_pass(tmp_path):
+    proc = _main_job("--ranks", "3", cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "  [1/3] coupled-mlp (37 positions): equivalent, golden none (" in out
+    assert "(no goldens recorded for 3 ranks in" in out and "not a failure)" in out
+    assert "3/3 faults caught" in out
+    assert "skipped 22 fault(s), its layout is sized for 4 ranks (run --ranks 4): sfno:" in out
+    assert "ALL CHECKS PASSED" in out
+
+
+def test_one_rank_skips_the_faults_it_cannot_have_with_the_reason(tmp_path):
+    proc = _main_job("--ranks", "1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Injected faults (0)" in proc.stdout
+    assert (
+        "skipped 3 fault(s), one rank has no communication to get wrong: coupled-mlp:no-grad-sync"
+    ) in proc.stdout
+    assert "MISSED" not in proc.stdout
+
+
+def test_k_selects_layouts_and_faults_by_label_and_every_table_fits_100_columns(tmp_path):
+    proc = _main_job("--ranks", "4", "-k", "sfno", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "Layouts (4):" in out and "healpix" not in out.split("Injected faults")[0]
+    assert "Injected faults (11):" in out and "11/11 faults caught" in out
+    table = out.split("partitioned vs reference:\n")[1].split("\n\n")[0].splitlines()
+    assert [line.split()[0] for line in table[2:]] == ["sfno"] * 4
+    assert max(len(line) for line in table) <= 100
+    faults = out.split("verdict\n")[-1].split("\n11/11")[0].splitlines()
+    assert max(len(line) for line in faults) <= 100
+
+
+def test_a_failing_row_says_why_and_the_exit_code_is_1(tmp_path):
+    # a golden that no longer matches: recorded, then tampered with
+    first = _main_job(
+        "--ranks",
+        "2",
+        "--only",
+        "layouts",
+        "-k",
+        "coupled",
+        "--golden-dir",
+        "g",
+        "--update-goldens",
+        cwd=tmp_path,
+    )
+    assert first.returncode == 0, first.stdout
+    import torch
+
+    path = tmp_path / "g" / "coupled-mlp-r2.pt"
+    data = torch.load(path, weights_only=True)
+    data["tensors"]["step0/loss"] = data["tensors"]["step0/loss"] + 1
+    torch.save(data, path)
+    proc = _main_job(
+        "--ranks", "2", "--only", "layouts", "-k", "coupled", "--golden-dir", "g", cwd=tmp_path
+    )
+    assert proc.returncode == 1
+    assert "1 CHECK(S) FAILED" in proc.stdout
+    assert (
+        "  coupled-mlp: its golden differs (g/coupled-mlp-r2.pt); if the change is intended, "
+        "run with --update-goldens"
+    ) in proc.stdout
