@@ -449,6 +449,7 @@ class EquivalenceReport:
     field_errors: list[FieldError] = field(default_factory=list)
     seconds: float = 0.0
     likely: str = ""  # the one line most likely to name the bug, if the evidence says
+    latitudes: list[float] | None = None  # the case's, for error maps (SpatialCase.latitudes)
 
     @property
     def ok(self) -> bool:

@@ -89,6 +89,9 @@ class SpatialCase:
 
     name: str | None = None
     dtype: torch.dtype | None = None
+    #: The latitude (degrees) of each row of the case's lat x lon fields, north first or
+    #: south first: error maps then put north at the top. ``None``: row 0 drawn at the top.
+    latitudes: Any = None
     #: Set to True if the model is meant to produce NaN or inf (a masked field, say). Then
     #: non-finite values are not findings, but they must match the reference's position
     #: for position. Otherwise any NaN or inf, in the reference or on a rank, fails the check.
@@ -106,6 +109,13 @@ class SpatialCase:
     def describe(self, topo: Topology | None = None) -> str:
         """A short description of the partition for reports (override to say more)."""
         return ""
+
+    def teardown(self, model: torch.nn.Module | None, topo: Topology) -> None:
+        """Undo what ``build`` changed outside the model (patched libraries, module globals),
+        after every run, on every rank and for the reference, even when the run failed
+        (``model`` is ``None`` when ``build`` itself raised). Rank processes are reused by
+        the next test: leave them as you found them. (RNG states, default dtype, grad mode,
+        cwd and environment variables are restored by the harness already.)"""
 
     @property
     def label(self) -> str:
@@ -256,6 +266,7 @@ def run_case(
     saved = _CallerState.save()
     if case.dtype is not None:
         torch.set_default_dtype(case.dtype)
+    model: torch.nn.Module | None = None
     try:
         enter("build")
         _seed(seed)
@@ -264,9 +275,17 @@ def run_case(
         record = RunRecord(init={_strip(n): detached(p) for n, p in params.items()})
         for step in range(steps):
             record.steps.append(_train_step(case, model, topo, step, lr, seed, enter))
+        enter("teardown")
+        case.teardown(model, topo)
         return record
     except BaseException as exc:
         _mark_phase(exc, str(phase[0]))
+        if phase[0] != "teardown":
+            try:
+                case.teardown(model, topo)  # undo build's patches even when the run failed
+            except Exception as teardown_exc:  # noqa: BLE001 - the run's own error comes first
+                if sys.version_info >= (3, 11):
+                    exc.add_note(f"(and teardown raised {teardown_exc!r})")
         raise
     finally:
         saved.restore()
@@ -413,6 +432,8 @@ def check_equivalence(
         found.field_errors,
     )
     report.likely = found.likely
+    if case.latitudes is not None:
+        report.latitudes = [float(v) for v in case.latitudes]
     report.seconds = time.perf_counter() - t0
     return report
 

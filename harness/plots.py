@@ -3,8 +3,8 @@
 Two pictures, one per partition family:
 
 - ``plot_latlon_error``: an equirectangular image of ``|partitioned - reference|`` on the
-  lat x lon grid (north at the top), the ranks' block boundaries drawn and each block
-  labelled with its rank;
+  lat x lon grid (north at the top when the case declares its latitudes), the ranks' block
+  boundaries drawn and each block labelled with its rank;
 - ``plot_healpix_error``: the same for HEALPix cells (NESTED), in healpy's Mollweide
   projection, with the boundaries between the ranks' cell ranges drawn and a second panel
   showing which rank owns each cell.
@@ -108,13 +108,16 @@ def plot_latlon_error(
     lat_sizes: list[int],
     lon_sizes: list[int],
     title: str,
+    latitudes: Any = None,
 ) -> Path:
     """Save an equirectangular map of ``error`` with the ranks' blocks drawn; return the path.
 
-    ``error`` is a (nlat, nlon) array of ``|partitioned - reference|``, latitude index 0 in
-    the north. ``lat_sizes`` and ``lon_sizes`` are the rows and columns per polar and
-    azimuth rank (``LatLonPartition.lat_sizes`` / ``.lon_sizes``); block ``(p, a)`` is
-    spatial rank ``p * len(lon_sizes) + a``. Non-finite differences are drawn in green.
+    ``error`` is a (nlat, nlon) array of ``|partitioned - reference|``. ``lat_sizes`` and
+    ``lon_sizes`` are the rows and columns per polar and azimuth rank
+    (``LatLonPartition.lat_sizes`` / ``.lon_sizes``); block ``(p, a)`` is spatial rank
+    ``p * len(lon_sizes) + a``. Non-finite differences are drawn in green. ``latitudes``
+    (degrees, one per row) puts north at the top whichever way the rows run and labels the
+    axis in degrees; without them row 0 is drawn at the top and the axis says so.
     """
     values = np.abs(np.asarray(error, dtype=np.float64))
     lats, lons = _sizes("lat_sizes", lat_sizes), _sizes("lon_sizes", lon_sizes)
@@ -164,12 +167,31 @@ def plot_latlon_error(
         ax.plot(j + 0.5, i + 0.5, marker="x", color="#00a0ff", markersize=10, mew=2)
         note += f" at (lat {i}, lon {j}) on rank {p * len(lons) + a}"
     ax.set_xlim(0, nlon)
-    ax.set_ylim(nlat, 0)
+    _orient(ax, nlat, latitudes)
     ax.set_xlabel("longitude index")
-    ax.set_ylabel("latitude index (north at the top)")
     ax.set_title(f"{title}\n{note}", fontsize=11)
     fig.colorbar(image, ax=ax, label="|partitioned − reference|", shrink=0.9)
     return _save(fig, path)
+
+
+def _orient(ax: Any, nlat: int, latitudes: Any) -> None:
+    """North at the top when the latitudes say where north is; row 0 at the top otherwise."""
+    if latitudes is None:
+        ax.set_ylim(nlat, 0)
+        ax.set_ylabel("latitude row (row 0 at the top; declare SpatialCase.latitudes to orient)")
+        return
+    lat = np.asarray(latitudes, dtype=np.float64).reshape(-1)
+    if lat.shape != (nlat,):
+        raise ConfigError(
+            f"plot_latlon_error: {lat.size} latitudes for a grid of {nlat} rows; give one "
+            "latitude (degrees) per row"
+        )
+    north_first = lat[0] >= lat[-1]
+    ax.set_ylim(*((nlat, 0) if north_first else (0, nlat)))
+    ticks = sorted({0, nlat // 2, nlat - 1})
+    ax.set_yticks([t + 0.5 for t in ticks])
+    ax.set_yticklabels([f"{lat[t]:.0f}°" for t in ticks])
+    ax.set_ylabel("latitude (north at the top)")
 
 
 def _worst(values: np.ndarray) -> int | None:

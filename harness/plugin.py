@@ -197,8 +197,9 @@ def pytest_configure(config: pytest.Config) -> None:
     register_profiles()
     config.addinivalue_line(
         "markers",
-        "spatial(ranks=None, timeout=None): run this test's spatial jobs on `ranks` rank "
-        "processes (default --spatial-ranks) with a per-run `timeout` in seconds.",
+        "spatial(ranks=None, timeout=None, fresh=False): run this test's spatial jobs on "
+        "`ranks` rank processes (default --spatial-ranks) with a per-run `timeout` in "
+        "seconds; fresh=True: on brand-new rank processes (no module state of other tests).",
     )
     config.addinivalue_line(
         "markers",
@@ -506,6 +507,8 @@ class SpatialFixture:
         self.timeout = timeout
         self.fresh = fresh
         self._used: dict[int, Any] = {}  # world size -> pool, for fresh tests
+        self.used = False  # did the test run anything on the ranks?
+        self._tmp: pytest.TempPathFactory | None = None
 
     def run(
         self,
@@ -595,6 +598,7 @@ class SpatialFixture:
         return isinstance(self._registry, LauncherRegistry)
 
     def _pool(self, ranks: int | None) -> Any:
+        self.used = True
         size = ranks or self.ranks
         try:
             pool = self._registry.get(size)
@@ -612,13 +616,50 @@ class SpatialFixture:
         self._used.clear()
 
     def _attach_output(self, outputs: list[str]) -> None:
+        """What each rank printed, as a report section; long output is cut to its first and
+        last lines, and the whole of it saved to a file that the section names."""
+        self.used = True
         for rank, text in enumerate(outputs):
-            if text.strip():
-                self._node.add_report_section("call", f"rank {rank} stdout", text)
+            if not text.strip():
+                continue
+            if len(text) > OUTPUT_LIMIT:
+                path = (
+                    self._output_dir() / f"{golden_stem(self._node.nodeid).replace('/', '.')}"
+                    f".rank{rank}.txt"
+                )
+                path.write_text(text)
+                text = _cut(text, path)
+            self._node.add_report_section("call", f"rank {rank} stdout", text)
+
+    def _output_dir(self) -> Path:
+        assert self._tmp is not None
+        path = self._tmp.getbasetemp() / "spatial-output"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+#: Rank output longer than this (characters) is cut in the report; the whole is saved.
+OUTPUT_LIMIT = 8000
+
+
+def _cut(text: str, path: Path) -> str:
+    """The head and tail of a long output, and where the whole of it is."""
+    head, tail = text[: OUTPUT_LIMIT // 4], text[-(OUTPUT_LIMIT * 3 // 4) :]
+    left_out = len(text) - len(head) - len(tail)
+    return (
+        f"{head}\n... {left_out} characters left out; the whole output ({len(text)} "
+        f"characters) is in {path} ...\n{tail}"
+    )
+
+
+class SpatialUnusedWarning(pytest.PytestWarning):
+    """A test asked for the ``spatial`` fixture but never ran anything on the ranks."""
 
 
 @pytest.fixture
-def spatial(request: pytest.FixtureRequest) -> Iterator[SpatialFixture]:
+def spatial(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SpatialFixture]:
     """Run functions on a warm group of gloo ranks: ``spatial.run(fn, *args)``."""
     registry = request.config.stash[_registry_key]
     marker = request.node.get_closest_marker("spatial")
@@ -647,8 +688,17 @@ def spatial(request: pytest.FixtureRequest) -> Iterator[SpatialFixture]:
     fixture = SpatialFixture(
         registry, request.node, ranks, timeout, _golden_fixture(request), fresh=fresh
     )
+    fixture._tmp = tmp_path_factory
     yield fixture
     fixture.discard_used()  # a fresh test's module globals stay with it
+    if not fixture.used:
+        request.node.warn(
+            SpatialUnusedWarning(
+                "this test takes the spatial fixture but never ran anything on the ranks (no "
+                "spatial.run, spatial.check or spatial.pool): it checked nothing partitioned. "
+                "Call spatial.check(case), or drop the fixture."
+            )
+        )
 
 
 class GoldenFixture:
@@ -734,6 +784,7 @@ def write_error_maps(report: Any, directory: str, nodeid: str) -> list[str]:
                         lat_sizes=_run_lengths(grid[:, 0]),
                         lon_sizes=_run_lengths(grid[0, :]),
                         title=title,
+                        latitudes=report.latitudes,
                     )
                 )
             )

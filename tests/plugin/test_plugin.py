@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -341,6 +342,52 @@ def test_what_a_rank_prints_is_shown_with_a_failing_test(pytester):
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*Captured rank 1 stdout call*", "hello from rank 1"])
+
+
+def test_long_rank_output_is_cut_in_the_report_and_saved_whole(pytester):
+    pytester.makepyfile(
+        """
+        import torch.distributed as dist
+
+        def chatty():
+            for i in range(5000):
+                print(f"rank {dist.get_rank()} line {i}")
+            return dist.get_rank()
+
+        def test_chatty(spatial):
+            assert spatial.run(chatty, ranks=2) == [0, 0]
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "rank 1 line 0\n" in out and "rank 1 line 4999" in out  # head and tail kept
+    assert "rank 1 line 2500\n" not in out  # the middle cut
+    saved = re.search(r"characters\) is in (\S+\.rank1\.txt) \.\.\.", out)
+    assert saved, out[-2000:]
+    whole = Path(saved.group(1)).read_text()
+    assert whole.count("\n") == 5000 and "rank 1 line 2500\n" in whole
+
+
+def test_a_spatial_test_that_never_runs_anything_is_warned_about(pytester):
+    pytester.makepyfile(
+        """
+        def test_forgot(spatial):
+            assert spatial.ranks == 4
+
+        def test_used(spatial):
+            spatial.pool(2)
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, warnings=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_forgot*",
+            "*SpatialUnusedWarning: this test takes the "
+            "spatial fixture but never ran anything on the ranks*",
+        ]
+    )
 
 
 def test_goldens_are_counted_on_the_controller_under_xdist(pytester):

@@ -99,6 +99,42 @@ def test_latlon_error_map_shows_the_faulty_rank_block_where_that_rank_is(
     assert (rows.mean() < 0.5 * height) == top
 
 
+@pytest.mark.parametrize(
+    ("latitudes", "top"),
+    [(np.linspace(85, -85, 18), True), (np.linspace(-85, 85, 18), False), (None, True)],
+    ids=["north-first", "south-first", "undeclared"],
+)
+def test_declared_latitudes_put_north_at_the_top_whichever_way_the_rows_run(
+    tmp_path, latitudes, top
+):
+    # rank 0 owns rows 0-8: the north if the rows run north first, the south otherwise
+    part = LatLonPartition(18, 36, h=2, w=1)
+    kwargs = {
+        "lat_sizes": part.lat_sizes,
+        "lon_sizes": part.lon_sizes,
+        "title": "t",
+        "latitudes": latitudes,
+    }
+    clean = plots.plot_latlon_error(_latlon_error(part, None), tmp_path / "clean.png", **kwargs)
+    faulty = plots.plot_latlon_error(_latlon_error(part, 0), tmp_path / "faulty.png", **kwargs)
+    mask = _half_colour_mask(_pixels(faulty)) & ~_half_colour_mask(_pixels(clean))
+    rows, _ = np.nonzero(mask)
+    assert mask.sum() > 2000
+    assert (rows.mean() < 0.5 * mask.shape[0]) == top
+
+
+def test_latitudes_that_do_not_match_the_rows_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="3 latitudes for a grid of 8 rows"):
+        plots.plot_latlon_error(
+            np.zeros((8, 16)),
+            tmp_path / "x.png",
+            lat_sizes=[8],
+            lon_sizes=[16],
+            title="t",
+            latitudes=[1, 2, 3],
+        )
+
+
 @pytest.mark.parametrize(("rank", "north"), [(0, True), (3, False)])
 def test_healpix_error_map_shows_the_faulty_rank_cells_where_that_rank_is(tmp_path, rank, north):
     # nside 2, 4 ranks: rank 0 owns the northern base cells 0-2, rank 3 the southern 9-11

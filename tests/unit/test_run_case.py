@@ -141,4 +141,34 @@ def test_progress_reports_every_phase_in_order():
         ("step 1 forward", 1),
         ("step 1 backward", 1),
         ("step 1 optimizer step", 1),
+        ("teardown", None),
     ]
+
+
+class Patching(Configurable):
+    """Patches a library function in build, as an adapter for a real model might."""
+
+    def build(self, topo):
+        import json
+
+        self.saved = json.dumps
+        json.dumps = lambda obj: "patched"  # the patch
+        return super().build(topo)
+
+    def teardown(self, model, topo):
+        import json
+
+        json.dumps = self.saved
+
+
+@pytest.mark.parametrize("raise_in", [None, "forward"])
+def test_teardown_undoes_what_build_patched_even_when_the_run_fails(raise_in):
+    import json
+
+    real = json.dumps
+    overrides = {"raise_in": raise_in} if raise_in else {}
+    try:
+        run_case(Patching(**overrides), SINGLE, steps=1, lr=0.1, seed=0)
+    except RuntimeError:
+        assert raise_in == "forward"
+    assert json.dumps is real
