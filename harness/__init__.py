@@ -25,7 +25,7 @@ from harness.partition import CellPartition, LatLonPartition, cell_of, split_siz
 from harness.pool import PoolRegistry, RankPool, Runner
 from harness.topology import Topology
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Bound",

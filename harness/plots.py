@@ -12,7 +12,7 @@ Two pictures, one per partition family:
 Both draw on a ``matplotlib.figure.Figure`` with the Agg canvas: no display, no pyplot, and
 the process's matplotlib backend is left alone (a notebook or a test session keeps its own).
 matplotlib is imported only when a plot is made (``pip install matplotlib``, or
-``harness[plots]``). Both save a PNG and return its path.
+``pytest-spatial-harness[plots]``). Both save a PNG and return its path.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _figure(width: float, height: float) -> Any:
     except ImportError as exc:
         raise ConfigError(
             "error maps need matplotlib, which is not installed: "
-            "pip install matplotlib (or harness[plots])"
+            "pip install matplotlib (or pytest-spatial-harness[plots])"
         ) from exc
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
