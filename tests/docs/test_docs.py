@@ -1,0 +1,69 @@
+"""Every Python block of the README, the guide and the example repository's README runs.
+
+Blocks are found and run with pytest-examples (each as its own ``__main__`` module, from a
+file, so rank processes can load the classes it defines). Conventions of these documents:
+
+- a block whose first line is ``# name.py`` is also a file that later blocks import (the
+  guide's model); all such files are written first, to a directory on ``sys.path``;
+- ``py test="pytest"``: a test module, run by pytest itself (with the plugin, on 4 ranks);
+- ``py test="skip"``: a fragment that cannot run alone (none is used to hide a feature).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_examples import CodeExample, EvalExample, find_examples
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCUMENTS = [
+    ROOT / "README.md",
+    ROOT / "docs" / "guide.md",
+    ROOT / "examples" / "downstream" / "README.md",
+]
+EXAMPLES = [e for e in find_examples(*DOCUMENTS) if e.prefix_settings().get("test") != "skip"]
+
+pytestmark = pytest.mark.spatial_pool  # examples start rank pools of their own
+
+
+def _file_name(example: CodeExample) -> str | None:
+    """``my_model.py`` for a block whose first line is ``# my_model.py`` (or a path to it)."""
+    first = example.source.lstrip().splitlines()[0]
+    if first.startswith("# ") and first.endswith(".py") and " " not in first[2:]:
+        return Path(first[2:]).name
+    return None
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The blocks that are files other blocks import, written to a directory on sys.path."""
+    where = tmp_path_factory.mktemp("doc-modules")
+    for example in EXAMPLES:
+        name = _file_name(example)
+        if name and not name.startswith("test"):
+            (where / name).write_text(example.source)
+    sys.path.insert(0, str(where))
+    yield where
+    sys.path.remove(str(where))
+
+
+def test_the_documents_have_examples_to_run():
+    found = {e.path.name for e in EXAMPLES}
+    assert {"README.md", "guide.md"} <= found
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+def test_the_example_runs_as_written(
+    example: CodeExample, eval_example: EvalExample, modules: Path, pytester: pytest.Pytester
+):
+    if example.prefix_settings().get("test") == "pytest":
+        for module in modules.glob("*.py"):
+            pytester.makepyfile(**{module.stem: module.read_text()})
+        pytester.makepyfile(**{_file_name(example)[:-3]: example.source})  # type: ignore[index]
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spatial-ranks", "4")
+        assert result.ret == 0, result.stdout.str()[-4000:]
+        return
+    eval_example.run(example)
