@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from pytest_examples import CodeExample, EvalExample, find_examples
 
 ROOT = Path(__file__).resolve().parents[2]
