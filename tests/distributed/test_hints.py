@@ -132,7 +132,7 @@ class Unflattened(StencilCase):
         shard = out.fields["y"]
         if not isinstance(shard, Shard):
             return out
-        rows, cols = self.part(topo).slices(topo.spatial_rank)
+        rows, _ = self.part(topo).slices(topo.spatial_rank)
         block = shard.values.reshape(*shard.values.shape[:-1], rows.stop - rows.start, -1)
         return Outputs(out.loss, {"y": Shard(block, shard.index, -1, shard.grid_shape)})
 
@@ -142,7 +142,7 @@ class PlainBlock(StencilCase):
 
     def forward(self, model, x, topo):  # type: ignore[no-untyped-def]
         out = super().forward(model, x, topo)
-        rows, cols = self.part(topo).slices(topo.spatial_rank)
+        rows, _ = self.part(topo).slices(topo.spatial_rank)
         if topo.spatial_group is None:
             return out
         values = out.fields["y"].values  # type: ignore[union-attr]

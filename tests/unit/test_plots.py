@@ -181,7 +181,8 @@ def test_healpix_error_map_rejects_bounds_that_do_not_cover_the_cells(tmp_path):
 
 def test_missing_matplotlib_is_a_config_error_naming_the_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now raises ImportError
-    with pytest.raises(ConfigError, match=r"pip install matplotlib \(or pytest-spatial-harness\[plots\]\)"):
+    says = r"pip install matplotlib \(or pytest-spatial-harness\[plots\]\)"
+    with pytest.raises(ConfigError, match=says):
         plots.plot_latlon_error(
             np.zeros((2, 2)), tmp_path / "x.png", lat_sizes=[2], lon_sizes=[2], title="t"
         )
