@@ -18,7 +18,7 @@ import pickle
 import time
 from collections.abc import Iterable
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from harness._rank import FENCE_GRACE, VERIFY_TIMEOUT, receive, send
 from harness.errors import RankProblem, failure_from
@@ -83,7 +83,7 @@ class Run:
         self.pool, self.run_id, self.timeout = pool, run_id, timeout
         self.n = pool.world_size
         self.t0 = time.monotonic()
-        self.offsets = [pool._log_size(r) for r in range(self.n)]
+        self.offsets = [pool.logs.size(r) for r in range(self.n)]
         self.pending = set(range(self.n))  # ranks that have not answered "done"
         self.started: set[int] = set()
         self.results: dict[int, Any] = {}
@@ -187,7 +187,7 @@ class Run:
             raise DiedIdle(rank)
         self.pending.discard(rank)
         self.crashed = True
-        self.fail(rank, "crash", _describe_exit(proc.exitcode), self.pool._crash_log(rank))
+        self.fail(rank, "crash", _describe_exit(proc.exitcode), self.pool.logs.crash(rank))
 
     def collect(self) -> list[Any]:
         """Wait for every rank's answer, then prove the group clean; the results or raise."""
@@ -201,116 +201,20 @@ class Run:
             ):
                 break
             if self.watch.deadlocked(self, now - self.t0):
-                self._stuck(deadlock=True)
+                name_the_stuck(self, deadlock=True)
             self.poll(self.pending, min(0.2, deadline - now))
         if self.pending:
-            self._stuck()
+            name_the_stuck(self)
         if self.problems:
-            self._release_all(keep=False)
+            self.release_all(keep=False)
             if self.crashed:
                 self.pool._kill()
-            raise self._failure()
-        return self._fence()
-
-    def _stuck(self, *, deadlock: bool = False) -> None:
-        """Ranks still running at the deadline, deadlocked, or left after another failed:
-        name everyone."""
-        pool = self.pool
-        stuck = sorted(self.pending)
-        stacks = pool._dump_stacks(stuck)
-        waited = time.monotonic() - self.t0
-        kind = "deadlock" if deadlock else "stopped" if self.problems else "timeout"
-        for r in stuck:
-            if kind == "deadlock":
-                where = self.watch.blocked[r][1][1]
-                why = (
-                    f"waiting inside torch.distributed for {self.watch.window:g}s with no "
-                    f"operation completing on any of its groups ({waited:.1f}s into the run; "
-                    f"at {where})"
-                )
-                stack = self.watch.stacks.get(r) or stacks.get(r, "")
-            elif kind == "timeout":
-                why = f"still running after {waited:.1f}s (timeout {self.timeout:g}s)"
-            else:
-                why = "still running after another rank failed (waiting in a collective?)"
-            if kind != "deadlock":
-                stack = stacks.get(r, "")
-            self.fail(r, kind, why, stack or "(no stack collected)")
-        if kind in ("timeout", "deadlock"):
-            for r in sorted(self.returned_at, key=self.returned_at.__getitem__):
-                if r in self.results:
-                    t = self.returned_at[r]
-                    last = self.progress.get(r, ("", None))[0]
-                    self.problems.append(
-                        RankProblem(
-                            r,
-                            "returned",
-                            f"returned without error after {t:.2f}s while rank(s) "
-                            f"{', '.join(map(str, stuck))} still waited: the likely culprit "
-                            "(did it skip a collective the others entered?)",
-                            f"rank {r} finished its function {t:.2f}s into the run"
-                            + (f"; the last phase it reported was {last!r}" if last else "")
-                            + "; the waiting ranks' stacks show the collective it never entered.",
-                            phase=last,
-                            seconds=t,
-                        )
-                    )
-        pool._kill()  # ranks stuck in a collective cannot be reused: start afresh next run
-        self._attach_outputs()
-        raise self._failure()
+            raise self.failure()
+        return prove_clean(self)
 
     # ------------------------------------------------------------------ the fence
 
-    def _fence(self) -> list[Any]:
-        """Every rank returned: prove the group clean before the next run may reuse it.
-
-        Operations a rank started and left in flight fail the run (they would be matched by
-        the next run's operations, or hang it). Operation counts that differ between the
-        members of a group, with nothing tracked in flight, are legitimate (an uneven
-        point-to-point pattern, a halo exchange with edge ranks) or untracked: either way
-        the next run gets a fresh group. Equal counts: one fence collective with the run id
-        and a short deadline, then the group is kept.
-        """
-        everyone = range(self.n)
-        if any(in_flight for in_flight, _ in self.fences.values()):
-            # In flight at return: an isend may only complete once its peer, returning
-            # later, has received it. Ask again, now that every rank has returned.
-            self.fences.clear()
-            self._send_all("fence")
-            self._await(self.fences, FENCE_GRACE + FENCE_MARGIN)
-        pending = {r: f[0] for r, f in self.fences.items() if f[0]}
-        if pending:
-            for r, ops in sorted(pending.items()):
-                more = f" (and {len(ops) - 1} more)" if len(ops) > 1 else ""
-                self.problems.append(
-                    RankProblem(
-                        r,
-                        "pending",
-                        f"{ops[0]}{more} never completed",
-                        "\n".join(ops),
-                        seconds=self.returned_at.get(r),
-                    )
-                )
-            self._release_all(keep=False)
-            raise self._failure()
-        keep = _consistent(self.fences[r][1] for r in everyone)
-        self._release_all(keep=keep, verify=keep)
-        if keep:
-            self._await(self.releases, VERIFY_TIMEOUT + FENCE_MARGIN)
-            bad = {r: d for r, (ok, d) in self.releases.items() if not ok}
-            if bad:
-                for r, detail in sorted(bad.items()):
-                    self.problems.append(
-                        RankProblem(
-                            r, "pending", "the process group was left out of step: " + detail
-                        )
-                    )
-                raise self._failure()
-        self.pool._group_ok = keep
-        self._attach_outputs()
-        return [self.results[r] for r in everyone]
-
-    def _await(self, answers: dict[int, Any], seconds: float) -> None:
+    def await_answers(self, answers: dict[int, Any], seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while len(answers) < self.n and time.monotonic() < deadline and not self.crashed:
             self.poll(set(range(self.n)) - set(answers), deadline - time.monotonic())
@@ -324,14 +228,14 @@ class Run:
                     "an operation left in flight?)",
                 )
             self.pool._kill()
-            raise self._failure()
+            raise self.failure()
 
-    def _send_all(self, event: str, **fields: Any) -> None:
+    def send_all(self, event: str, **fields: Any) -> None:
         for conn in self.pool._conns:
             with contextlib.suppress(OSError):
                 send(conn, event, run_id=self.run_id, **fields)
 
-    def _release_all(self, *, keep: bool, verify: bool = False) -> None:
+    def release_all(self, *, keep: bool, verify: bool = False) -> None:
         """Every rank that answered waits for this, error or not."""
         for r, conn in enumerate(self.pool._conns):
             if r in self.returned_at:
@@ -340,15 +244,111 @@ class Run:
 
     # ------------------------------------------------------------------ the verdict
 
-    def _attach_outputs(self) -> None:
+    def attach_outputs(self) -> None:
         outputs = [self.pool._read_log(r, self.offsets[r]) for r in range(self.n)]
         self.pool.last_outputs = outputs
         for p in self.problems:
             p.output = outputs[p.rank]
 
-    def _failure(self) -> Exception:
-        self._attach_outputs()
+    def failure(self) -> Exception:
+        self.attach_outputs()
         return failure_from(self.problems, self.n, self.timeout)
+
+
+def name_the_stuck(run: Run, *, deadlock: bool = False) -> NoReturn:
+    """Ranks still running at the deadline, deadlocked, or left after another failed:
+    name everyone."""
+    pool = run.pool
+    stuck = sorted(run.pending)
+    stacks = pool._dump_stacks(stuck)
+    waited = time.monotonic() - run.t0
+    kind = "deadlock" if deadlock else "stopped" if run.problems else "timeout"
+    for r in stuck:
+        if kind == "deadlock":
+            where = run.watch.blocked[r][1][1]
+            why = (
+                f"waiting inside torch.distributed for {run.watch.window:g}s with no "
+                f"operation completing on any of its groups ({waited:.1f}s into the run; "
+                f"at {where})"
+            )
+            stack = run.watch.stacks.get(r) or stacks.get(r, "")
+        elif kind == "timeout":
+            why = f"still running after {waited:.1f}s (timeout {run.timeout:g}s)"
+        else:
+            why = "still running after another rank failed (waiting in a collective?)"
+        if kind != "deadlock":
+            stack = stacks.get(r, "")
+        run.fail(r, kind, why, stack or "(no stack collected)")
+    if kind in ("timeout", "deadlock"):
+        for r in sorted(run.returned_at, key=run.returned_at.__getitem__):
+            if r in run.results:
+                t = run.returned_at[r]
+                last = run.progress.get(r, ("", None))[0]
+                run.problems.append(
+                    RankProblem(
+                        r,
+                        "returned",
+                        f"returned without error after {t:.2f}s while rank(s) "
+                        f"{', '.join(map(str, stuck))} still waited: the likely culprit "
+                        "(did it skip a collective the others entered?)",
+                        f"rank {r} finished its function {t:.2f}s into the run"
+                        + (f"; the last phase it reported was {last!r}" if last else "")
+                        + "; the waiting ranks' stacks show the collective it never entered.",
+                        phase=last,
+                        seconds=t,
+                    )
+                )
+    pool._kill()  # ranks stuck in a collective cannot be reused: start afresh next run
+    run.attach_outputs()
+    raise run.failure()
+
+
+def prove_clean(run: Run) -> list[Any]:
+    """Every rank returned: prove the group clean before the next run may reuse it.
+
+    Operations a rank started and left in flight fail the run (they would be matched by
+    the next run's operations, or hang it). Operation counts that differ between the
+    members of a group, with nothing tracked in flight, are legitimate (an uneven
+    point-to-point pattern, a halo exchange with edge ranks) or untracked: either way
+    the next run gets a fresh group. Equal counts: one fence collective with the run id
+    and a short deadline, then the group is kept.
+    """
+    everyone = range(run.n)
+    if any(in_flight for in_flight, _ in run.fences.values()):
+        # In flight at return: an isend may only complete once its peer, returning
+        # later, has received it. Ask again, now that every rank has returned.
+        run.fences.clear()
+        run.send_all("fence")
+        run.await_answers(run.fences, FENCE_GRACE + FENCE_MARGIN)
+    pending = {r: f[0] for r, f in run.fences.items() if f[0]}
+    if pending:
+        for r, ops in sorted(pending.items()):
+            more = f" (and {len(ops) - 1} more)" if len(ops) > 1 else ""
+            run.problems.append(
+                RankProblem(
+                    r,
+                    "pending",
+                    f"{ops[0]}{more} never completed",
+                    "\n".join(ops),
+                    seconds=run.returned_at.get(r),
+                )
+            )
+        run.release_all(keep=False)
+        raise run.failure()
+    keep = _consistent(run.fences[r][1] for r in everyone)
+    run.release_all(keep=keep, verify=keep)
+    if keep:
+        run.await_answers(run.releases, VERIFY_TIMEOUT + FENCE_MARGIN)
+        bad = {r: d for r, (ok, d) in run.releases.items() if not ok}
+        if bad:
+            for r, detail in sorted(bad.items()):
+                run.problems.append(
+                    RankProblem(r, "pending", "the process group was left out of step: " + detail)
+                )
+            raise run.failure()
+    run.pool._group_ok = keep
+    run.attach_outputs()
+    return [run.results[r] for r in everyone]
 
 
 def _consistent(reports: Iterable[dict[str, Any]]) -> bool:

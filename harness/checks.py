@@ -428,6 +428,29 @@ def _replicated_field(
     return found
 
 
+@dataclass
+class _Assembly:
+    """One data group's shards, checked and ready to be placed: the field's layout, the
+    positions each rank claims, and the (rank, positions, values) that can be placed."""
+
+    name: str
+    step: int
+    ref: torch.Tensor
+    dim: int
+    size: int
+    grid: tuple[int, int] | None
+    unit: str
+    found: list[Mismatch] = field(default_factory=list)
+    claims: list[np.ndarray] = field(default_factory=list)
+    placed: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def refuse(self, quantity: str, rank: int | None, where: str, hint: str = "") -> None:
+        self.found.append(Mismatch(quantity, self.name, self.step, rank, where=where, hint=hint))
+
+    def position(self, pos: int) -> str:
+        return position_text(pos, self.grid, self.unit)
+
+
 def assemble_field(
     judge: Judge,
     name: str,
@@ -442,79 +465,83 @@ def assemble_field(
     shard's shape; then the values of the reassembled field.
     """
     grid = next((f.grid for f in shards if f.grid), None)
-    unit = shards[0].unit
     if grid is not None and tuple(ref.shape[-2:]) == tuple(grid):
         ref = ref.reshape(*ref.shape[:-2], -1)
-    found: list[Mismatch] = []
-
-    def refuse(quantity: str, rank: int | None, where: str, hint: str = "") -> None:
-        found.append(Mismatch(quantity, name, step, rank, where=where, hint=hint))
-
     dims = {(f.dim or 0) % max(ref.dim(), 1) for f in shards if f.sharded}
+    dim = next(iter(dims), 0)
+    job = _Assembly(name, step, ref, dim, ref.shape[dim] if ref.dim() else 1, grid, shards[0].unit)
     if len(dims) > 1:
-        refuse(
+        job.refuse(
             "field",
             None,
             f"ranks shard along different dims {sorted(dims)}; every rank must shard the same dim",
         )
-        return found, None
-    dim = next(iter(dims), 0)
-    size = ref.shape[dim] if ref.dim() else 1
-
-    placed: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (rank, positions, values)
-    claims: list[np.ndarray] = []
+        return job.found, None
     for k, f in enumerate(shards):
-        rank = first + k
-        if not f.sharded:
-            refuse(
-                "field",
-                rank,
-                f"a plain tensor of shape {tuple(f.values.shape)} where other ranks return a Shard",
-                SHARD_HINT,
-            )
-            claims.append(np.zeros(0, dtype=np.int64))
-            continue
-        idx = f.positions(size)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= size):
-            refuse(
-                "coverage",
-                rank,
-                f"index out of range [0, {size}): {int(idx.min())}..{int(idx.max())}",
-            )
-            claims.append(np.zeros(0, dtype=np.int64))
-            continue
-        claims.append(idx.numpy())
-        expected_shape = list(ref.shape)
-        if ref.dim():
-            expected_shape[dim] = idx.numel()
-        if list(f.values.shape) != expected_shape or f.values.dtype != ref.dtype:
-            refuse(
-                "field",
-                rank,
-                f"shard {f.values.dtype} {tuple(f.values.shape)} where the reference gives "
-                f"{ref.dtype} {tuple(expected_shape)} for its {idx.numel()} positions",
-                shard_shape_hint(f.values.shape, idx.numel(), ref.dim()),
-            )
-            continue
-        placed.append((rank, idx, f.values))
-    own = ownership(claims, size)
+        _claim(job, first + k, f)
+    own = ownership(job.claims, job.size)
     if not own.complete:
-        found.append(
+        job.found.append(
             Mismatch(
                 "coverage",
                 name,
                 step,
                 None,
                 count=len(own.missing) + len(own.doubled),
-                total=size,
-                where=own.describe(lambda p: position_text(p, grid, unit)),
+                total=job.size,
+                where=own.describe(job.position),
             )
         )
-    if found:
-        return found, None
+    if job.found:
+        return job.found, None
+    return _compare_assembled(judge, job, first)
+
+
+def _claim(job: _Assembly, rank: int, f: FieldRecord) -> None:
+    """Check one rank's shard: a Shard, positions in range, values of the right shape."""
+    nothing = np.zeros(0, dtype=np.int64)
+    if not f.sharded:
+        job.refuse(
+            "field",
+            rank,
+            f"a plain tensor of shape {tuple(f.values.shape)} where other ranks return a Shard",
+            SHARD_HINT,
+        )
+        job.claims.append(nothing)
+        return
+    idx = f.positions(job.size)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= job.size):
+        job.refuse(
+            "coverage",
+            rank,
+            f"index out of range [0, {job.size}): {int(idx.min())}..{int(idx.max())}",
+        )
+        job.claims.append(nothing)
+        return
+    job.claims.append(idx.numpy())
+    expected = list(job.ref.shape)
+    if job.ref.dim():
+        expected[job.dim] = idx.numel()
+    if list(f.values.shape) != expected or f.values.dtype != job.ref.dtype:
+        job.refuse(
+            "field",
+            rank,
+            f"shard {f.values.dtype} {tuple(f.values.shape)} where the reference gives "
+            f"{job.ref.dtype} {tuple(expected)} for its {idx.numel()} positions",
+            shard_shape_hint(f.values.shape, idx.numel(), job.ref.dim()),
+        )
+        return
+    job.placed.append((rank, idx, f.values))
+
+
+def _compare_assembled(
+    judge: Judge, job: _Assembly, first: int
+) -> tuple[list[Mismatch], FieldError | None]:
+    """Place every shard in one tensor and compare it with the reference's part."""
+    ref, dim, size = job.ref, job.dim, job.size
     out = torch.zeros_like(ref)
     owners = torch.full((size,), -1, dtype=torch.long)
-    for rank, idx, values in placed:
+    for rank, idx, values in job.placed:
         out.index_copy_(dim, idx, values) if ref.dim() else out.copy_(values.reshape(()))
         owners[idx] = rank
 
@@ -523,9 +550,9 @@ def assemble_field(
         pos = int(coords[dim])
         others = [int(c) for i, c in enumerate(coords) if i != dim]
         lead = f"[{', '.join(map(str, others))}] " if others else ""
-        return f"{lead}{position_text(pos, grid, unit)} on rank {int(owners[pos])}"
+        return f"{lead}{job.position(pos)} on rank {int(owners[pos])}"
 
-    m = judge.numeric("field", name, step, None, out, ref, where if ref.dim() else None)
+    m = judge.numeric("field", job.name, job.step, None, out, ref, where if ref.dim() else None)
     if m is None:
         return [], None
     err = (out - ref).abs().to(torch.float64)
@@ -534,11 +561,11 @@ def assemble_field(
         err = err.movedim(dim, -1).reshape(-1, size).amax(0)
         mag = mag.movedim(dim, -1).reshape(-1, size).amax(0)
     bound = judge.tolerance.field
-    where_hint = boundary_hint(err, owners, bound.atol + bound.rtol * mag, grid, unit)
+    where_hint = boundary_hint(err, owners, bound.atol + bound.rtol * mag, job.grid, job.unit)
     if where_hint:
         m.hint = where_hint
     group = first // judge.layout.spatial_size
-    return [m], FieldError(name, step, group, err, owners, grid, unit)
+    return [m], FieldError(job.name, job.step, group, err, owners, job.grid, job.unit)
 
 
 # ---------------------------------------------------------------------- parameters, buffers

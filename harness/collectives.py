@@ -375,6 +375,31 @@ def halo_exchange(
 POLES = ("zeros", "edge")
 
 
+def _padded_sources(
+    partition: LatLonPartition, q: int, width: int, pole: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each padded position of rank ``q`` (row-major): the owner rank, the owner-local
+    flat index (-1: no source, a zero), and whether it lies on the globe at all."""
+    nlon = partition.nlon
+    lats, lons = partition.slices(q)
+    rows = np.arange(lats.start - width, lats.stop + width)
+    cols = np.arange(lons.start - width, lons.stop + width) % nlon
+    if pole == "edge":
+        rows = np.clip(rows, 0, partition.nlat - 1)
+    lat, lon = np.meshgrid(rows, cols, indexing="ij")
+    lat, lon = lat.ravel(), lon.ravel()
+    valid = (lat >= 0) & (lat < partition.nlat)
+    owner = np.full(lat.shape, -1, dtype=np.int64)
+    local = np.full(lat.shape, -1, dtype=np.int64)
+    for r in range(partition.ranks):
+        (r_lats, r_lons), (_, r_nlon) = partition.slices(r), partition.shape(r)
+        mine = valid & (lat >= r_lats.start) & (lat < r_lats.stop)
+        mine &= (lon >= r_lons.start) & (lon < r_lons.stop)
+        owner[mine] = r
+        local[mine] = (lat[mine] - r_lats.start) * r_nlon + (lon[mine] - r_lons.start)
+    return owner, local, valid
+
+
 @functools.lru_cache(maxsize=32)
 def _grid_halo_plan(
     partition: LatLonPartition, rank: int, width: int, pole: str
@@ -388,30 +413,7 @@ def _grid_halo_plan(
     Longitudes wrap around the globe; latitudes beyond a pole are zeros (``pole="zeros"``)
     or the pole row repeated (``pole="edge"``).
     """
-    nlon = partition.nlon
-
-    def sources(q: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For each padded position of rank q (row-major): owner rank, owner-local flat
-        index (-1: no source, a zero), and whether it lies outside q's own block."""
-        lats, lons = partition.slices(q)
-        rows = np.arange(lats.start - width, lats.stop + width)
-        cols = np.arange(lons.start - width, lons.stop + width) % nlon
-        if pole == "edge":
-            rows = np.clip(rows, 0, partition.nlat - 1)
-        lat, lon = np.meshgrid(rows, cols, indexing="ij")
-        lat, lon = lat.ravel(), lon.ravel()
-        valid = (lat >= 0) & (lat < partition.nlat)
-        owner = np.full(lat.shape, -1, dtype=np.int64)
-        local = np.full(lat.shape, -1, dtype=np.int64)
-        for r in range(partition.ranks):
-            (r_lats, r_lons), (_, r_nlon) = partition.slices(r), partition.shape(r)
-            mine = valid & (lat >= r_lats.start) & (lat < r_lats.stop)
-            mine &= (lon >= r_lons.start) & (lon < r_lons.stop)
-            owner[mine] = r
-            local[mine] = (lat[mine] - r_lats.start) * r_nlon + (lon[mine] - r_lons.start)
-        return owner, local, valid
-
-    own_owner, own_local, own_valid = sources(rank)
+    own_owner, own_local, own_valid = _padded_sources(partition, rank, width, pole)
     positions = np.arange(own_owner.size)
     local_dst = positions[own_owner == rank]
     local_src = own_local[own_owner == rank]
@@ -427,7 +429,7 @@ def _grid_halo_plan(
         if q == rank:
             send_splits.append(0)
             continue
-        owner, local, _ = sources(q)
+        owner, local, _ = _padded_sources(partition, q, width, pole)
         chunk = local[owner == rank]
         sends.append(chunk)
         send_splits.append(len(chunk))

@@ -416,26 +416,32 @@ def check_equivalence(
         dtype=str(dtype).replace("torch.", ""),
         tolerance=tol,
         reference=reference.flat(),
+        latitudes=None if case.latitudes is None else [float(v) for v in case.latitudes],
     )
     try:
         records = pool.run(_rank_entry, case, spatial_size, steps, lr, seed, timeout=timeout)
     except RankFailure as failure:
         report.mismatches = failure_mismatches(failure, case.label)
+        report.likely = _culprit(failure)
         report.partition = _layout(case.describe(None), s, ranks // s)
-        report.seconds = time.perf_counter() - t0
-        return report
-    report.partition = _layout(records[0].describe, s, ranks // s)
-    found = compare_runs(reference, records, tol, spatial_size=s, allow_nonfinite=allow)
-    report.mismatches, report.stats, report.field_errors = (
-        found.mismatches,
-        found.stats,
-        found.field_errors,
-    )
-    report.likely = found.likely
-    if case.latitudes is not None:
-        report.latitudes = [float(v) for v in case.latitudes]
+    else:
+        report.partition = _layout(records[0].describe, s, ranks // s)
+        found = compare_runs(reference, records, tol, spatial_size=s, allow_nonfinite=allow)
+        report.mismatches, report.stats = found.mismatches, found.stats
+        report.field_errors, report.likely = found.field_errors, found.likely
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _culprit(failure: RankFailure) -> str:
+    """For a hang: the ranks that returned while the others waited are the likely cause."""
+    if failure.returned:
+        ranks = ", ".join(map(str, failure.returned))
+        return (
+            f"rank {ranks} returned while the others waited in a collective: it skipped "
+            "one they entered (an empty domain that skips a reduction or a gather?)"
+        )
+    return ""
 
 
 def failure_mismatches(failure: RankFailure, label: str) -> list[Mismatch]:

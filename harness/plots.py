@@ -119,6 +119,8 @@ def plot_latlon_error(
     (degrees, one per row) puts north at the top whichever way the rows run and labels the
     axis in degrees; without them row 0 is drawn at the top and the axis says so.
     """
+    # Long on purpose: one figure drawn top to bottom (image, boundaries, labels, worst
+    # cell, axes); split up, its layout decisions would be scattered over helpers.
     values = np.abs(np.asarray(error, dtype=np.float64))
     lats, lons = _sizes("lat_sizes", lat_sizes), _sizes("lon_sizes", lon_sizes)
     nlat, nlon = sum(lats), sum(lons)
@@ -219,6 +221,7 @@ def plot_healpix_error(
     boundaries between ranks drawn and each rank labelled; right: the owning rank per cell.
     Non-finite differences are drawn in green.
     """
+    # Long on purpose: one figure, two panels, drawn top to bottom (see plot_latlon_error).
     import healpy as hp
     from healpy.projector import MollweideProj
 

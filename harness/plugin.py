@@ -42,6 +42,7 @@ _EQUIV_PROP = "harness_equivalence"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    # Long on purpose: declarations only, one per option, in the order --help shows them.
     group = parser.getgroup("harness", "spatial equivalence (harness)")
     group.addoption(
         "--spatial-ranks",

@@ -317,25 +317,13 @@ class RankPool:
 
     # ------------------------------------------------------------------ diagnostics
 
-    def _log_path(self, rank: int, what: str = "out") -> str:
-        assert self._workdir is not None
-        return os.path.join(self._workdir, f"rank{rank}.{what}")
-
-    def _log_size(self, rank: int) -> int:
-        return _size(self._log_path(rank))
+    @property
+    def logs(self) -> RankLogs:
+        assert self._workdir is not None, "the pool is not started"
+        return RankLogs(self._workdir)
 
     def _read_log(self, rank: int, offset: int, what: str = "out") -> str:
-        if self._workdir is None:
-            return ""
-        try:
-            with open(self._log_path(rank, what), "rb") as f:
-                f.seek(offset)
-                return f.read().decode("utf-8", "replace")
-        except OSError:
-            return ""
-
-    def _crash_log(self, rank: int) -> str:
-        return self._read_log(rank, 0, "crash").strip()
+        return self.logs.read(rank, offset, what) if self._workdir else ""
 
     def _probe(self, ranks: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
         """Ask each rank's probe thread where its main thread is and how many operations its
@@ -359,19 +347,48 @@ class RankPool:
         return answers
 
     def _dump_stacks(self, ranks: Sequence[int]) -> dict[int, str]:
-        """Ask each rank for its Python stack (faulthandler on SIGUSR1) and read them back."""
-        before = {r: _size(self._log_path(r, "stack")) for r in ranks}
-        for r in ranks:
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(self._procs[r].pid, signal.SIGUSR1)
+        return self.logs.stacks({r: self._procs[r].pid for r in ranks})
+
+
+class RankLogs:
+    """What the ranks of a pool write to its directory: output, crash traces, stacks."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+
+    def path(self, rank: int, what: str = "out") -> str:
+        return os.path.join(self.workdir, f"rank{rank}.{what}")
+
+    def size(self, rank: int, what: str = "out") -> int:
+        return _size(self.path(rank, what))
+
+    def read(self, rank: int, offset: int = 0, what: str = "out") -> str:
+        try:
+            with open(self.path(rank, what), "rb") as f:
+                f.seek(offset)
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def crash(self, rank: int) -> str:
+        """faulthandler's trace of a rank that died of a signal."""
+        return self.read(rank, 0, "crash").strip()
+
+    def stacks(self, pids: dict[int, int | None]) -> dict[int, str]:
+        """Ask each rank (rank -> pid) for its Python stack (faulthandler on SIGUSR1) and
+        read them back."""
+        before = {r: self.size(r, "stack") for r in pids}
+        for pid in pids.values():
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                os.kill(pid, signal.SIGUSR1)  # type: ignore[arg-type]
         stacks: dict[int, str] = {}
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and len(stacks) < len(ranks):
+        while time.monotonic() < deadline and len(stacks) < len(pids):
             time.sleep(0.05)
-            for r in ranks:
-                if r not in stacks and _size(self._log_path(r, "stack")) > before[r]:
+            for r in pids:
+                if r not in stacks and self.size(r, "stack") > before[r]:
                     time.sleep(0.05)  # let faulthandler finish writing every thread
-                    stacks[r] = self._read_log(r, before[r], "stack")
+                    stacks[r] = self.read(r, before[r], "stack")
         return {r: _clean_stack(s) for r, s in stacks.items()}
 
 

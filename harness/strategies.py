@@ -256,32 +256,8 @@ def observation_sets(
     min_points = _int("min_points", min_points, 0)
     max_points = _int("max_points", max_points, 0)
     channels = _int("channels", channels, 1)
-    if min_points > max_points:
-        raise InvalidArgument(f"min_points={min_points} > max_points={max_points}; swapped?")
+    owning = _owning_ranks(nside, min_points, max_points, partition, allow_empty_ranks)
     npix = 12 * nside * nside
-    owning: list[int] = []
-    if partition is not None:
-        if not isinstance(partition, CellPartition):
-            raise InvalidArgument(
-                f"partition must be a CellPartition, got {type(partition).__name__}; to draw "
-                "one per example use st.data() or .flatmap on cell_partitions(...)"
-            )
-        if partition.nside != nside:
-            raise InvalidArgument(
-                f"partition.nside={partition.nside} but nside={nside}; pass the same nside"
-            )
-        owning = [r for r in range(partition.ranks) if partition.sizes[r]]
-    if not allow_empty_ranks:
-        if partition is None:
-            raise InvalidArgument(
-                "allow_empty_ranks=False needs partition=...: which ranks exist depends on "
-                "the partition"
-            )
-        if max_points < len(owning):
-            raise InvalidArgument(
-                f"allow_empty_ranks=False gives each of the {len(owning)} ranks that own cells "
-                f"a point, but max_points={max_points}; raise max_points to {len(owning)}"
-            )
     depth = min(_DEPTH, 29 - (nside.bit_length() - 1))
     children = 4**depth
     value = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False)
@@ -322,6 +298,42 @@ def observation_sets(
         return _observations(nside, depth, drawn, channels)
 
     return draw_set()
+
+
+def _owning_ranks(
+    nside: int,
+    min_points: int,
+    max_points: int,
+    partition: CellPartition | None,
+    allow_empty_ranks: bool,
+) -> list[int]:
+    """Check ``observation_sets``' arguments together; the partition's ranks that own cells."""
+    if min_points > max_points:
+        raise InvalidArgument(f"min_points={min_points} > max_points={max_points}; swapped?")
+    owning: list[int] = []
+    if partition is not None:
+        if not isinstance(partition, CellPartition):
+            raise InvalidArgument(
+                f"partition must be a CellPartition, got {type(partition).__name__}; to draw "
+                "one per example use st.data() or .flatmap on cell_partitions(...)"
+            )
+        if partition.nside != nside:
+            raise InvalidArgument(
+                f"partition.nside={partition.nside} but nside={nside}; pass the same nside"
+            )
+        owning = [r for r in range(partition.ranks) if partition.sizes[r]]
+    if not allow_empty_ranks:
+        if partition is None:
+            raise InvalidArgument(
+                "allow_empty_ranks=False needs partition=...: which ranks exist depends on "
+                "the partition"
+            )
+        if max_points < len(owning):
+            raise InvalidArgument(
+                f"allow_empty_ranks=False gives each of the {len(owning)} ranks that own cells "
+                f"a point, but max_points={max_points}; raise max_points to {len(owning)}"
+            )
+    return owning
 
 
 def _observations(nside: int, depth: int, drawn: list[Any], channels: int) -> ObservationSet:
