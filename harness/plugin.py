@@ -365,10 +365,9 @@ class HarnessSession:
         tr = terminalreporter
         if self.equivalences:
             tr.write_sep("=", "spatial equivalence")
-            # in test order, whichever xdist worker ran which test; as wide as the terminal
+            # in test order, whichever xdist worker ran which test
             rows = sorted(self.equivalences, key=lambda r: (r.get("test", ""), r["case"]))
-            width = max(100, getattr(getattr(tr, "_tw", None), "fullwidth", 100))
-            for line in equivalence_table(rows, width=width):
+            for line in equivalence_table(rows):
                 tr.write_line(line)
         counts: dict[str, int] = {}
         for status in self.golden_status.values():

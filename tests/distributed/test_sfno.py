@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +18,21 @@ from harness.strategies import latlon_partitions
 
 def train_once(config: SFNOConfig, partitioned: bool, dtype: torch.dtype, batch_size: int = 2):
     """One train_on_batch + backward from fixed seeds; everything this rank sees, detached."""
+    with default_dtype(dtype):  # also called in the test process: leave its dtype alone
+        return _train_once(config, partitioned, batch_size)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _train_once(config: SFNOConfig, partitioned: bool, batch_size: int):
     topo = Topology.create() if partitioned else Topology.single()
     torch.manual_seed(0)
     model = SFNOStepper(config, topo)
@@ -81,7 +97,11 @@ def test_partitioned_model_matches_the_reference_in_loss_grads_and_fields(
 
 def sht_tables_after_optimizer_steps(config: SFNOConfig, partitioned: bool, steps: int):
     """Whether the Legendre tables keep their values and versions over ``steps`` train steps."""
-    torch.set_default_dtype(torch.float64)
+    with default_dtype(torch.float64):
+        return _sht_tables_after_optimizer_steps(config, partitioned, steps)
+
+
+def _sht_tables_after_optimizer_steps(config: SFNOConfig, partitioned: bool, steps: int):
     topo = Topology.create() if partitioned else Topology.single()
     torch.manual_seed(0)
     model = SFNOStepper(config, topo)
