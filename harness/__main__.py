@@ -4,11 +4,15 @@
     harness-check --ranks 4 -k sfno    # only the layouts and faults whose label has "sfno"
     harness-check --only faults        # only the fault matrix
     harness-check --update-goldens     # (re)record the goldens of the passing checks
+    harness-check --model fme          # verify an installed real model instead (fme, anemoi)
 
 Each built-in stepper runs as the single-process reference and partitioned on a warm pool
 of gloo ranks; a line per check as it goes, then a table of the worst relative error per
 quantity, golden status and verdict. Then every fault of the catalogue (FAULTS.md) is
 injected in turn, to show that each is caught.
+
+With ``--model fme`` or ``--model anemoi`` the layouts come from ``harness.contrib.<model>``:
+the installed model's own distributed code path against its own single-process path.
 
 Exit codes: 0 every check passed (goldens that were never recorded for this rank count are
 said, not failed); 1 a layout mismatched, a golden differs, or a fault went uncaught;
@@ -18,6 +22,7 @@ said, not failed); 1 a layout mismatched, a golden differs, or a fault went unca
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -50,17 +55,42 @@ class Config:
         return self.make(**{**self.kwargs, **extra})
 
 
-def configs(ranks: int) -> list[Config]:
-    """The checks the main job runs on ``ranks`` ranks."""
-    from harness.steppers.catalogue import main_configs
+#: ``--model`` choices: where their layouts (``main_configs``) and faults come from.
+MODELS = {
+    "builtin": "harness.steppers.catalogue",
+    "fme": "harness.contrib.fme",
+    "anemoi": "harness.contrib.anemoi",
+}
 
+
+def _source(model: str) -> Any:
+    """The module that lists ``model``'s checks; a clear error when the model is missing."""
+    try:
+        module = importlib.import_module(MODELS[model])
+        require = getattr(module, "require", None)
+        if require is not None:
+            require()  # imports the model itself
+    except ImportError as exc:
+        raise ConfigError(
+            f"the {model} model is not installed here ({exc}); install it first, then the "
+            f"harness beside it: pip install 'pytest-spatial-harness[{model}]'"
+        ) from exc
+    return module
+
+
+def configs(ranks: int, model: str = "builtin") -> list[Config]:
+    """The checks the main job runs on ``ranks`` ranks."""
+    main_configs = _source(model).main_configs
     return [Config(label, make, kw, s) for label, make, kw, s in main_configs(ranks)]
 
 
-def fault_configs(ranks: int) -> Iterator[tuple[str, Config, str, set[str]]]:
+def fault_configs(
+    ranks: int, model: str = "builtin"
+) -> Iterator[tuple[str, Config, str, set[str]]]:
     """(stepper, config, fault id, quantities FAULTS.md says catch it)."""
-    from harness.steppers.catalogue import fault_matrix
-
+    fault_matrix = getattr(_source(model), "fault_matrix", None)
+    if fault_matrix is None:
+        return
     for stepper, make, kw, s, fault, expected in fault_matrix(ranks):
         yield stepper, Config(stepper, make, kw, s), fault, expected
 
@@ -73,6 +103,13 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 all passed; 1 a check failed; 2 bad arguments.",
     )
     parser.add_argument("--ranks", type=int, default=4, help="rank processes (default 4)")
+    parser.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        default="builtin",
+        help="what to verify: the built-in steppers (default), or an installed real model "
+        "through harness.contrib (needs pip install 'pytest-spatial-harness[fme]' or [anemoi])",
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="per-run timeout, s")
     parser.add_argument(
         "-k",
@@ -123,15 +160,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         parser.error(f"--ranks {args.ranks}: {exc}")
     only = "layouts" if args.no_faults else args.only
+    try:
+        source = _source(args.model)
+    except ConfigError as exc:
+        parser.error(f"--model {args.model}: {exc}")
     registry = PoolRegistry(
-        default_ranks=args.ranks, timeout=args.timeout, start_method="forkserver"
+        default_ranks=args.ranks,
+        timeout=args.timeout,
+        start_method="forkserver",
+        # a real model's imports (seconds) happen once in the fork server, not in every run
+        preload=getattr(source, "PRELOAD", ()),
     )
     failures: list[str] = []
     t0 = time.perf_counter()
     try:
+        what = "the built-in steppers" if args.model == "builtin" else f"{args.model}"
         print(
-            f"harness: checking the built-in steppers on {args.ranks} ranks (gloo, CPU) "
-            "against their single-process references",
+            f"harness: checking {what} on {args.ranks} ranks (gloo, CPU) "
+            "against the single-process reference",
             flush=True,
         )
         if only != "faults":
@@ -154,10 +200,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _layouts(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
-    chosen = [c for c in configs(args.ranks) if _selected(c.label, args.select)]
+    chosen = [c for c in configs(args.ranks, args.model) if _selected(c.label, args.select)]
     if not chosen:
         print(f"\nno layout matches -k {args.select!r}")
         return []
+    # goldens pin the built-in steppers; a real model's numbers belong to its own repository
+    goldens = args.model == "builtin"
     store = GoldenStore(Path(args.golden_dir), update=args.update_goldens)
     for path in store.sweep():
         print(f"removed {path}: the temporary file of an interrupted golden write")
@@ -177,7 +225,7 @@ def _layouts(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
         )
         row = report.summary_row()
         row["case"] = cfg.label
-        golden = _golden(store, cfg, report, args.ranks) if report.reference else None
+        golden = _golden(store, cfg, report, args.ranks) if report.reference and goldens else None
         row["golden"] = _golden_word(golden)
         verdict = "equivalent" if report.ok else "MISMATCH: " + ",".join(row["problems"])
         print(
@@ -237,10 +285,13 @@ def _first_reason(report: EquivalenceReport) -> str:
 
 
 def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
-    from harness.steppers.catalogue import skipped_faults
-
-    matrix = [f for f in fault_configs(args.ranks) if _selected(f"{f[0]}:{f[2]}", args.select)]
+    skipped_faults = getattr(_source(args.model), "skipped_faults", lambda ranks: [])
+    matrix = [
+        f for f in fault_configs(args.ranks, args.model) if _selected(f"{f[0]}:{f[2]}", args.select)
+    ]
     skipped = [s for s in skipped_faults(args.ranks) if _selected(f"{s[0]}:{s[1]}", args.select)]
+    if not matrix and not skipped:
+        return []
     print(
         f"\nInjected faults ({len(matrix)}): each must make the check fail with an expected "
         "quantity",
