@@ -285,7 +285,9 @@ def _first_reason(report: EquivalenceReport) -> str:
 
 
 def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
-    skipped_faults = getattr(_source(args.model), "skipped_faults", lambda ranks: [])
+    skipped_faults: Callable[[int], list[tuple[str, str, str]]] = getattr(
+        _source(args.model), "skipped_faults", lambda ranks: []
+    )
     matrix = [
         f for f in fault_configs(args.ranks, args.model) if _selected(f"{f[0]}:{f[2]}", args.select)
     ]

@@ -117,9 +117,10 @@ def _sht_tables_after_optimizer_steps(config: SFNOConfig, partitioned: bool, ste
 
 
 @pytest.mark.parametrize("partitioned", [False, True], ids=["reference", "h2w2"])
-def test_a_train_step_leaves_the_sht_legendre_tables_untouched(spatial, partitioned):
+def test_a_train_step_leaves_the_sht_legendre_tables_untouched(request, partitioned):
     config = SFNOConfig(nlat=12, nlon=20, h=2, w=2, embed=4)
-    if partitioned:
+    if partitioned:  # only this variant uses the ranks (else: SpatialUnusedWarning, rightly)
+        spatial = request.getfixturevalue("spatial")
         results = spatial.run(sht_tables_after_optimizer_steps, config, True, 2, ranks=4)
     else:
         results = [sht_tables_after_optimizer_steps(config, False, 2)]

@@ -133,3 +133,18 @@ def test_a_failing_row_says_why_and_the_exit_code_is_1(tmp_path):
         "  coupled-mlp: its golden differs (g/coupled-mlp-r2.pt); if the change is intended, "
         "run with --update-goldens"
     ) in proc.stdout
+
+
+def test_a_real_model_that_is_not_installed_is_a_usage_error_naming_the_extra(tmp_path):
+    for model, package in (("fme", "fme"), ("anemoi", "anemoi")):
+        # sys.modules[name] = None makes `import name` fail, installed or not
+        code = (
+            f"import sys; sys.modules[{package!r}] = None; from harness.__main__ import main; "
+            f"sys.exit(main(['--model', {model!r}]))"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"--model {model}: the {model} model is not installed here" in proc.stderr
+        assert f"pip install 'pytest-spatial-harness[{model}]'" in proc.stderr
