@@ -270,8 +270,22 @@ def use_uneven_transposes() -> None:
     from torch_harmonics.distributed import primitives
 
     version = tuple(int(p) for p in torch_harmonics.__version__.split(".")[:2] if p.isdigit())
-    if version < (0, 9) and getattr(primitives, "_transpose", None) is not None:
+    original = getattr(primitives, "_transpose", None)
+    if version < (0, 9) and original is not None and original is not _transpose_uneven:
+        _ORIGINAL_TRANSPOSE[:] = [original]
         primitives._transpose = _transpose_uneven
+
+
+_ORIGINAL_TRANSPOSE: list[Any] = []
+
+
+def restore_transposes() -> None:
+    """Undo ``use_uneven_transposes`` (a no-op if it was not applied): a model that brings
+    its own answer to gloo's uneven all_to_all (fme's ``patch_gloo_alltoall``) must be
+    tested on it, not on the harness's."""
+    primitives = sys.modules.get("torch_harmonics.distributed.primitives")
+    if primitives is not None and _ORIGINAL_TRANSPOSE:
+        primitives._transpose = _ORIGINAL_TRANSPOSE.pop()
 
 
 def _transpose_uneven(

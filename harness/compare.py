@@ -219,8 +219,8 @@ def compare_tensors(
     if not (a.is_floating_point() or a.is_complex()):
         return _compare_exact(a, e)
     finite = torch.isfinite(a) & torch.isfinite(e)
-    diff = torch.where(finite, (a - e).abs(), torch.zeros((), dtype=torch.float64))
-    mag = torch.where(finite, e.abs(), torch.zeros((), dtype=torch.float64))
+    diff = torch.where(finite, (a - e).abs(), 0.0)
+    mag = torch.where(finite, e.abs(), 0.0)
     allowed = bound.atol + bound.rtol * mag
     nonfinite = ~finite
     if allow_nonfinite:
@@ -228,10 +228,11 @@ def compare_tensors(
     over = (finite & (diff > allowed)) | nonfinite
     # Relative error is meaningless for entries that cancel to ~0 (their rounding is relative
     # to the terms summed, not to the result): those are judged by atol alone and left out.
-    # (``mag > 0`` rather than a clamp: a clamp at the smallest normal number would shrink
-    # the relative error of subnormal references.)
-    judged = (diff > 0) & (mag > bound.atol) & (mag > 0)
-    rel = torch.where(judged, diff / torch.where(mag > 0, mag, 1.0), torch.zeros_like(diff))
+    # (``mag > atol >= 0`` rather than a clamp: a clamp at the smallest normal number would
+    # shrink the relative error of subnormal references. The 1.0 only keeps the positions
+    # left out from dividing by zero; any positive number would do.)
+    judged = mag > bound.atol
+    rel = torch.where(judged, diff / torch.where(judged, mag, 1.0), 0.0)
     excess = torch.where(nonfinite, torch.full_like(diff, math.inf), diff - allowed)
     bad_nonfinite = int(nonfinite.sum())
     return Difference(
@@ -286,9 +287,7 @@ def _unlike(expected: torch.Tensor, problem: str) -> Difference:
 
 def nonfinite_counts(t: torch.Tensor) -> tuple[int, int, int | None]:
     """(NaN count, inf count, flat index of the first non-finite element or None)."""
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-        return 0, 0, None
-    flat = _flat(t)
+    flat = _flat(t)  # integers and bools: isnan and isinf are all False
     nan = torch.isnan(flat)
     inf = torch.isinf(flat)
     bad = nan | inf
@@ -311,12 +310,9 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def bits_differ(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many elements of two same-shaped tensors differ in their bits."""
-    x, y = _bits(a), _bits(b)
-    if a.element_size() > 1:
-        x = x.reshape(a.numel(), -1)
-        y = y.reshape(b.numel(), -1)
-        return int((x != y).any(dim=1).sum())
-    return int((x != y).sum())
+    x = _bits(a).reshape(a.numel(), a.element_size())  # a row of bytes per element
+    y = _bits(b).reshape(b.numel(), b.element_size())
+    return int((x != y).any(dim=1).sum())
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -489,7 +485,8 @@ class EquivalenceReport:
         layout = f"spatial {self.spatial_size}"
         if self.partition and self.partition != layout:
             layout += f", {self.partition}"
-        head = f"{self.case} on {self.ranks} ranks ({layout}), {self.steps} steps, {self.dtype}: "
+        steps = f"{self.steps} step" + ("" if self.steps == 1 else "s")
+        head = f"{self.case} on {self.ranks} ranks ({layout}), {steps}, {self.dtype}: "
         if self.ok:
             worst = ", ".join(
                 f"{q} {self.worst(q):.1e}" for q in NUMERIC if self.worst(q) is not None
@@ -566,7 +563,7 @@ def format_table(
     >>> format_table(("a", "bb"), [("xyz", "1")])
     ['a    bb', '---  --', 'xyz  1']
     """
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(header)]
     if free_last:
         widths[-1] = len(header[-1])
 

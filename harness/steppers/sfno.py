@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from harness._compat import use_uneven_transposes
+from harness._compat import restore_transposes, use_uneven_transposes
 from harness.collectives import apply, reduce_gradient, reduce_loss, spatial_sum, sync_gradients
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
@@ -543,6 +543,9 @@ class SFNOCase(SpatialCase):
             rollout = stepper.predict(batch["state"][:, 0], self.rollout)
             fields["rollout"] = stepper.shard(rollout)
         return Outputs(out.loss, fields)
+
+    def teardown(self, model: nn.Module | None, topo: Topology) -> None:
+        restore_transposes()  # the next test's model may bring its own gloo transposes
 
     def describe(self, topo: Topology | None = None) -> str:
         cfg = self.config

@@ -254,3 +254,20 @@ def test_the_reference_run_still_matches_its_golden(spatial, kwargs):
     # is compared with the reference in the same call (regenerate: --update-goldens)
     # small sizes keep each golden file ~100 kB
     spatial.check(SFNOCase(nlat=12, nlon=20, embed=4, **kwargs), golden=True, ranks=4)
+
+
+def transpose_in_use() -> str:
+    from torch_harmonics.distributed import primitives
+
+    fn = getattr(primitives, "_transpose", None)  # torch-harmonics 0.8 (0.9 has its own)
+    return f"{fn.__module__}.{fn.__name__}" if fn else "-"
+
+
+def test_the_harness_transposes_are_undone_after_each_run(spatial):
+    # A warm rank serves the next test, whose model (fme) may bring its own gloo transposes:
+    # it must find torch-harmonics as installed, not with the harness's patch left in.
+    before = spatial.run(transpose_in_use, ranks=4)
+    report = spatial.check(SFNOCase(nlat=12, nlon=20, embed=4, h=1, w=4), ranks=4)
+    assert report.ok, report
+    assert spatial.run(transpose_in_use, ranks=4) == before
+    assert not any(name.startswith("harness") for name in before)

@@ -7,12 +7,15 @@ implements it fails here (the mutation tox env checks that it does).
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 from harness.compare import (
+    REMEDIES,
     Bound,
+    Difference,
     EquivalenceReport,
     Mismatch,
     QuantityStats,
@@ -290,6 +293,72 @@ def test_scale_hint_names_a_factor_of_the_group_size():
     assert scale_hint(t(NAN, 1.0, 1.0), e, 4) == ""
 
 
+E3 = (1.0, -2.0, 3.0)
+ZEROS = (
+    "all zeros on this rank: is the parameter out of the graph, or its gradient never synchronised?"
+)
+EE = 14.0  # sum of squares of E3: the hint's residual is relative to it
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "size", "hint"),
+    [
+        ((4.0, -8.0, 12.0), E3, 4, "exactly 4x the reference: a reduction counted 4 times"),
+        ((0.25, -0.5, 0.75), E3, 4, "exactly 1/4 of the reference: averaged where it should sum"),
+        ((2.0, -4.0, 6.0), E3, 2, "exactly 2x the reference: a reduction counted 2 times"),
+        # inside the 1e-3 relative window around the factor, and just outside it
+        (
+            (4.0039, -8.0078, 12.0117),
+            E3,
+            4,
+            "exactly 4x the reference: a reduction counted 4 times",
+        ),
+        ((4.0041, -8.0082, 12.0123), E3, 4, ""),
+        (
+            (0.25024, -0.50048, 0.75072),
+            E3,
+            4,
+            "exactly 1/4 of the reference: averaged where it should sum",
+        ),
+        ((0.25026, -0.50052, 0.75078), E3, 4, ""),
+        # a residual of 0.9e-6 of |e|^2 is still a pure factor; 1.1e-6 is not
+        (
+            (4.0 + (0.9e-6 * EE) ** 0.5, -8.0, 12.0),
+            E3,
+            4,
+            "exactly 4x the reference: a reduction counted 4 times",
+        ),
+        ((4.0 + (1.1e-6 * EE) ** 0.5, -8.0, 12.0), E3, 4, ""),
+        ((3.0, -6.0, 9.0), E3, 4, ""),  # another factor: no telltale
+        ((4.0, -8.0, 12.0), E3, 1, ""),  # one rank: no group to blame
+        (
+            (0.0, 0.0, 0.0),
+            E3,
+            4,
+            ZEROS,
+        ),
+        (
+            (0.0, 0.0, 0.0),
+            E3,
+            1,
+            ZEROS,
+        ),
+        (E3, (0.0, 0.0, 0.0), 4, ""),  # nothing to scale
+        ((NAN, 1.0, 1.0), E3, 4, ""),
+        (E3, (1.0, INF, 1.0), 4, ""),
+        ((4.0, -8.0), (*E3[:2], 1.0), 4, ""),  # shapes differ
+    ],
+)
+def test_scale_hint_names_only_an_exact_factor_of_the_group_size(actual, expected, size, hint):
+    assert scale_hint(t(*actual), t(*expected), size) == hint
+
+
+def test_scale_hint_sees_a_factor_in_complex_values():
+    e = torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex128)
+    assert scale_hint(4 * e, e, 4) == "exactly 4x the reference: a reduction counted 4 times"
+    assert scale_hint(1j * e, e, 4) == ""  # a rotation is no factor
+
+
 # ---------------------------------------------------------------- texts
 
 
@@ -420,3 +489,314 @@ def test_stats_keep_the_worst_and_ignore_nan():
     ):
         s.add(d)
     assert (s.compared, s.max_abs, s.max_rel) == (3, 0.5, 0.5)
+
+
+# ---------------------------------------------------------------- the rendered report
+# The rendered text is what a user reads in a failing CI log: pinned whole, line by line.
+
+
+def _stats(**worst: float) -> dict[str, QuantityStats]:
+    stats = {q: QuantityStats() for q in ("loss", "grad", "field", "param")}
+    for q, rel in worst.items():
+        stats[q].compared, stats[q].max_rel = 1, rel
+    return stats
+
+
+def _failed_report(mismatches: list[Mismatch], **kwargs) -> EquivalenceReport:
+    return EquivalenceReport(
+        "sfno",
+        4,
+        4,
+        "spatial 4",
+        1,
+        "float32",
+        Tolerance.for_dtype(torch.float32),
+        mismatches=mismatches,
+        **kwargs,
+    )
+
+
+def test_an_ok_report_is_one_line_with_its_layout_and_worst_errors():
+    report = EquivalenceReport(
+        "sfno",
+        4,
+        2,
+        "lat [8, 8] x lon [32]",
+        2,
+        "float64",
+        None,
+        stats=_stats(loss=1e-15, grad=2.5e-13),
+    )
+    assert (
+        str(report)
+        == repr(report)
+        == (
+            "sfno on 4 ranks (spatial 2, lat [8, 8] x lon [32]), 2 steps, float64: equivalent "
+            "to the reference (worst relative error: loss 1.0e-15, grad 2.5e-13)"
+        )
+    )
+    # a partition text that only repeats the layout is not said twice; one step is singular
+    same = EquivalenceReport("c", 2, 2, "spatial 2", 1, "float64", None, stats=_stats(field=0.0))
+    assert str(same) == (
+        "c on 2 ranks (spatial 2), 1 step, float64: equivalent to the reference "
+        "(worst relative error: field 0.0e+00)"
+    )
+
+
+def test_a_failed_report_reads_first_likely_table_details_tolerance_remedies():
+    report = _failed_report(
+        [
+            Mismatch("grad", "w", 0, 1, 0.1, 0.2, "(0,)", 1, 4, hint="sum it", detail="a\nb\n"),
+            Mismatch("grad", "w", 0, 2, 0.3, 0.4, "(1,)", 2, 4),
+            Mismatch("crash", "case", None, 3, where="killed by SIGKILL", phase="build"),
+        ],
+        likely="a halo",
+    )
+    assert str(report).splitlines() == [
+        "sfno on 4 ranks (spatial 4), 1 step, float32: 3 mismatch(es) with the reference",
+        "First: rank 1: grad 'w' at step 0: max abs 0.1, max rel 0.2, 1/4 over tolerance, "
+        "worst at (0,)",
+        "Likely cause: a halo",
+        "",
+        "quantity  name  step   rank  max abs   max rel   over tol  worst at",
+        "--------  ----  -----  ----  --------  --------  --------  --------",
+        "grad      w     0      1,2   3.00e-01  4.00e-01  2/4       (1,) (rank 2)",
+        "crash     case  build  3     -         -         -         killed by SIGKILL",
+        "",
+        "rank 1: grad 'w' at step 0: max abs 0.1, max rel 0.2, 1/4 over tolerance, worst at (0,)",
+        "  -> sum it",
+        "  a",
+        "  b",
+        "",
+        "Tolerance: loss rtol 1e-05 atol 1e-07; grad rtol 0.0001 atol 1e-06; "
+        "field rtol 1e-05 atol 3e-06; param rtol 1e-05 atol 1e-06",
+        "What to do:",
+        f"  grad: {REMEDIES['grad']}",
+        f"  crash: {REMEDIES['crash']}",
+    ]
+
+
+def test_a_long_report_is_cut_to_42_table_rows_6_details_and_40_detail_lines():
+    many = [
+        Mismatch("field", f"f{i:02d}", 0, 0, 1.0, 1.0, "(0,)", 1, 1, detail="x") for i in range(50)
+    ]
+    many[0].detail = "\n".join(f"line {i}" for i in range(45))
+    lines = str(_failed_report(many)).splitlines()
+    assert lines[2:4] == ["", "quantity  name  step  rank  max abs   max rel   over tol  worst at"]
+    assert lines[44].startswith("field     f39 ")  # 2 header lines + 40 of the 50 rows
+    assert lines[45] == "... and 10 more rows"
+    details = [i for i, line in enumerate(lines) if line.startswith("rank 0: field 'f")]
+    assert len(details) == 6
+    assert lines[details[0] + 1 : details[1]] == [f"  line {i}" for i in range(5, 45)] + [""]
+
+
+def test_a_report_without_tolerance_or_likely_cause_leaves_those_lines_out():
+    report = _failed_report([Mismatch("loss", "loss", 0, None, 1.0, 0.5)])
+    report.tolerance = None
+    assert str(report).splitlines() == [
+        "sfno on 4 ranks (spatial 4), 1 step, float32: 1 mismatch(es) with the reference",
+        "First: all ranks: loss 'loss' at step 0: max abs 1, max rel 0.5",
+        "",
+        "quantity  name  step  rank  max abs   max rel   over tol  worst at",
+        "--------  ----  ----  ----  --------  --------  --------  --------",
+        "loss      loss  0     all   1.00e+00  5.00e-01  -         -",
+        "",
+        "What to do:",
+        f"  loss: {REMEDIES['loss']}",
+    ]
+
+
+def test_the_summary_row_is_every_column_of_the_table():
+    report = _failed_report(
+        [Mismatch("grad", "w", 0, 1, 1.0, 1.0), Mismatch("batch", "x", 0, 1)],
+        stats=_stats(grad=0.5),
+        seconds=1.23456,
+    )
+    assert report.summary_row() == {
+        "case": "sfno",
+        "ranks": 4,
+        "spatial": 4,
+        "partition": "spatial 4",
+        "dtype": "float32",
+        "worst": {"loss": None, "grad": 0.5, "field": None, "param": None},
+        "ok": False,
+        "problems": ["batch", "grad"],
+        "seconds": 1.23,
+    }
+
+
+def _rows() -> list[dict]:
+    ok = EquivalenceReport(
+        "sfno",
+        4,
+        2,
+        "lat [8, 8] x lon [32]",
+        2,
+        "float64",
+        None,
+        stats=_stats(loss=1e-15, grad=2.5e-13),
+    ).summary_row()
+    bad = {
+        **_failed_report([Mismatch("crash", "c", 0, 1), Mismatch("grad", "w", 0, 1)]).summary_row()
+    }
+    return [ok, {**bad, "golden": "passed"}]
+
+
+def test_the_equivalence_table_has_a_line_per_check():
+    assert equivalence_table(_rows()) == [
+        "worst relative error per quantity, partitioned vs reference:",
+        "case  ranks  partition              dtype    loss     grad     field  param  golden  "
+        "verdict",
+        "----  -----  ---------------------  -------  -------  -------  -----  -----  ------  "
+        "--------------------",
+        "sfno  4      lat [8, 8] x lon [32]  float64  1.0e-15  2.5e-13  -      -      -       "
+        "equivalent",
+        "sfno  4      spatial 4              float32  -        -        -      -      passed  "
+        "MISMATCH: crash,grad",
+    ]
+    assert equivalence_table([]) == [
+        "worst relative error per quantity, partitioned vs reference:",
+        "case  ranks  partition  dtype  loss  grad  field  param  golden  verdict",
+        "----  -----  ---------  -----  ----  ----  -----  -----  ------  -------",
+    ]
+
+
+def test_a_width_shortens_only_the_partition_and_only_as_much_as_needed():
+    full = equivalence_table(_rows())
+    longest = max(map(len, full))
+    fitted = equivalence_table(_rows(), width=longest - 4)
+    assert max(map(len, fitted)) == longest - 4
+    assert re.split(r"\s{2,}", fitted[3])[2] == "lat [8, 8] x l..."  # 21 -> 17 characters
+    assert equivalence_table(_rows(), width=longest) == full
+    # never below 12 characters, even when the line cannot fit
+    assert re.split(r"\s{2,}", equivalence_table(_rows(), width=10)[3])[2] == "lat [8, 8..."
+    assert [
+        re.split(r"\s{2,}", line)[:2] for line in equivalence_table(_rows(), show_ranks=False)[1:]
+    ] == [
+        ["case", "partition"],
+        ["----", "---------------------"],
+        ["sfno", "lat [8, 8] x lon [32]"],
+        ["sfno", "spatial 4"],
+    ]
+
+
+# ---------------------------------------------------------------- the numbers of a Difference
+
+
+def test_empty_tensors_compare_as_a_clean_difference():
+    empty = torch.zeros(0, dtype=F64)
+    assert compare_tensors(empty, empty, Bound(0, 0)) == Difference(True, 0.0, 0.0, 0, 0, None)
+
+
+def test_tensors_that_cannot_be_compared_count_every_element_as_different():
+    d = compare_tensors(t(1.0, 2.0), t(1.0, 2.0, 3.0), Bound(1, 1))
+    assert (d.ok, d.count, d.total, d.worst) == (False, 0, 3, None)
+    assert math.isnan(d.max_abs) and math.isnan(d.max_rel)
+    assert d.problem == "shape (2,) where the reference has (3,)"
+
+
+def test_the_worst_element_is_the_one_furthest_over_its_own_bound():
+    # element 0 differs most (0.5) but its bound is 1.0; element 1 differs by 0.4 over 0.01
+    d = compare_tensors(t(100.5, 1.4), t(100.0, 1.0), Bound(rtol=0.01, atol=0.0))
+    assert (d.worst, d.count, d.max_abs) == (1, 1, 0.5)
+
+
+def test_a_reference_exactly_at_atol_is_left_out_of_the_relative_error():
+    d = compare_tensors(t(0.25 + 2**-10), t(0.25), Bound(rtol=0.0, atol=0.25))
+    assert (d.max_abs, d.max_rel) == (2**-10, 0.0)
+    d = compare_tensors(t(0.5 + 2**-10), t(0.5), Bound(rtol=0.0, atol=0.25))
+    assert d.max_rel == 2**-10 / 0.5
+
+
+@pytest.mark.parametrize(
+    ("dtype", "big"),
+    [(torch.float16, 60000.0), (torch.float32, 3e38), (torch.complex64, 3e38)],
+)
+def test_differences_are_taken_in_double_precision_so_they_cannot_overflow(dtype, big):
+    # big - (-big) overflows in the tensors' own dtype; the comparison must not see an inf
+    d = compare_tensors(
+        torch.tensor([big], dtype=dtype), torch.tensor([-big], dtype=dtype), Bound(0, 0)
+    )
+    expected = float(torch.tensor(big, dtype=dtype).real.double()) * 2
+    assert (d.max_abs, d.nonfinite, d.count) == (expected, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "max_abs", "max_rel", "count"),
+    [
+        ((5, 1), (3, 1), 2.0, 2 / 3, 1),
+        ((3, 1), (3, 1), 0.0, 0.0, 0),
+        ((3, 0), (1, 0), 2.0, 2.0, 1),  # |reference| < 1: relative to 1, not to a tiny number
+        ((1, 10), (0, 4), 6.0, 1.5, 2),
+    ],
+)
+def test_integers_report_their_differences(actual, expected, max_abs, max_rel, count):
+    d = compare_tensors(torch.tensor(actual), torch.tensor(expected), Bound(0, 0))
+    assert (d.ok, d.max_abs, d.max_rel, d.count, d.total) == (
+        count == 0,
+        max_abs,
+        max_rel,
+        count,
+        2,
+    )
+
+
+def test_allowed_complex_nonfinite_values_are_matched_per_position():
+    a = torch.tensor([complex(NAN, 1), 1 + 1j, 2 + 2j], dtype=torch.complex128)
+    e = torch.tensor([complex(NAN, 1), 1 + 1j, 2 + 3j], dtype=torch.complex128)
+    d = compare_tensors(a, e, Bound(0, 0), allow_nonfinite=True)
+    assert (d.count, d.nonfinite, d.worst) == (1, 0, 2)
+
+
+def test_bits_differ_counts_elements_not_bytes():
+    a = t(1.0, 2.0, 3.0)
+    b = t(1.0, -2.0, math.nextafter(3.0, 4.0))
+    assert bits_differ(a, b) == 2
+    assert bits_differ(a, a.clone()) == 0
+    assert (
+        bits_differ(
+            torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([1, 0, 0], dtype=torch.uint8)
+        )
+        == 2
+    )
+
+
+def test_a_scale_of_one_on_a_single_rank_is_no_hint():
+    assert scale_hint(t(*E3), t(*E3), 1) == ""
+
+
+# ---------------------------------------------------------------- edges of the rendering
+
+
+def test_a_table_of_exactly_40_rows_is_shown_whole():
+    rows = [Mismatch("field", f"f{i:02d}", 0, 0, 1.0, 1.0, "(0,)", 1, 1) for i in range(40)]
+    lines = str(_failed_report(rows)).splitlines()
+    assert lines[44].startswith("field     f39 ") and lines[45] == ""
+
+
+def test_a_detail_keeps_its_indentation():
+    m = Mismatch("error", "case", 0, 1, where="ValueError", detail='  File "m.py"\nValueError\n')
+    assert str(_failed_report([m])).splitlines()[7:10] == [
+        "rank 1: error 'case' at step 0: ValueError",
+        '    File "m.py"',
+        "  ValueError",
+    ]
+
+
+def test_a_failure_without_a_summary_has_no_dangling_colon():
+    assert (
+        Mismatch("crash", "case", 0, 1, phase="build").headline() == "rank 1: crash 'case' in build"
+    )
+
+
+def test_ranks_tied_for_the_worst_keep_the_first_and_a_rank_in_the_position_is_not_repeated():
+    rows = mismatch_table(
+        [
+            Mismatch("grad", "w", 0, 1, 0.5, 0.5, "(0,)", 1, 4),
+            Mismatch("grad", "w", 0, 2, 0.5, 0.5, "(1,)", 1, 4),
+            Mismatch("field", "y", 0, 1, 0.5, 0.5, "(3,) of rank 1", 1, 4),
+            Mismatch("field", "y", 0, 2, 0.1, 0.5, "(0,) of rank 2", 1, 4),
+        ]
+    )
+    assert rows[2].endswith("(0,) (rank 1)")
+    assert rows[3].endswith("(3,) of rank 1")
