@@ -285,7 +285,7 @@ def restore_transposes() -> None:
     tested on it, not on the harness's."""
     primitives = sys.modules.get("torch_harmonics.distributed.primitives")
     if primitives is not None and _ORIGINAL_TRANSPOSE:
-        primitives._transpose = _ORIGINAL_TRANSPOSE.pop()
+        setattr(primitives, "_transpose", _ORIGINAL_TRANSPOSE.pop())  # noqa: B010
 
 
 def _transpose_uneven(
