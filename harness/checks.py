@@ -212,7 +212,11 @@ def _shard_position(f: FieldRecord) -> Callable[[int], str] | None:
         coords = np.unravel_index(flat, tuple(values.shape))
         local = int(coords[dim])
         index = f.index
-        pos = int(index[local]) if isinstance(index, torch.Tensor) else None
+        pos: int | None = None
+        if isinstance(index, torch.Tensor):
+            pos = int(index[local])
+        elif isinstance(index, slice) and (index.start or 0) >= 0 and (index.step or 1) > 0:
+            pos = (index.start or 0) + local * (index.step or 1)  # no size needed
         others = [int(c) for i, c in enumerate(coords) if i != dim]
         lead = f"[{', '.join(map(str, others))}] " if others else ""
         if pos is None:

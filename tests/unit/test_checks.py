@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from harness.checks import (
+    BATCH_HINT,
     SHARD_HINT,
     Judge,
     Layout,
+    check_buffers,
     check_fields,
+    check_grads,
+    check_init,
+    check_loss,
+    check_nonfinite_init,
+    check_nonfinite_step,
     check_params,
     compare_runs,
     two_values,
@@ -348,3 +356,443 @@ def test_a_buffer_mutated_only_on_the_ranks_is_named():
     ]
     same = compare_runs(run(step(mutated=["m"])), [run(step(mutated=["m"]))], TOL, spatial_size=1)
     assert same.mismatches == []
+
+
+# ---------------------------------------------------------------- whole records
+# A Mismatch is what a user reads: every field of it is pinned for one case of each rule.
+
+SEED_HINT = (
+    "differs from the reference right after build: seed the initialisation identically on "
+    "every rank (the harness seeds torch, numpy and random before build; a generator of your "
+    "own is not)."
+)
+NONE_HINT = "a rank whose domain is empty must still run every module, giving zeros, not None"
+TWICE = "exactly 2x the reference: a reduction counted 2 times"
+
+
+def rec(m):
+    """Every field of a Mismatch, NaN as None (NaN != NaN would hide equal records)."""
+    return tuple(
+        None if isinstance(v, float) and math.isnan(v) else v for v in dataclasses.astuple(m)
+    )
+
+
+def recs(found):
+    return [rec(m) for m in found]
+
+
+def _w(*values):
+    return torch.tensor(values, dtype=F64)
+
+
+def test_initial_parameters_records():
+    ref = run(init={"w": _w(0.0, 1.0), "gone": _w(0.0)})
+    ranks = [
+        run(init={"w": _w(0.0, 1.5), "extra": _w(0.0), "gone": _w(0.0)}),
+        run(init={"w": _w(0.0, 1.0, 2.0)}),
+    ]
+    assert recs(check_init(ref, ranks, TOL)) == [
+        ("param", "w", None, 0, 0.5, 0.5, "initial value", 1, 2, "", SEED_HINT, "", "", ""),
+        (
+            "param",
+            "extra",
+            None,
+            0,
+            None,
+            None,
+            "parameter not in the reference model",
+            0,
+            0,
+            "",
+            "",
+            "",
+            "",
+            "",
+        ),
+        (
+            "param",
+            "w",
+            None,
+            1,
+            None,
+            None,
+            "shape (3,) where the reference has (2,)",
+            0,
+            2,
+            "",
+            SEED_HINT,
+            "",
+            "",
+            "",
+        ),
+        (
+            "param",
+            "gone",
+            None,
+            1,
+            None,
+            None,
+            "reference parameter missing on this rank",
+            0,
+            0,
+            "",
+            "",
+            "",
+            "",
+            "",
+        ),
+    ]
+
+
+def test_loss_records_co_rank_then_data_group_mean():
+    steps = [step(loss=1.0), step(loss=1.25), step(loss=3.0), step(loss=3.0)]
+    assert recs(check_loss(judge(4, 2), 3, step(loss=1.0), steps)) == [
+        (
+            "loss",
+            "loss (vs spatial rank 0)",
+            3,
+            1,
+            0.25,
+            0.25,
+            "1.25 vs reference 1",
+            1,
+            1,
+            "",
+            "",
+            "",
+            "",
+            "",
+        ),
+        (
+            "loss",
+            "loss (mean over data groups)",
+            3,
+            None,
+            1.0,
+            1.0,
+            "2 vs reference 1",
+            1,
+            1,
+            "",
+            TWICE,
+            "",
+            "",
+            "",
+        ),
+    ]
+    assert recs(check_loss(judge(2, 2), 1, step(loss=1.0), [step(loss=2.0)] * 2)) == [
+        ("loss", "loss", 1, r, 1.0, 1.0, "2 vs reference 1", 1, 1, "", TWICE, "", "", "")
+        for r in (0, 1)
+    ]
+
+
+def test_data_groups_with_losses_of_different_shapes():
+    steps = [step(), step(), step(), step()]
+    steps[2].loss = steps[3].loss = torch.zeros(2, dtype=F64)
+    assert recs(check_loss(judge(4, 2), 0, step(), steps)) == [
+        (
+            "loss",
+            "loss",
+            0,
+            None,
+            None,
+            None,
+            "the data groups' losses differ in shape",
+            0,
+            0,
+            "",
+            "",
+            "",
+            "",
+            "",
+        )
+    ]
+
+
+def test_gradient_records():
+    ref, s0, s1 = step(), step(), step()
+    ref.grads = {"w": _w(1.0, 2.0), "b": None, "c": _w(1.0)}
+    s0.grads = {"w": None, "b": _w(1.0), "c": _w(1.0), "only-here": _w(1.0)}
+    s1.grads = {"w": _w(1.0, 2.5), "b": None, "c": _w(1.0)}
+    assert recs(check_grads(judge(2, 2), 2, ref, [s0, s1])) == [
+        (
+            "grad",
+            "w",
+            2,
+            0,
+            None,
+            None,
+            "no gradient (None) on this rank; the reference has one",
+            0,
+            0,
+            "",
+            NONE_HINT,
+            "",
+            "",
+            "",
+        ),
+        (
+            "grad",
+            "b",
+            2,
+            0,
+            None,
+            None,
+            "a gradient where the reference has None",
+            0,
+            0,
+            "",
+            "",
+            "",
+            "",
+            "",
+        ),
+        ("grad", "w", 2, 1, 0.5, 0.25, "(1,)", 1, 2, "", "", "", "", ""),
+    ]
+
+
+def test_nonfinite_records_name_run_quantity_and_global_position():
+    ref = step(loss=NAN, fields={"y": field([[1.0, math.inf]])})
+    rank0 = step(
+        grad=_w(NAN, 1.0),
+        params={"w": _w(1.0, -math.inf)},
+        fields={"y": field([[1.0, NAN, 2.0]], [4, 2, 0], grid=(2, 3)), "s": field(NAN)},
+    )
+    assert recs(check_nonfinite_step(5, ref, [rank0])) == [
+        (
+            "nonfinite",
+            "loss",
+            5,
+            None,
+            None,
+            None,
+            "(1 NaN)",
+            1,
+            1,
+            "",
+            "",
+            "reference",
+            "loss",
+            "",
+        ),
+        (
+            "nonfinite",
+            "y",
+            5,
+            None,
+            None,
+            None,
+            "(0, 1) (1 inf)",
+            1,
+            2,
+            "",
+            "",
+            "reference",
+            "field",
+            "",
+        ),
+        ("nonfinite", "w", 5, 0, None, None, "(0,) (1 NaN)", 1, 2, "", "", "", "grad", ""),
+        (
+            "nonfinite",
+            "y",
+            5,
+            0,
+            None,
+            None,
+            "[0] (lat 0, lon 2) (1 NaN)",
+            1,
+            3,
+            "",
+            "",
+            "",
+            "field",
+            "",
+        ),
+        ("nonfinite", "s", 5, 0, None, None, "(1 NaN)", 1, 1, "", "", "", "field", ""),
+        ("nonfinite", "w", 5, 0, None, None, "(1,) (1 inf)", 1, 2, "", "", "", "param", ""),
+    ]
+    init = check_nonfinite_init(run(init={"w": _w(NAN)}), [run(init={"v": _w(1.0, math.inf)})])
+    assert recs(init) == [
+        (
+            "nonfinite",
+            "w",
+            None,
+            None,
+            None,
+            None,
+            "(0,) (1 NaN)",
+            1,
+            1,
+            "",
+            "",
+            "reference",
+            "param",
+            "",
+        ),
+        ("nonfinite", "v", None, 0, None, None, "(1,) (1 inf)", 1, 2, "", "", "", "param", ""),
+    ]
+
+
+def test_a_nonfinite_value_in_a_shard_given_by_a_slice_names_its_global_position():
+    for index, where in [
+        (slice(2, 4), "[0] position 3 (1 NaN)"),
+        (slice(1, 5, 2), "[0] position 3 (1 NaN)"),
+        (slice(-2, None), "[0] local position 1 (1 NaN)"),  # needs the size: said as local
+    ]:
+        shard = FieldRecord(torch.tensor([[1.0, NAN]], dtype=F64), index, -1, None)
+        (m,) = check_nonfinite_step(0, step(), [step(fields={"y": shard})])
+        assert m.where == where
+
+
+def test_a_batch_the_reference_did_not_see_is_a_batch_record():
+    ref = step(fields={"y": field([[0.0, 1.0], [2.0, 3.0]])})
+    per_group = [field([[0.0], [2.0]], [0]), field([[1.0], [3.0]], [1])]
+    steps = [step(fields={"y": per_group[r % 2]}) for r in range(4)]  # 2 samples per group
+    assert recs(check_fields(judge(4, 2), 1, ref, steps)[0]) == [
+        (
+            "batch",
+            "y",
+            1,
+            None,
+            None,
+            None,
+            "the reference saw 2 samples, the 2 data groups 4 together (2, 2)",
+            0,
+            0,
+            "",
+            BATCH_HINT,
+            "",
+            "",
+            "",
+        )
+    ]
+
+
+def test_ranks_sharding_different_dims_are_refused():
+    ref = step(fields={"y": field([[0.0, 1.0], [2.0, 3.0]])})
+    steps = [
+        step(fields={"y": field([[0.0, 1.0]], [0], dim=0)}),
+        step(fields={"y": field([[1.0], [3.0]], [1], dim=1)}),
+    ]
+    assert recs(check_fields(judge(2, 2), 0, ref, steps)[0]) == [
+        (
+            "field",
+            "y",
+            0,
+            None,
+            None,
+            None,
+            "ranks shard along different dims [0, 1]; every rank must shard the same dim",
+            0,
+            0,
+            "",
+            "",
+            "",
+            "",
+            "",
+        )
+    ]
+
+
+def test_a_wrong_value_in_a_grid_field_names_lat_lon_and_owner():
+    ref = step(fields={"y": field([[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]])})
+    blocks = [([[[0.0, 1.0, 2.0]]], [0, 1, 2]), ([[[3.0, 4.0, 9.0]]], [3, 4, 5])]
+    steps = [step(fields={"y": field([v[0][0]], i, -1, (2, 3))}) for v, i in blocks]
+    found, (err,) = check_fields(judge(2, 2), 0, ref, steps)
+    assert recs(found) == [
+        ("field", "y", 0, None, 4.0, 0.8, "[0] (lat 1, lon 2) on rank 1", 1, 6, "", "", "", "", "")
+    ]
+    assert (err.name, err.step, err.data_group, err.grid, err.unit) == (
+        "y",
+        0,
+        0,
+        (2, 3),
+        "position",
+    )
+    assert err.error.tolist() == [0.0] * 5 + [4.0]
+    assert err.owners.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_sync_and_param_records():
+    a = _w(1.0, 2.0)
+    ref = step(params={"w": a.clone()})
+    found = check_params(judge(2, 2), 4, ref, [step(params={"w": a}), step(params={"w": a + 1})])
+    assert recs(found) == [
+        (
+            "sync",
+            "w",
+            4,
+            1,
+            1.0,
+            1.0,
+            "differs from spatial rank 0 (rank 0)",
+            2,
+            2,
+            "",
+            "",
+            "",
+            "",
+            "",
+        ),
+        ("param", "w", 4, 1, 1.0, 1.0, "(0,)", 2, 2, "", "", "", "", ""),
+    ]
+    found = check_params(
+        judge(2, 2), 4, ref, [step(params={"w": a}), step(params={"w": _w(1, 2, 3)})]
+    )
+    assert recs(found) == [
+        (
+            "sync",
+            "w",
+            4,
+            1,
+            None,
+            None,
+            "shape (3,) where the reference has (2,)",
+            0,
+            3,
+            "",
+            "",
+            "",
+            "",
+            "",
+        ),
+        (
+            "param",
+            "w",
+            4,
+            1,
+            None,
+            None,
+            "shape (3,) where the reference has (2,)",
+            0,
+            2,
+            "",
+            "",
+            "",
+            "",
+            "",
+        ),
+    ]
+
+
+def test_buffer_records_sorted_by_name():
+    found = check_buffers(2, step(mutated=["a"]), [step(mutated=["a", "z", "b"]), step()])
+    assert recs(found) == [
+        (
+            "buffer",
+            n,
+            2,
+            0,
+            None,
+            None,
+            "modified in place during the step; the reference's was not",
+            0,
+            0,
+            "",
+            "",
+            "",
+            "",
+            "",
+        )
+        for n in ("b", "z")
+    ]
