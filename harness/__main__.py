@@ -67,7 +67,7 @@ def _source(model: str) -> Any:
     """The module that lists ``model``'s checks; a clear error when the model is missing."""
     try:
         module = importlib.import_module(MODELS[model])
-        require = getattr(module, "require", None)
+        require = getattr(module, "require", None) or getattr(module, f"require_{model}", None)
         if require is not None:
             require()  # imports the model itself
     except ImportError as exc:

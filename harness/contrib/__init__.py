@@ -1,0 +1,1 @@
+"""Adapters that drive real models' own distributed code paths (imported lazily)."""
