@@ -265,3 +265,167 @@ def test_cell_lookups_out_of_range_say_what_is_wrong():
         cell_of(1, [100.0], [10.0])
     with pytest.raises(ConfigError, match="ranks must be an integer >= 1"):
         CellPartition.even(1, 0)
+
+
+# Each bad input gets one whole sentence: what is wrong and the fix (pinned whole).
+BAD_INPUTS = [
+    (
+        "LatLonPartition(nlat=3, nlon=8, h=4, w=1)",
+        (
+            "LatLonPartition: nlat=3 does not fit h=4 ranks: [0, 0, 0, 3] would leave ranks "
+            "without a latitude; choose h <= 3 or a grid with nlat >= 4"
+        ),
+    ),
+    (
+        "LatLonPartition(nlat=8, nlon=2, h=1, w=3)",
+        (
+            "LatLonPartition: nlon=2 does not fit w=3 ranks: [0, 0, 2] would leave ranks "
+            "without a longitude; choose w <= 2 or a grid with nlon >= 3"
+        ),
+    ),
+    (
+        "LatLonPartition(nlat=0, nlon=8)",
+        "nlat must be an integer >= 1, got 0 (int); pass a plain int",
+    ),
+    (
+        "LatLonPartition(nlat=4.0, nlon=8)",
+        "nlat must be an integer >= 1, got 4.0 (float); pass a plain int",
+    ),
+    (
+        "LatLonPartition(nlat=4, nlon=8, h=True)",
+        "h must be an integer >= 1, got True (bool); pass a plain int",
+    ),
+    (
+        "LatLonPartition(nlat=4, nlon=8, rule='nope')",
+        "unknown split rule 'nope'; use one of ('ceil', 'balanced')",
+    ),
+    (
+        "LatLonPartition(4, 4, 2, 2).slices(4)",
+        "rank 4 is not a spatial rank of this 2x2 partition; use 0 <= rank < 4",
+    ),
+    (
+        "LatLonPartition(4, 4, 2, 2).where(16)",
+        "flat index 16 is outside the 4x4 grid; use 0 <= index < 16",
+    ),
+    (
+        "LatLonPartition(4, 4, 2, 2).lat_slice(2)",
+        "polar index 2 out of range for h=2; use 0 <= p < 2",
+    ),
+    (
+        "LatLonPartition(4, 4, 2, 2).lon_slice(-1)",
+        "azimuth index -1 out of range for w=2; use 0 <= a < 2",
+    ),
+    (
+        "LatLonPartition(4, 4, 2, 2).slices(True)",
+        "rank True is not a spatial rank of this 2x2 partition; use 0 <= rank < 4",
+    ),
+    (
+        "CellPartition(3, (0, 108))",
+        (
+            "nside must be a power of two between 1 and 2**29 for NESTED HEALPix, got 3; "
+            "choose 1, 2, 4, 8, ... (nearest: 2 or 4)"
+        ),
+    ),
+    (
+        "CellPartition(0, (0, 0))",
+        (
+            "nside must be a power of two between 1 and 2**29 for NESTED HEALPix, got 0; "
+            "choose 1, 2, 4, 8, ..."
+        ),
+    ),
+    (
+        "CellPartition(1, (0, 5, 11))",
+        (
+            "CellPartition bounds must run from 0 to npix=12 (nside=1), got 0 .. 11; every "
+            "cell must be owned: start at 0 and end at 12"
+        ),
+    ),
+    (
+        "CellPartition(1, (1, 12))",
+        (
+            "CellPartition bounds must run from 0 to npix=12 (nside=1), got 1 .. 12; every "
+            "cell must be owned: start at 0 and end at 12"
+        ),
+    ),
+    (
+        "CellPartition(1, (0, 7, 5, 12))",
+        (
+            "CellPartition bounds must be non-decreasing, but rank 1's range 7:5 runs "
+            "backwards; sort the bounds (equal bounds give an empty rank)"
+        ),
+    ),
+    (
+        "CellPartition(1, (12,))",
+        (
+            "CellPartition bounds must be integers, one more than the ranks, got (12,); e.g. "
+            "(0, 6, 12) for 2 ranks, or CellPartition.even(nside, ranks)"
+        ),
+    ),
+    (
+        "CellPartition(1, (0, 2.5, 12))",
+        (
+            "CellPartition bounds must be integers, one more than the ranks, got (0, 2.5, "
+            "12); e.g. (0, 6, 12) for 2 ranks, or CellPartition.even(nside, ranks)"
+        ),
+    ),
+    (
+        "CellPartition(1, ('a', 12))",
+        (
+            "CellPartition bounds must be integers, one more than the ranks, got ('a', 12); "
+            "e.g. (0, 6, 12) for 2 ranks, or CellPartition.even(nside, ranks)"
+        ),
+    ),
+    (
+        "CellPartition.even(1, 3).cells(3)",
+        "rank 3 is not a spatial rank of this 3-rank cell partition; use 0 <= rank < 3",
+    ),
+    (
+        "CellPartition.even(1, 3).rank_of(12)",
+        (
+            "rank_of needs integer cells in [0, 12) for nside=1; got 12; are these cells of "
+            "another nside, or ring-ordered?"
+        ),
+    ),
+    (
+        "CellPartition.even(1, 3).rank_of(np.array([0, -1]))",
+        (
+            "rank_of needs integer cells in [0, 12) for nside=1; got array([ 0, -1]); are "
+            "these cells of another nside, or ring-ordered?"
+        ),
+    ),
+    (
+        "CellPartition.even(1, 3).packed_slice(np.ones(11, dtype=int), 0)",
+        (
+            "packed_slice needs one non-negative integer count per cell, shape (12,) for "
+            "nside=1; got shape (11,) of int64; use np.bincount(cells, minlength=12)"
+        ),
+    ),
+    (
+        "CellPartition.even(1, 3).packed_slice(-np.ones(12, dtype=int), 0)",
+        (
+            "packed_slice needs one non-negative integer count per cell, shape (12,) for "
+            "nside=1; got shape (12,) of int64; use np.bincount(cells, minlength=12)"
+        ),
+    ),
+    (
+        "cell_of(1, [100.0], [10.0])",
+        (
+            "cell_of needs latitudes in [-90, 90] degrees and finite longitudes; got "
+            "latitudes in [100.0, 100.0]; did you swap lat and lon?"
+        ),
+    ),
+    ("CellPartition.even(1, 0)", "ranks must be an integer >= 1, got 0 (int); pass a plain int"),
+    ("split_sizes(5, 0)", "parts must be an integer >= 1, got 0 (int); pass a plain int"),
+    ("split_sizes(-1, 2)", "size must be an integer >= 0, got -1 (int); pass a plain int"),
+    (
+        "ownership([np.array([0, 5])], 4)",
+        "rank 0 claims positions 0..5 outside [0, 4); positions are global, not local",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "message"), BAD_INPUTS, ids=[c for c, _ in BAD_INPUTS])
+def test_every_bad_input_is_refused_with_its_whole_message(call, message):
+    with pytest.raises(ConfigError) as info:
+        eval(call)  # the calls above, as a user would type them
+    assert str(info.value) == message
