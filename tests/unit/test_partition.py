@@ -14,6 +14,7 @@ from harness.partition import (
     CellPartition,
     LatLonPartition,
     cell_of,
+    ownership,
     sht_split_rule,
     split_sizes,
 )
@@ -424,8 +425,11 @@ BAD_INPUTS = [
 ]
 
 
+NAMES = {f.__name__: f for f in (LatLonPartition, CellPartition, cell_of, split_sizes, ownership)}
+
+
 @pytest.mark.parametrize(("call", "message"), BAD_INPUTS, ids=[c for c, _ in BAD_INPUTS])
 def test_every_bad_input_is_refused_with_its_whole_message(call, message):
     with pytest.raises(ConfigError) as info:
-        eval(call)  # the calls above, as a user would type them
+        eval(call, {"np": np, **NAMES})  # the calls above, as a user would type them
     assert str(info.value) == message
