@@ -96,6 +96,9 @@ class SpatialCase:
     #: non-finite values are not findings, but they must match the reference's position
     #: for position. Otherwise any NaN or inf, in the reference or on a rank, fails the check.
     expect_nonfinite: bool = False
+    #: The case's own tolerance, used when ``check_equivalence`` is given none (a model with a
+    #: known float32 step in a float64 run, say). ``None``: ``Tolerance.for_dtype``.
+    tolerance: Tolerance | None = None
 
     def build(self, topo: Topology) -> torch.nn.Module:
         raise NotImplementedError
@@ -406,7 +409,7 @@ def check_equivalence(
 
     reference = run_case(case, Topology.single(), steps, lr, seed)
     dtype = reference.steps[0].loss.dtype
-    tol = tolerance or Tolerance.for_dtype(dtype)
+    tol = tolerance or case.tolerance or Tolerance.for_dtype(dtype)
     report = EquivalenceReport(
         case=case.label,
         ranks=ranks,

@@ -8,6 +8,7 @@ through the ``pytest11`` entry point. Each hook is thin and hands off to library
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -367,7 +368,9 @@ class HarnessSession:
             tr.write_sep("=", "spatial equivalence")
             # in test order, whichever xdist worker ran which test
             rows = sorted(self.equivalences, key=lambda r: (r.get("test", ""), r["case"]))
-            for line in equivalence_table(rows):
+            # fitted to the terminal (the partition column shortened), never below 100
+            width = max(100, shutil.get_terminal_size((100, 24)).columns)
+            for line in equivalence_table(rows, width=width):
                 tr.write_line(line)
         counts: dict[str, int] = {}
         for status in self.golden_status.values():

@@ -385,6 +385,29 @@ def test_a_model_without_parameters_is_checked_on_loss_and_fields(spatial):
     assert report.worst("field") is not None and report.worst("grad") is None
 
 
+class Float32Step(NoParameters):
+    """A float64 case whose partitioned run rounds its output through float32 once."""
+
+    def forward(self, model, x, topo):
+        if topo.spatial_group is not None:
+            x = x.float().double() + 0.0
+        return super().forward(model, x, topo)
+
+
+def test_a_case_can_declare_its_own_tolerance(spatial):
+    pool = spatial.pool(4)
+    assert check_equivalence(Float32Step(), ranks=4, pool=pool).quantities == {"field", "loss"}
+    loose = Float32Step()
+    # float32 rounding: relative errors up to 2**-24 ~ 6e-8; 1e-6 leaves a margin of ~17
+    loose.tolerance = Tolerance.uniform(rtol=1e-6, atol=0.0)
+    assert check_equivalence(loose, ranks=4, pool=pool).ok
+    # a tolerance passed to check_equivalence still wins over the case's
+    strict = check_equivalence(
+        loose, ranks=4, pool=pool, tolerance=Tolerance.for_dtype(torch.float64)
+    )
+    assert not strict.ok
+
+
 SCRIPT = """
 import torch
 from harness import RankPool, check_equivalence

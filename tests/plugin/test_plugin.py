@@ -562,3 +562,21 @@ def test_spatial_plots_writes_an_error_map_per_failing_field_and_names_it(pytest
     assert any(name.startswith("test_maps.test_sfno_per_rank_noise.") for name in maps)
     for name in maps:
         assert (pytester.path / "maps" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_summary_table_fits_the_terminal_shortening_a_long_partition(pytester, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    long_describe = DOWNSTREAM.format(broken=False).replace(
+        "class Scale(SpatialCase):",
+        "class Scale(SpatialCase):\n    def describe(self, topo=None):\n        return 'x' * 150\n",
+    )
+    pytester.makepyfile(test_down=long_describe.replace("golden=True", "golden=False"))
+    result = pytester.runpytest_subprocess("--spatial-ranks=2", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    table = result.stdout.lines[
+        result.stdout.lines.index(
+            next(line for line in result.stdout.lines if line.startswith("worst relative error"))
+        ) :
+    ][:4]
+    assert len(table) == 4 and max(map(len, table)) <= 100, table
+    assert "xxx..." in table[3]

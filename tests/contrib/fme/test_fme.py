@@ -20,14 +20,9 @@ pytest.importorskip("fme", reason="fme is not installed here: tox -e fme (and .c
 from harness import check_equivalence
 from harness.contrib.fme import FmeCase, fault_matrix, main_configs, require
 from harness.errors import ConfigError
+from tests.contrib.upstream import UpstreamBug, expect_upstream
 
 RANKS = 4
-
-
-class UpstreamBug(Exception):
-    """Raised by a findings test when the report shows exactly the known upstream symptom:
-    ``xfail(raises=UpstreamBug, strict=True)`` then fails on any other failure, and on a
-    pass (the bug fixed upstream: drop the mark)."""
 
 
 def test_missing_fme_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,11 +125,12 @@ def test_global_layer_norm_under_spatial_parallelism(spatial: Any) -> None:
     report = check_equivalence(
         FmeCase(h=2, w=2, global_layer_norm=True), ranks=RANKS, pool=spatial.pool(RANKS)
     )
-    first = report.mismatches[0] if report.mismatches else None
-    if first and first.quantity == "error" and "normalized_shape" in first.where:
-        assert first.phase == "step 0 forward"
-        raise UpstreamBug(first.headline())
-    assert report.ok, report
+    expect_upstream(
+        report,
+        lambda m: (
+            m.quantity == "error" and m.phase == "step 0 forward" and "normalized_shape" in m.where
+        ),
+    )
 
 
 @pytest.mark.spatial(ranks=RANKS)
