@@ -9,8 +9,9 @@ upstream: drop the mark and keep the test as a guard).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from harness import EquivalenceReport
+from harness import EquivalenceReport, SpatialCase, check_equivalence
 from harness.compare import Mismatch
 
 
@@ -18,9 +19,33 @@ class UpstreamBug(Exception):
     """The report shows the known upstream symptom."""
 
 
-def expect_upstream(report: EquivalenceReport, symptom: Callable[[Mismatch], bool]) -> None:
-    """Raise ``UpstreamBug`` if the first mismatch is the symptom; else the check must pass."""
+Symptom = Callable[[Mismatch, EquivalenceReport], bool]
+
+
+def expect_upstream(report: EquivalenceReport, symptom: Symptom) -> None:
+    """Raise ``UpstreamBug`` if the report's first mismatch is the symptom (given the first
+    mismatch and the whole report); otherwise the check must pass."""
     first = report.mismatches[0] if report.mismatches else None
-    if first is not None and symptom(first):
+    if first is not None and symptom(first, report):
         raise UpstreamBug(first.headline())
     assert report.ok, report
+
+
+def finding(spatial: Any, case: SpatialCase, ranks: int, symptom: Symptom) -> None:
+    """Check ``case`` on ``ranks`` ranks; ``UpstreamBug`` if it shows the known symptom."""
+    report = check_equivalence(case, ranks=ranks, pool=spatial.pool(ranks))
+    expect_upstream(report, symptom)
+
+
+def assert_fault_caught(spatial: Any, fault: tuple[Any, ...], ranks: int) -> None:
+    """A ``fault_matrix`` entry: the check fails, first with one of the expected quantities."""
+    _stepper, factory, kwargs, spatial_size, fault_id, expected = fault
+    faults = (fault_id,)
+    report = check_equivalence(
+        factory(faults=faults, **kwargs),
+        ranks=ranks,
+        spatial_size=spatial_size,
+        pool=spatial.pool(ranks),
+    )
+    assert not report.ok, f"{fault_id} not caught"
+    assert report.mismatches[0].quantity in expected, str(report)

@@ -23,7 +23,7 @@ from harness.checks import (
     compare_runs,
     two_values,
 )
-from harness.compare import NUMERIC, QuantityStats, Tolerance
+from harness.compare import NUMERIC, Mismatch, QuantityStats, Tolerance
 from harness.records import FieldRecord, RunRecord, StepRecord
 
 F64 = torch.float64
@@ -371,10 +371,18 @@ TWICE = "exactly 2x the reference: a reduction counted 2 times"
 
 
 def rec(m):
-    """Every field of a Mismatch, NaN as None (NaN != NaN would hide equal records)."""
-    return tuple(
-        None if isinstance(v, float) and math.isnan(v) else v for v in dataclasses.astuple(m)
-    )
+    """A Mismatch's fields that differ from their defaults (quantity, name, step and rank
+    always), NaN as None: comparing whole records pins every field, defaults included."""
+    defaults = Mismatch("", "", None, None)
+    out = {}
+    for f in dataclasses.fields(m):
+        v = getattr(m, f.name)
+        v = None if isinstance(v, float) and math.isnan(v) else v
+        d = getattr(defaults, f.name)
+        d = None if isinstance(d, float) and math.isnan(d) else d
+        if f.name in ("quantity", "name", "step", "rank") or v != d:
+            out[f.name] = v
+    return out
 
 
 def recs(found):
@@ -392,96 +400,84 @@ def test_initial_parameters_records():
         run(init={"w": _w(0.0, 1.0, 2.0)}),
     ]
     assert recs(check_init(ref, ranks, TOL)) == [
-        ("param", "w", None, 0, 0.5, 0.5, "initial value", 1, 2, "", SEED_HINT, "", "", ""),
-        (
-            "param",
-            "extra",
-            None,
-            0,
-            None,
-            None,
-            "parameter not in the reference model",
-            0,
-            0,
-            "",
-            "",
-            "",
-            "",
-            "",
-        ),
-        (
-            "param",
-            "w",
-            None,
-            1,
-            None,
-            None,
-            "shape (3,) where the reference has (2,)",
-            0,
-            2,
-            "",
-            SEED_HINT,
-            "",
-            "",
-            "",
-        ),
-        (
-            "param",
-            "gone",
-            None,
-            1,
-            None,
-            None,
-            "reference parameter missing on this rank",
-            0,
-            0,
-            "",
-            "",
-            "",
-            "",
-            "",
-        ),
+        {
+            "quantity": "param",
+            "name": "w",
+            "step": None,
+            "rank": 0,
+            "max_abs": 0.5,
+            "max_rel": 0.5,
+            "where": "initial value",
+            "count": 1,
+            "total": 2,
+            "hint": SEED_HINT,
+        },
+        {
+            "quantity": "param",
+            "name": "extra",
+            "step": None,
+            "rank": 0,
+            "where": "parameter not in the reference model",
+        },
+        {
+            "quantity": "param",
+            "name": "w",
+            "step": None,
+            "rank": 1,
+            "where": "shape (3,) where the reference has (2,)",
+            "total": 2,
+            "hint": SEED_HINT,
+        },
+        {
+            "quantity": "param",
+            "name": "gone",
+            "step": None,
+            "rank": 1,
+            "where": "reference parameter missing on this rank",
+        },
     ]
 
 
 def test_loss_records_co_rank_then_data_group_mean():
     steps = [step(loss=1.0), step(loss=1.25), step(loss=3.0), step(loss=3.0)]
     assert recs(check_loss(judge(4, 2), 3, step(loss=1.0), steps)) == [
-        (
-            "loss",
-            "loss (vs spatial rank 0)",
-            3,
-            1,
-            0.25,
-            0.25,
-            "1.25 vs reference 1",
-            1,
-            1,
-            "",
-            "",
-            "",
-            "",
-            "",
-        ),
-        (
-            "loss",
-            "loss (mean over data groups)",
-            3,
-            None,
-            1.0,
-            1.0,
-            "2 vs reference 1",
-            1,
-            1,
-            "",
-            TWICE,
-            "",
-            "",
-            "",
-        ),
+        {
+            "quantity": "loss",
+            "name": "loss (vs spatial rank 0)",
+            "step": 3,
+            "rank": 1,
+            "max_abs": 0.25,
+            "max_rel": 0.25,
+            "where": "1.25 vs reference 1",
+            "count": 1,
+            "total": 1,
+        },
+        {
+            "quantity": "loss",
+            "name": "loss (mean over data groups)",
+            "step": 3,
+            "rank": None,
+            "max_abs": 1.0,
+            "max_rel": 1.0,
+            "where": "2 vs reference 1",
+            "count": 1,
+            "total": 1,
+            "hint": TWICE,
+        },
     ]
     assert recs(check_loss(judge(2, 2), 1, step(loss=1.0), [step(loss=2.0)] * 2)) == [
-        ("loss", "loss", 1, r, 1.0, 1.0, "2 vs reference 1", 1, 1, "", TWICE, "", "", "")
+        {
+            "quantity": "loss",
+            "name": "loss",
+            "step": 1,
+            "rank": r,
+            "max_abs": 1.0,
+            "max_rel": 1.0,
+            "where": "2 vs reference 1",
+            "count": 1,
+            "total": 1,
+            "hint": TWICE,
+        }
         for r in (0, 1)
     ]
 
@@ -490,22 +486,13 @@ def test_data_groups_with_losses_of_different_shapes():
     steps = [step(), step(), step(), step()]
     steps[2].loss = steps[3].loss = torch.zeros(2, dtype=F64)
     assert recs(check_loss(judge(4, 2), 0, step(), steps)) == [
-        (
-            "loss",
-            "loss",
-            0,
-            None,
-            None,
-            None,
-            "the data groups' losses differ in shape",
-            0,
-            0,
-            "",
-            "",
-            "",
-            "",
-            "",
-        )
+        {
+            "quantity": "loss",
+            "name": "loss",
+            "step": 0,
+            "rank": None,
+            "where": "the data groups' losses differ in shape",
+        }
     ]
 
 
@@ -515,39 +502,32 @@ def test_gradient_records():
     s0.grads = {"w": None, "b": _w(1.0), "c": _w(1.0), "only-here": _w(1.0)}
     s1.grads = {"w": _w(1.0, 2.5), "b": None, "c": _w(1.0)}
     assert recs(check_grads(judge(2, 2), 2, ref, [s0, s1])) == [
-        (
-            "grad",
-            "w",
-            2,
-            0,
-            None,
-            None,
-            "no gradient (None) on this rank; the reference has one",
-            0,
-            0,
-            "",
-            NONE_HINT,
-            "",
-            "",
-            "",
-        ),
-        (
-            "grad",
-            "b",
-            2,
-            0,
-            None,
-            None,
-            "a gradient where the reference has None",
-            0,
-            0,
-            "",
-            "",
-            "",
-            "",
-            "",
-        ),
-        ("grad", "w", 2, 1, 0.5, 0.25, "(1,)", 1, 2, "", "", "", "", ""),
+        {
+            "quantity": "grad",
+            "name": "w",
+            "step": 2,
+            "rank": 0,
+            "where": "no gradient (None) on this rank; the reference has one",
+            "hint": NONE_HINT,
+        },
+        {
+            "quantity": "grad",
+            "name": "b",
+            "step": 2,
+            "rank": 0,
+            "where": "a gradient where the reference has None",
+        },
+        {
+            "quantity": "grad",
+            "name": "w",
+            "step": 2,
+            "rank": 1,
+            "max_abs": 0.5,
+            "max_rel": 0.25,
+            "where": "(1,)",
+            "count": 1,
+            "total": 2,
+        },
     ]
 
 
@@ -559,77 +539,92 @@ def test_nonfinite_records_name_run_quantity_and_global_position():
         fields={"y": field([[1.0, NAN, 2.0]], [4, 2, 0], grid=(2, 3)), "s": field(NAN)},
     )
     assert recs(check_nonfinite_step(5, ref, [rank0])) == [
-        (
-            "nonfinite",
-            "loss",
-            5,
-            None,
-            None,
-            None,
-            "(1 NaN)",
-            1,
-            1,
-            "",
-            "",
-            "reference",
-            "loss",
-            "",
-        ),
-        (
-            "nonfinite",
-            "y",
-            5,
-            None,
-            None,
-            None,
-            "(0, 1) (1 inf)",
-            1,
-            2,
-            "",
-            "",
-            "reference",
-            "field",
-            "",
-        ),
-        ("nonfinite", "w", 5, 0, None, None, "(0,) (1 NaN)", 1, 2, "", "", "", "grad", ""),
-        (
-            "nonfinite",
-            "y",
-            5,
-            0,
-            None,
-            None,
-            "[0] (lat 0, lon 2) (1 NaN)",
-            1,
-            3,
-            "",
-            "",
-            "",
-            "field",
-            "",
-        ),
-        ("nonfinite", "s", 5, 0, None, None, "(1 NaN)", 1, 1, "", "", "", "field", ""),
-        ("nonfinite", "w", 5, 0, None, None, "(1,) (1 inf)", 1, 2, "", "", "", "param", ""),
+        {
+            "quantity": "nonfinite",
+            "name": "loss",
+            "step": 5,
+            "rank": None,
+            "where": "(1 NaN)",
+            "count": 1,
+            "total": 1,
+            "run": "reference",
+            "of": "loss",
+        },
+        {
+            "quantity": "nonfinite",
+            "name": "y",
+            "step": 5,
+            "rank": None,
+            "where": "(0, 1) (1 inf)",
+            "count": 1,
+            "total": 2,
+            "run": "reference",
+            "of": "field",
+        },
+        {
+            "quantity": "nonfinite",
+            "name": "w",
+            "step": 5,
+            "rank": 0,
+            "where": "(0,) (1 NaN)",
+            "count": 1,
+            "total": 2,
+            "of": "grad",
+        },
+        {
+            "quantity": "nonfinite",
+            "name": "y",
+            "step": 5,
+            "rank": 0,
+            "where": "[0] (lat 0, lon 2) (1 NaN)",
+            "count": 1,
+            "total": 3,
+            "of": "field",
+        },
+        {
+            "quantity": "nonfinite",
+            "name": "s",
+            "step": 5,
+            "rank": 0,
+            "where": "(1 NaN)",
+            "count": 1,
+            "total": 1,
+            "of": "field",
+        },
+        {
+            "quantity": "nonfinite",
+            "name": "w",
+            "step": 5,
+            "rank": 0,
+            "where": "(1,) (1 inf)",
+            "count": 1,
+            "total": 2,
+            "of": "param",
+        },
     ]
     init = check_nonfinite_init(run(init={"w": _w(NAN)}), [run(init={"v": _w(1.0, math.inf)})])
     assert recs(init) == [
-        (
-            "nonfinite",
-            "w",
-            None,
-            None,
-            None,
-            None,
-            "(0,) (1 NaN)",
-            1,
-            1,
-            "",
-            "",
-            "reference",
-            "param",
-            "",
-        ),
-        ("nonfinite", "v", None, 0, None, None, "(1,) (1 inf)", 1, 2, "", "", "", "param", ""),
+        {
+            "quantity": "nonfinite",
+            "name": "w",
+            "step": None,
+            "rank": None,
+            "where": "(0,) (1 NaN)",
+            "count": 1,
+            "total": 1,
+            "run": "reference",
+            "of": "param",
+        },
+        {
+            "quantity": "nonfinite",
+            "name": "v",
+            "step": None,
+            "rank": 0,
+            "where": "(1,) (1 inf)",
+            "count": 1,
+            "total": 2,
+            "of": "param",
+        },
     ]
 
 
@@ -649,22 +644,14 @@ def test_a_batch_the_reference_did_not_see_is_a_batch_record():
     per_group = [field([[0.0], [2.0]], [0]), field([[1.0], [3.0]], [1])]
     steps = [step(fields={"y": per_group[r % 2]}) for r in range(4)]  # 2 samples per group
     assert recs(check_fields(judge(4, 2), 1, ref, steps)[0]) == [
-        (
-            "batch",
-            "y",
-            1,
-            None,
-            None,
-            None,
-            "the reference saw 2 samples, the 2 data groups 4 together (2, 2)",
-            0,
-            0,
-            "",
-            BATCH_HINT,
-            "",
-            "",
-            "",
-        )
+        {
+            "quantity": "batch",
+            "name": "y",
+            "step": 1,
+            "rank": None,
+            "where": "the reference saw 2 samples, the 2 data groups 4 together (2, 2)",
+            "hint": BATCH_HINT,
+        }
     ]
 
 
@@ -675,22 +662,13 @@ def test_ranks_sharding_different_dims_are_refused():
         step(fields={"y": field([[1.0], [3.0]], [1], dim=1)}),
     ]
     assert recs(check_fields(judge(2, 2), 0, ref, steps)[0]) == [
-        (
-            "field",
-            "y",
-            0,
-            None,
-            None,
-            None,
-            "ranks shard along different dims [0, 1]; every rank must shard the same dim",
-            0,
-            0,
-            "",
-            "",
-            "",
-            "",
-            "",
-        )
+        {
+            "quantity": "field",
+            "name": "y",
+            "step": 0,
+            "rank": None,
+            "where": "ranks shard along different dims [0, 1]; every rank must shard the same dim",
+        }
     ]
 
 
@@ -700,7 +678,17 @@ def test_a_wrong_value_in_a_grid_field_names_lat_lon_and_owner():
     steps = [step(fields={"y": field([v[0][0]], i, -1, (2, 3))}) for v, i in blocks]
     found, (err,) = check_fields(judge(2, 2), 0, ref, steps)
     assert recs(found) == [
-        ("field", "y", 0, None, 4.0, 0.8, "[0] (lat 1, lon 2) on rank 1", 1, 6, "", "", "", "", "")
+        {
+            "quantity": "field",
+            "name": "y",
+            "step": 0,
+            "rank": None,
+            "max_abs": 4.0,
+            "max_rel": 0.8,
+            "where": "[0] (lat 1, lon 2) on rank 1",
+            "count": 1,
+            "total": 6,
+        }
     ]
     assert (err.name, err.step, err.data_group, err.grid, err.unit) == (
         "y",
@@ -718,81 +706,61 @@ def test_sync_and_param_records():
     ref = step(params={"w": a.clone()})
     found = check_params(judge(2, 2), 4, ref, [step(params={"w": a}), step(params={"w": a + 1})])
     assert recs(found) == [
-        (
-            "sync",
-            "w",
-            4,
-            1,
-            1.0,
-            1.0,
-            "differs from spatial rank 0 (rank 0)",
-            2,
-            2,
-            "",
-            "",
-            "",
-            "",
-            "",
-        ),
-        ("param", "w", 4, 1, 1.0, 1.0, "(0,)", 2, 2, "", "", "", "", ""),
+        {
+            "quantity": "sync",
+            "name": "w",
+            "step": 4,
+            "rank": 1,
+            "max_abs": 1.0,
+            "max_rel": 1.0,
+            "where": "differs from spatial rank 0 (rank 0)",
+            "count": 2,
+            "total": 2,
+        },
+        {
+            "quantity": "param",
+            "name": "w",
+            "step": 4,
+            "rank": 1,
+            "max_abs": 1.0,
+            "max_rel": 1.0,
+            "where": "(0,)",
+            "count": 2,
+            "total": 2,
+        },
     ]
     found = check_params(
         judge(2, 2), 4, ref, [step(params={"w": a}), step(params={"w": _w(1, 2, 3)})]
     )
     assert recs(found) == [
-        (
-            "sync",
-            "w",
-            4,
-            1,
-            None,
-            None,
-            "shape (3,) where the reference has (2,)",
-            0,
-            3,
-            "",
-            "",
-            "",
-            "",
-            "",
-        ),
-        (
-            "param",
-            "w",
-            4,
-            1,
-            None,
-            None,
-            "shape (3,) where the reference has (2,)",
-            0,
-            2,
-            "",
-            "",
-            "",
-            "",
-            "",
-        ),
+        {
+            "quantity": "sync",
+            "name": "w",
+            "step": 4,
+            "rank": 1,
+            "where": "shape (3,) where the reference has (2,)",
+            "total": 3,
+        },
+        {
+            "quantity": "param",
+            "name": "w",
+            "step": 4,
+            "rank": 1,
+            "where": "shape (3,) where the reference has (2,)",
+            "total": 2,
+        },
     ]
 
 
 def test_buffer_records_sorted_by_name():
     found = check_buffers(2, step(mutated=["a"]), [step(mutated=["a", "z", "b"]), step()])
     assert recs(found) == [
-        (
-            "buffer",
-            n,
-            2,
-            0,
-            None,
-            None,
-            "modified in place during the step; the reference's was not",
-            0,
-            0,
-            "",
-            "",
-            "",
-            "",
-            "",
-        )
+        {
+            "quantity": "buffer",
+            "name": n,
+            "step": 2,
+            "rank": 0,
+            "where": "modified in place during the step; the reference's was not",
+        }
         for n in ("b", "z")
     ]

@@ -17,10 +17,9 @@ pytest.importorskip(
     reason="anemoi-models is not installed here: tox -e anemoi (and .ci/run) runs these",
 )
 
-from harness import check_equivalence
 from harness.contrib.anemoi import AnemoiCase, fault_matrix, main_configs, require_anemoi
 from harness.errors import ConfigError
-from tests.contrib.upstream import UpstreamBug, expect_upstream
+from tests.contrib.upstream import UpstreamBug, assert_fault_caught, finding
 
 RANKS = 4
 
@@ -43,15 +42,7 @@ def test_layout_matches_reference(spatial: Any, config: Any) -> None:
 @pytest.mark.spatial(ranks=RANKS)
 @pytest.mark.parametrize("fault", list(fault_matrix(RANKS)), ids=lambda f: f[4])
 def test_fault_in_anemoi_is_caught(spatial: Any, fault: Any) -> None:
-    _stepper, factory, kwargs, spatial_size, fault_id, expected = fault
-    report = check_equivalence(
-        factory(faults=fault_id, **kwargs),
-        ranks=RANKS,
-        spatial_size=spatial_size,
-        pool=spatial.pool(RANKS),
-    )
-    assert not report.ok, f"{fault_id} not caught"
-    assert report.mismatches[0].quantity in expected, str(report)
+    assert_fault_caught(spatial, fault, RANKS)
 
 
 # ---------------------------------------------------------------------- findings (FINDINGS.md)
@@ -66,10 +57,11 @@ def test_fault_in_anemoi_is_caught(spatial: Any, fault: Any) -> None:
     "for the full-sized input: the GNN mappers fail in backward on any model group > 1",
 )
 def test_gnn_backward_on_a_model_group(spatial: Any) -> None:
-    report = check_equivalence(AnemoiCase(kind="gnn"), ranks=RANKS, pool=spatial.pool(RANKS))
-    expect_upstream(
-        report,
-        lambda m: (
+    finding(
+        spatial,
+        AnemoiCase(kind="gnn"),
+        RANKS,
+        lambda m, _: (
             m.quantity == "error"
             and m.phase == "step 0 backward"
             and "_ShardParallelSectionBackward returned an invalid gradient" in m.where
@@ -88,9 +80,8 @@ def test_gnn_backward_on_a_model_group(spatial: Any) -> None:
 def test_float64_edge_sharding_keeps_float64(spatial: Any) -> None:
     # float64 tolerances (rtol 1e-10): only reordered sums may differ
     case = AnemoiCase(kind="graphtransformer", shard_strategy="edges")
-    report = check_equivalence(case, ranks=RANKS, pool=spatial.pool(RANKS))
     # the harness's own diagnosis: errors at float32 rounding in a float64 run
-    expect_upstream(report, lambda m: m.quantity == "grad" and "float32" in report.likely)
+    finding(spatial, case, RANKS, lambda m, report: "float32" in report.likely)
 
 
 @pytest.mark.spatial(ranks=RANKS)
@@ -107,10 +98,11 @@ def test_empty_grid_shard(spatial: Any) -> None:
         grid_shards=(20, 0, 10, 10),
         dtype=torch.float32,
     )
-    report = check_equivalence(case, ranks=RANKS, pool=spatial.pool(RANKS))
-    expect_upstream(
-        report,
-        lambda m: (
+    finding(
+        spatial,
+        case,
+        RANKS,
+        lambda m, _: (
             m.quantity == "error"
             and m.rank == 1
             and m.phase == "step 0 forward"
