@@ -70,6 +70,8 @@ def _source(model: str) -> Any:
         require = getattr(module, "require", None) or getattr(module, f"require_{model}", None)
         if require is not None:
             require()  # imports the model itself
+    except ConfigError:
+        raise  # the adapter's own message names the extra
     except ImportError as exc:
         raise ConfigError(
             f"the {model} model is not installed here ({exc}); install it first, then the "
