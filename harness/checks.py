@@ -546,7 +546,10 @@ def _compare_assembled(
     out = torch.zeros_like(ref)
     owners = torch.full((size,), -1, dtype=torch.long)
     for rank, idx, values in job.placed:
-        out.index_copy_(dim, idx, values) if ref.dim() else out.copy_(values.reshape(()))
+        if ref.dim():
+            out.index_copy_(dim, idx, values)
+        elif idx.numel():  # a scalar: only its owner's value counts, not an empty rank's
+            out.copy_(values.reshape(()))
         owners[idx] = rank
 
     def where(flat: int) -> str:
@@ -559,11 +562,10 @@ def _compare_assembled(
     m = judge.numeric("field", job.name, job.step, None, out, ref, where if ref.dim() else None)
     if m is None:
         return [], None
-    err = (out - ref).abs().to(torch.float64)
-    mag = ref.abs().to(torch.float64)
-    if err.dim() > 1:
-        err = err.movedim(dim, -1).reshape(-1, size).amax(0)
-        mag = mag.movedim(dim, -1).reshape(-1, size).amax(0)
+    # the largest error (and reference magnitude) at each position, over the other dims; a
+    # scalar is one position
+    err = (out - ref).abs().to(torch.float64).movedim(dim, -1).reshape(-1, size).amax(0)
+    mag = ref.abs().to(torch.float64).movedim(dim, -1).reshape(-1, size).amax(0)
     bound = judge.tolerance.field
     where_hint = boundary_hint(err, owners, bound.atol + bound.rtol * mag, job.grid, job.unit)
     if where_hint:
@@ -628,8 +630,9 @@ def check_buffers(step: int, ref: StepRecord, steps: list[StepRecord]) -> list[M
 
 
 def data_part(ref: torch.Tensor, group: int, groups: int) -> torch.Tensor:
-    """Data group ``group``'s contiguous share of the samples (dim 0) of ``ref``."""
-    if groups == 1:
+    """Data group ``group``'s contiguous share of the samples (dim 0) of ``ref``; a scalar
+    has no samples to share: every group's is compared with the whole of it."""
+    if groups == 1 or ref.dim() == 0:
         return ref
     k = ref.shape[0] // groups
     return ref[group * k : (group + 1) * k]

@@ -276,7 +276,7 @@ def _nonfinite_lines(tensors: Mapping[str, torch.Tensor], who: str) -> list[str]
         t = tensors[name]
         nan, inf, first = nonfinite_counts(t)
         if first is not None:
-            at = str(tuple(int(i) for i in _unravel(first, t.shape))) if t.dim() else "()"
+            at = str(tuple(int(i) for i in _unravel(first, t.shape)))  # () when 0-d
             lines.append(
                 f"  {name}: {who} {nonfinite_text(nan, inf)} of {t.numel()} (first at {at})"
             )

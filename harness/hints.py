@@ -83,6 +83,8 @@ def boundary_hint(
     >>> error = torch.tensor([0, 0, 0, 1.0, 1.0, 0, 0, 0])
     >>> boundary_hint(error, owners, 1e-6, None, "position")
     'the 2 positions that differ all border another rank (2 of 8 positions do): a halo ...'
+    >>> boundary_hint(torch.tensor([0, 0, 0, 1.0, 0, 0, 0, 0]), owners, 1e-6, None, "cell")
+    'the one cell that differs borders another rank (2 of 8 cells do): a halo ...'
     """
     bad = (error.detach().double() > allowed).numpy()  # NaN is never over: not this hint
     if not bad.any() or len(bad) < 4:
@@ -91,9 +93,13 @@ def boundary_hint(
     on_edge = int((bad & edge).sum())
     if edge.mean() > 0.5 or on_edge < 0.9 * bad.sum():
         return ""
-    share = "all" if on_edge == bad.sum() else f"{on_edge} of them"
+    if bad.sum() == 1:
+        what = f"the one {unit} that differs borders another rank"
+    else:
+        share = "all" if on_edge == bad.sum() else f"{on_edge} of them"
+        what = f"the {int(bad.sum())} {unit}s that differ {share} border another rank"
     return (
-        f"the {int(bad.sum())} {unit}s that differ {share} border another rank "
+        f"{what} "
         f"({int(edge.sum())} of {len(edge)} {unit}s do): a halo exchange is off (width, "
         "order or which neighbour), or a neighbour table uses local indices"
     )

@@ -308,7 +308,7 @@ def _check_nside(nside: Any) -> int:
     ok = isinstance(nside, (int, np.integer)) and not isinstance(nside, bool)
     if not ok or nside < 1 or nside & (nside - 1) or nside > 2**29:
         hint = ""
-        if ok and nside > 1:
+        if ok and 2 < nside < 2**29:  # between two valid powers of two: name them
             below = 1 << (int(nside).bit_length() - 1)
             hint = f" (nearest: {below} or {2 * below})"
         raise ConfigError(
@@ -329,7 +329,7 @@ def cell_of(nside: int, lat_deg: Any, lon_deg: Any) -> np.ndarray:
     nside = _check_nside(nside)
     lat = np.asarray(lat_deg, dtype=np.float64)
     lon = np.asarray(lon_deg, dtype=np.float64)
-    if np.any(np.abs(lat) > 90) or not np.all(np.isfinite(lon)):
+    if not np.all(np.abs(lat) <= 90) or not np.all(np.isfinite(lon)):  # NaN latitudes too
         raise ConfigError(
             "cell_of needs latitudes in [-90, 90] degrees and finite longitudes; got "
             f"latitudes in [{lat.min()}, {lat.max()}]; did you swap lat and lon?"

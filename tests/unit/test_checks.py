@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
 import torch
 
 from harness.checks import (
@@ -21,6 +22,8 @@ from harness.checks import (
     check_nonfinite_step,
     check_params,
     compare_runs,
+    data_part,
+    position_text,
     two_values,
 )
 from harness.compare import NUMERIC, Mismatch, QuantityStats, Tolerance
@@ -764,3 +767,603 @@ def test_buffer_records_sorted_by_name():
         }
         for n in ("b", "z")
     ]
+
+
+# ---------------------------------------------------------------- whole findings, field by field
+
+
+def same(found, *expected):
+    """The findings are exactly these, every field of every one (the report prints them)."""
+    assert [repr(m) for m in found] == [repr(m) for m in expected]
+
+
+def shard(values, index, dim=-1, grid=None, unit="position", dtype=F64):
+    index = torch.tensor(index, dtype=torch.long)
+    return FieldRecord(torch.tensor(values, dtype=dtype), index, dim, grid, unit)
+
+
+BUFFER = "modified in place during the step; the reference's was not"
+SEED = (
+    "differs from the reference right after build: seed the initialisation identically on "
+    "every rank (the harness seeds torch, numpy and random before build; a generator of your "
+    "own is not)."
+)
+NO_GRAD_HINT = "a rank whose domain is empty must still run every module, giving zeros, not None"
+
+
+def test_every_finding_of_a_later_step_names_that_step_and_error_maps_accumulate():
+    y = [[0.0, 1.0, 2.0, 3.0]]
+    ref = run(step(fields={"y": field(y)}), step(loss=2.0, fields={"y": field(y)}))
+    later = {
+        "loss": 2.5,
+        "grad": torch.tensor([1.0, 3.0], dtype=F64),
+        "params": {"w": torch.tensor([0.5, 0.5], dtype=F64)},
+        "mutated": ["m"],
+    }
+    r0 = run(
+        step(fields={"y": shard([[0.0, 1.0]], [0, 1])}),
+        step(fields={"y": shard([[0.0, 1.0]], [0, 1])}, **later),
+    )
+    r1 = run(
+        step(fields={"y": shard([[2.0, 9.0]], [2, 3])}),
+        step(fields={"y": shard([[2.0, 8.0]], [2, 3])}, **later),
+        spatial_rank=1,
+    )
+    out = compare_runs(ref, [r0, r1], TOL, spatial_size=2)
+    same(
+        out.mismatches,
+        Mismatch("field", "y", 0, None, 6.0, 2.0, "[0] position 3 on rank 1", 1, 4),
+        *(Mismatch("loss", "loss", 1, r, 0.5, 0.25, "2.5 vs reference 2", 1, 1) for r in (0, 1)),
+        *(Mismatch("grad", "w", 1, r, 1.0, 0.5, "(1,)", 1, 2) for r in (0, 1)),
+        Mismatch("field", "y", 1, None, 5.0, 5.0 / 3.0, "[0] position 3 on rank 1", 1, 4),
+        *(Mismatch("param", "w", 1, r, 0.25, 1.0, "(1,)", 1, 2) for r in (0, 1)),
+        *(Mismatch("buffer", "m", 1, r, where=BUFFER) for r in (0, 1)),
+    )
+    assert [(e.step, e.error.tolist()) for e in out.field_errors] == [
+        (0, [0.0, 0.0, 0.0, 6.0]),
+        (1, [0.0, 0.0, 0.0, 5.0]),
+    ]
+    assert out.likely == ""
+
+
+def test_the_spatial_size_defaults_to_the_records():
+    assert compare_runs(run(), [run()], TOL).mismatches == []
+    ranks = [run(spatial_size=2), run(step(loss=1.5), spatial_rank=1, spatial_size=2)]
+    names = [(m.name, m.rank) for m in compare_runs(run(), ranks, TOL).mismatches]
+    assert names == [("loss (vs spatial rank 0)", 1), ("loss", 1)]
+
+
+def test_a_loss_s_times_too_large_is_named_so_and_is_the_likely_cause():
+    ranks = [run(step(loss=2.0)), run(step(loss=2.0), spatial_rank=1)]
+    out = compare_runs(run(), ranks, TOL, spatial_size=2)
+    hint = "exactly 2x the reference: a reduction counted 2 times"
+    same(
+        out.mismatches,
+        *(
+            Mismatch("loss", "loss", 0, r, 1.0, 1.0, "2 vs reference 1", 1, 1, hint=hint)
+            for r in (0, 1)
+        ),
+    )
+    assert out.likely == hint
+
+
+def test_nonfinite_values_of_every_kind_are_named_by_kind_name_step_rank_and_position():
+    cube = torch.zeros(2, 2, 2, dtype=F64)
+    cube[1, 0, 1] = NAN
+    bad = step(
+        loss=NAN,
+        grad=torch.tensor([1.0, math.inf], dtype=F64),
+        params={"w": torch.tensor([NAN, 0.0], dtype=F64)},
+        fields={
+            "cells": shard([1.0, NAN, 2.0], [4, 5, 6], unit="cell"),
+            "cube": FieldRecord(cube, torch.tensor([3, 1]), 1),
+            "full": field([[1.0, math.inf]]),
+        },
+    )
+    table = [
+        ("loss", "(1 NaN)", 1, "loss"),
+        ("w", "(1,) (1 inf)", 2, "grad"),
+        ("cells", "cell 5 (1 NaN)", 3, "field"),
+        ("cube", "[1, 1] position 3 (1 NaN)", 8, "field"),
+        ("full", "(0, 1) (1 inf)", 2, "field"),
+        ("w", "(0,) (1 NaN)", 2, "param"),
+    ]
+    same(
+        check_nonfinite_step(1, step(), [step(), bad]),
+        *[
+            Mismatch("nonfinite", n, 1, 1, where=w, count=1, total=t, of=of)
+            for n, w, t, of in table
+        ],
+    )
+    same(
+        check_nonfinite_step(2, bad, [step()]),
+        *[
+            Mismatch("nonfinite", n, 2, None, where=w, count=1, total=t, run="reference", of=of)
+            for n, w, t, of in table
+        ],
+    )
+
+
+def test_nonfinite_initial_parameters_are_named():
+    init = {"w": torch.tensor([1.0, NAN], dtype=F64)}
+    same(
+        check_nonfinite_init(run(), [run(), run(init=init)]),
+        Mismatch("nonfinite", "w", None, 1, where="(1,) (1 NaN)", count=1, total=2, of="param"),
+    )
+
+
+def test_initial_parameters_extra_different_or_missing_are_each_a_finding():
+    ref = run(init={"w": torch.tensor([0.0, 1.0], dtype=F64), "v": torch.zeros(2, dtype=F64)})
+    rank = run(
+        init={
+            "b": torch.zeros(1, dtype=F64),  # not in the reference: the rest is still checked
+            "w": torch.tensor([0.0, 1.5], dtype=F64),
+            "v": torch.zeros(3, dtype=F64),
+        }
+    )
+    same(
+        check_init(ref, [rank, run(init={"w": torch.tensor([0.0, 1.0], dtype=F64)})], TOL),
+        Mismatch("param", "b", None, 0, where="parameter not in the reference model"),
+        Mismatch("param", "w", None, 0, 0.5, 0.5, "initial value", 1, 2, hint=SEED),
+        Mismatch(
+            "param",
+            "v",
+            None,
+            0,
+            where="shape (3,) where the reference has (2,)",
+            total=2,
+            hint=SEED,
+        ),
+        Mismatch("param", "v", None, 1, where="reference parameter missing on this rank"),
+    )
+
+
+def test_gradients_none_on_one_side_only_are_named_and_the_rest_still_compared():
+    ref = step()
+    ref.grads = {
+        "a": None,
+        "b": torch.tensor([1.0], dtype=F64),
+        "c": None,
+        "w": torch.tensor([1.0, 2.0], dtype=F64),
+    }
+    st = step()
+    st.grads = {
+        "x": torch.ones(1, dtype=F64),  # not in the reference: reported as a parameter
+        "a": None,  # None on both sides: fine
+        "b": None,
+        "c": torch.ones(1, dtype=F64),
+        "w": torch.tensor([1.0, 2.5], dtype=F64),
+    }
+    none_here = "no gradient (None) on this rank; the reference has one"
+    none_there = "a gradient where the reference has None"
+    same(
+        check_grads(judge(), 3, ref, [st, st]),
+        *[
+            m
+            for r in (0, 1)
+            for m in (
+                Mismatch("grad", "b", 3, r, where=none_here, hint=NO_GRAD_HINT),
+                Mismatch("grad", "c", 3, r, where=none_there),
+                Mismatch("grad", "w", 3, r, 0.5, 0.25, "(1,)", 1, 2),
+            )
+        ],
+    )
+
+
+# ---------------------------------------------------------------- loss, exactly
+
+
+def test_every_co_rank_whose_loss_differs_from_spatial_rank_0_is_named():
+    ranks = [step(loss=1.0), step(loss=1.5), step(loss=2.0)]
+    same(
+        check_loss(judge(3, 3), 2, step(loss=1.0), ranks),
+        Mismatch("loss", "loss (vs spatial rank 0)", 2, 1, 0.5, 0.5, "1.5 vs reference 1", 1, 1),
+        Mismatch("loss", "loss (vs spatial rank 0)", 2, 2, 1.0, 1.0, "2 vs reference 1", 1, 1),
+        Mismatch("loss", "loss", 2, 1, 0.5, 0.5, "1.5 vs reference 1", 1, 1),
+        Mismatch("loss", "loss", 2, 2, 1.0, 1.0, "2 vs reference 1", 1, 1),
+    )
+
+
+def test_co_rank_losses_a_rounding_apart_are_within_tolerance():
+    ranks = [step(loss=1.0), step(loss=1.0 + 1e-13)]
+    assert check_loss(judge(2, 2), 0, step(loss=1.0), ranks) == []
+
+
+def test_data_groups_losses_of_different_shapes_are_one_finding():
+    ranks = [step(loss=1.0), step(loss=[1.0, 2.0])]
+    same(
+        check_loss(judge(2, 1), 2, step(loss=1.0), ranks),
+        Mismatch("loss", "loss", 2, None, where="the data groups' losses differ in shape"),
+    )
+
+
+def test_per_sample_losses_of_data_groups_are_averaged_elementwise():
+    ranks = [step(loss=[1.0, 3.0]), step(loss=[2.0, 4.0])]
+    assert check_loss(judge(2, 1), 0, step(loss=[1.5, 3.5]), ranks) == []
+    same(
+        check_loss(judge(2, 1), 4, step(loss=[1.5, 3.0]), ranks),
+        Mismatch("loss", "loss (mean over data groups)", 4, None, 0.5, 0.5 / 3.0, "(1,)", 1, 2),
+    )
+
+
+# ---------------------------------------------------------------- fields, exactly
+
+
+def test_every_field_of_a_step_is_checked_whatever_the_earlier_ones_found():
+    four = [[0.0, 1.0, 2.0, 3.0]]
+    ref = step(fields={n: field(four) for n in ("plain", "gone", "plain2", "s1", "s2")})
+    r0 = {
+        "plain": field(four),
+        "gone": field(four),
+        "plain2": field(four),
+        "s1": shard([[0.0, 1.0]], [0, 1]),
+        "s2": shard([[0.5, 1.0]], [0, 1]),
+    }
+    r1 = {
+        "plain": field([[0.0, 1.0, 2.0, 4.0]]),
+        "plain2": field([[0.0, 1.0, 2.5, 3.0]]),
+        "s1": shard([[2.0, 3.5]], [2, 3]),
+        "s2": shard([[2.0, 3.0]], [2, 3]),
+    }
+    found, errors = check_fields(judge(), 5, ref, [step(fields=r0), step(fields=r1)])
+    same(
+        found,
+        Mismatch("field", "plain", 5, 1, 1.0, 1.0 / 3.0, "(0, 3)", 1, 4),
+        Mismatch("field", "gone", 5, 1, where="field missing on this rank"),
+        Mismatch("field", "plain2", 5, 1, 0.5, 0.25, "(0, 2)", 1, 4),
+        Mismatch("field", "s1", 5, None, 0.5, 0.5 / 3.0, "[0] position 3 on rank 1", 1, 4),
+        Mismatch("field", "s2", 5, None, 0.5, 0.0, "[0] position 0 on rank 0", 1, 4),
+    )
+    assert [(e.name, e.step, e.data_group) for e in errors] == [("s1", 5, 0), ("s2", 5, 0)]
+
+
+def test_a_reference_that_saw_another_batch_is_the_batch_trap():
+    ref = step(fields={"t": field([0.0, 1.0, 2.0]), "u": field([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])})
+    ranks = [
+        step(fields={"t": field([0.0, 1.0, 2.0]), "u": field([[0.0, 1.0, 2.0]] * 2)}),
+        step(fields={"t": field([0.0, 1.0, 2.0]), "u": field([[3.0, 4.0, 5.0]] * 2)}),
+    ]
+    found, errors = check_fields(judge(2, 1), 3, ref, ranks)
+    same(
+        found,
+        Mismatch(
+            "batch",
+            "t",
+            3,
+            None,
+            where="the reference saw 3 samples, the 2 data groups 6 together (3, 3)",
+            hint=BATCH_HINT,
+        ),
+        Mismatch(
+            "batch",
+            "u",
+            3,
+            None,
+            where="the reference saw 2 samples, the 2 data groups 4 together (2, 2)",
+            hint=BATCH_HINT,
+        ),
+    )
+    assert errors == []
+
+
+def test_data_groups_each_compare_their_share_of_a_replicated_field():
+    ref = step(fields={"y": field([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]), "s": field(1.0)})
+    ranks = [
+        step(fields={"y": field([[0.0, 1.0, 2.0]]), "s": field(1.0)}),
+        step(fields={"y": field([[3.0, 4.0, 5.5]]), "s": field(1.0)}),  # a scalar: no samples
+    ]
+    found, _ = check_fields(judge(2, 1), 1, ref, ranks)
+    same(found, Mismatch("field", "y", 1, 1, 0.5, 0.1, "(0, 2)", 1, 3))
+
+
+def test_a_replicated_field_of_the_wrong_shape_on_a_single_rank_says_so_plainly():
+    ref = step(fields={"y": field([[0.0, 1.0, 2.0]])})
+    found, _ = check_fields(judge(1, 1), 1, ref, [step(fields={"y": field([[0.0, 1.0]])})])
+    same(
+        found,
+        Mismatch("field", "y", 1, 0, where="shape (1, 2) where the reference has (1, 3)", total=3),
+    )
+
+
+def test_one_dimensional_cell_shards_name_the_cell_and_its_owner():
+    ref = step(fields={"y": field([0.0, 1.0, 2.0, 3.0])})
+    ranks = [
+        step(fields={"y": shard([0.0, 1.0], [0, 1], unit="cell")}),
+        step(fields={"y": shard([2.0, 3.5], [2, 3], unit="cell")}),
+    ]
+    found, (err,) = check_fields(judge(2, 2), 1, ref, ranks)
+    same(found, Mismatch("field", "y", 1, None, 0.5, 0.5 / 3.0, "cell 3 on rank 1", 1, 4))
+    assert (err.error.tolist(), err.owners.tolist(), err.grid, err.unit) == (
+        [0.0, 0.0, 0.0, 0.5],
+        [0, 0, 1, 1],
+        None,
+        "cell",
+    )
+
+
+def test_data_groups_of_one_rank_each_reassemble_their_own_shard():
+    ref = step(fields={"y": field([[0.0, 1.0], [2.0, 3.0]])})
+    ranks = [
+        step(fields={"y": shard([[0.0, 1.0]], [0, 1], unit="cell")}),
+        step(fields={"y": shard([[2.0, 3.5]], [0, 1], unit="cell")}),
+    ]
+    found, (err,) = check_fields(judge(2, 1), 1, ref, ranks)
+    same(found, Mismatch("field", "y", 1, None, 0.5, 0.5 / 3.0, "[0] cell 1 on rank 1", 1, 2))
+    assert type(err.data_group) is int and err.data_group == 1
+
+
+def _grid_field(extra=0.0, index=(2, 5)):
+    """A (2, 2, 3) field in Shard.grid form: rank 0 owns lat x lon positions 0, 1, 3, 4."""
+    flat = torch.arange(12.0, dtype=F64).reshape(2, 6)
+    ref = step(fields={"y": field(flat.reshape(2, 2, 3))})
+    mine = flat[:, list(index)].clone()
+    mine[1, -1] += extra
+    ranks = [
+        step(fields={"y": shard(flat[:, [0, 1, 3, 4]].tolist(), [0, 1, 3, 4], grid=(2, 3))}),
+        step(fields={"y": shard(mine.tolist(), list(index), grid=(2, 3))}),
+    ]
+    return check_fields(judge(2, 2), 1, ref, ranks)
+
+
+def test_grid_shards_of_a_batched_field_name_latitude_and_longitude():
+    assert _grid_field() == ([], [])
+    found, (err,) = _grid_field(extra=1.0)
+    same(
+        found,
+        Mismatch("field", "y", 1, None, 1.0, 1.0 / 11.0, "[1] (lat 1, lon 2) on rank 1", 1, 12),
+    )
+    assert (err.error.tolist(), err.owners.tolist(), err.grid) == (
+        [0.0] * 5 + [1.0],
+        [0, 0, 1, 0, 0, 1],
+        (2, 3),
+    )
+    found, _ = _grid_field(index=(2,))
+    same(
+        found,
+        Mismatch(
+            "coverage",
+            "y",
+            1,
+            None,
+            where="1 position owned by no rank (first: (lat 1, lon 2))",
+            count=1,
+            total=6,
+        ),
+    )
+
+
+def test_shards_along_the_sample_dim_and_mixed_dims():
+    ref = step(fields={"y": field([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]])})
+    top = step(fields={"y": shard([[0.0, 1.0]], [0], dim=0)})
+    found, (err,) = check_fields(
+        judge(2, 2),
+        1,
+        ref,
+        [top, step(fields={"y": shard([[2.0, 3.0], [4.0, 6.0]], [1, 2], dim=0)})],
+    )
+    same(found, Mismatch("field", "y", 1, None, 1.0, 0.2, "[1] position 2 on rank 1", 1, 6))
+    assert (err.error.tolist(), err.owners.tolist()) == ([0.0, 0.0, 1.0], [0, 1, 1])
+    found, errors = check_fields(
+        judge(2, 2), 1, ref, [top, step(fields={"y": shard([[1.0], [3.0], [5.0]], [1], dim=1)})]
+    )
+    same(
+        found,
+        Mismatch(
+            "field",
+            "y",
+            1,
+            None,
+            where="ranks shard along different dims [0, 1]; every rank must shard the same dim",
+        ),
+    )
+    assert errors == []
+
+
+def test_a_three_dimensional_field_names_every_other_index():
+    ref = torch.arange(8.0, dtype=F64).reshape(2, 2, 2)
+    got = ref.clone()
+    got[1, 1, 0] += 1.0
+    ranks = [
+        step(fields={"y": FieldRecord(got[:, :, :1].clone(), torch.tensor([0]), -1, None, "cell")}),
+        step(fields={"y": FieldRecord(got[:, :, 1:].clone(), torch.tensor([1]), -1, None, "cell")}),
+    ]
+    found, (err,) = check_fields(judge(2, 2), 0, step(fields={"y": field(ref)}), ranks)
+    same(found, Mismatch("field", "y", 0, None, 1.0, 1.0 / 6.0, "[1, 1] cell 0 on rank 0", 1, 8))
+    assert err.error.tolist() == [1.0, 0.0]
+
+
+def test_refused_shards_are_named_with_their_rank_and_a_fix():
+    ref = step(fields={"y": field([[0.0, 1.0, 2.0, 3.0]])})
+    first = step(fields={"y": shard([[0.0, 1.0]], [0, 1])})
+
+    def findings(second):
+        return check_fields(judge(2, 2), 1, ref, [first, step(fields={"y": second})])
+
+    hole = Mismatch(
+        "coverage",
+        "y",
+        1,
+        None,
+        where="2 positions owned by no rank (first: position 2)",
+        count=2,
+        total=4,
+    )
+    found, errors = findings(field([[2.0, 3.0]]))
+    same(
+        found,
+        Mismatch(
+            "field",
+            "y",
+            1,
+            1,
+            where="a plain tensor of shape (1, 2) where other ranks return a Shard",
+            hint=SHARD_HINT,
+        ),
+        hole,
+    )
+    assert errors == []
+    found, _ = findings(shard([[2.0, 3.0]], [-1, 2]))
+    same(found, Mismatch("coverage", "y", 1, 1, where="index out of range [0, 4): -1..2"), hole)
+    found, _ = findings(shard([[2.0, 3.0]], [2, 3], dtype=torch.float32))
+    same(
+        found,
+        Mismatch(
+            "field",
+            "y",
+            1,
+            1,
+            where="shard torch.float32 (1, 2) where the reference gives torch.float64 (1, 2) "
+            "for its 2 positions",
+        ),
+    )
+
+
+def test_an_unflattened_grid_block_suggests_shard_grid():
+    ref = step(fields={"y": field([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])})
+    ranks = [
+        step(fields={"y": shard([[0.0, 1.0, 2.0]], [0, 1, 2], grid=(2, 3))}),
+        step(fields={"y": shard([[[3.0, 4.0, 5.0]]], [3, 4, 5], grid=(2, 3))}),
+    ]
+    found, _ = check_fields(judge(2, 2), 1, ref, ranks)
+    hint = (
+        "the values are the rank's (1, 3) block, not flattened: use "
+        "Shard.grid(values, rows, cols, nlat, nlon)"
+    )
+    same(
+        found,
+        Mismatch(
+            "field",
+            "y",
+            1,
+            1,
+            where="shard torch.float64 (1, 1, 3) where the reference gives torch.float64 (1, 3) "
+            "for its 3 positions",
+            hint=hint,
+        ),
+    )
+
+
+def test_a_float32_field_s_error_map_is_float64():
+    ref = step(fields={"y": FieldRecord(torch.tensor([0.0, 1.0, 2.0, 3.0]))})
+    ranks = [
+        step(fields={"y": shard([0.0, 1.0], [0, 1], dtype=torch.float32)}),
+        step(fields={"y": shard([2.0, 3.5], [2, 3], dtype=torch.float32)}),
+    ]
+    found, (err,) = check_fields(
+        Judge(
+            Tolerance.for_dtype(torch.float32), Layout(2, 2), {q: QuantityStats() for q in NUMERIC}
+        ),
+        1,
+        ref,
+        ranks,
+    )
+    same(found, Mismatch("field", "y", 1, None, 0.5, 0.5 / 3.0, "position 3 on rank 1", 1, 4))
+    assert err.error.dtype == torch.float64 and err.error.tolist() == [0.0, 0.0, 0.0, 0.5]
+
+
+def test_a_scalar_owned_by_one_rank_is_compared_as_one_value():
+    ref = step(fields={"s": field(2.0)})
+    ranks = [step(fields={"s": shard(2.5, [0])}), step(fields={"s": shard(0.0, [])})]
+    found, (err,) = check_fields(judge(2, 2), 1, ref, ranks)
+    same(found, Mismatch("field", "s", 1, None, 0.5, 0.25, "2.5 vs reference 2", 1, 1))
+    assert (err.error.tolist(), err.owners.tolist()) == ([0.5], [0])
+    ranks[0].fields["s"] = shard(2.0, [0])
+    assert check_fields(judge(2, 2), 1, ref, ranks) == ([], [])
+
+
+def test_errors_on_the_boundary_between_blocks_point_at_the_halo():
+    ref = torch.arange(1.0, 9.0, dtype=F64)
+    got = ref.clone()
+    got[3] += 1.0
+    got[4] += 1.0
+    ranks = [
+        step(fields={"y": FieldRecord(got[:4].clone(), torch.arange(4), -1)}),
+        step(fields={"y": FieldRecord(got[4:].clone(), torch.arange(4, 8), -1)}),
+    ]
+    found, _ = check_fields(judge(2, 2), 0, step(fields={"y": field(ref)}), ranks)
+    hint = (
+        "the 2 positions that differ all border another rank (2 of 8 positions do): a halo "
+        "exchange is off (width, order or which neighbour), or a neighbour table uses local "
+        "indices"
+    )
+    same(found, Mismatch("field", "y", 0, None, 1.0, 0.25, "position 3 on rank 0", 2, 8, hint=hint))
+
+
+# ---------------------------------------------------------------- parameters, exactly
+
+
+def test_co_ranks_out_of_sync_are_named_with_how_many_elements_differ():
+    a = torch.tensor([1.0, 2.0], dtype=F64)
+    sync = "differs from spatial rank 0 (rank 0)"
+    found = _params(a, torch.tensor([1.0, 2.5], dtype=F64))
+    same(
+        found,
+        Mismatch("sync", "w", 0, 1, 0.5, 0.25, sync, 1, 2),
+        Mismatch("param", "w", 0, 1, 0.5, 0.25, "(1,)", 1, 2),
+    )
+    nan = torch.tensor([1.0, NAN], dtype=F64)
+    same(
+        _params(a, nan)[:1],
+        Mismatch("sync", "w", 0, 1, math.inf, math.inf, sync, 1, 2),
+    )
+    same(
+        _params(a, a.float())[:1],
+        Mismatch(
+            "sync",
+            "w",
+            0,
+            1,
+            where="dtype torch.float32 where the reference has torch.float64",
+            total=2,
+        ),
+    )
+    same(
+        _params(a, torch.ones(3, dtype=F64))[:1],
+        Mismatch("sync", "w", 0, 1, where="shape (3,) where the reference has (2,)", total=3),
+    )
+
+
+def test_a_float64_parameter_off_by_float32_rounding_says_so():
+    a = torch.linspace(1, 2, 8, dtype=F64)
+    ref = step(params={"w": a})
+    found = check_params(judge(1, 1), 0, ref, [step(params={"w": a.float().double()})])
+    (m,) = found
+    assert m.hint.startswith("relative errors of ") and "float32 rounding is 1e-07" in m.hint
+
+
+# ---------------------------------------------------------------- text
+
+
+def test_data_part_is_the_group_s_contiguous_share_of_the_samples():
+    ref = torch.arange(12.0).reshape(4, 3)
+    assert data_part(ref, 1, 2).tolist() == [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]
+    assert data_part(ref, 0, 1) is ref
+    assert data_part(torch.tensor(5.0), 1, 2).item() == 5.0
+
+
+def test_position_text_names_a_grid_position_or_a_unit():
+    assert position_text(7, None) == "position 7"
+    assert position_text(7, None, "cell") == "cell 7"
+    assert position_text(7, (2, 3)) == "(lat 2, lon 1)"
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "text"),
+    [
+        (2.5, 3.5, "2.5 vs reference 3.5"),
+        (1.234567, 2.234567, "1.23457 vs reference 2.23457"),
+        (1.0000001, 1.0000002, "1.0000001 vs reference 1.0000002"),
+        (0.1, 0.1, "0.1 vs reference 0.1"),
+    ],
+)
+def test_two_values_shows_at_least_six_digits_and_no_more_than_needed(actual, expected, text):
+    assert two_values(torch.tensor(actual, dtype=F64), torch.tensor(expected, dtype=F64)) == text
+
+
+def test_a_nonfinite_value_in_a_slice_shard_is_named_by_its_global_position():
+    values = torch.tensor([[1.0, NAN]], dtype=F64)
+    st = step(fields={"y": FieldRecord(values, slice(2, 4), -1, None, "cell")})
+    same(
+        check_nonfinite_step(0, step(), [st]),
+        Mismatch("nonfinite", "y", 0, 0, where="[0] cell 3 (1 NaN)", count=1, total=2, of="field"),
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import subprocess
@@ -12,7 +13,7 @@ import torch
 
 from harness import GoldenError, GoldenStore
 from harness.compare import Bound
-from harness.goldens import golden_stem
+from harness.goldens import diff_tensors, golden_stem
 
 EXACT = Bound(0.0, 0.0)
 TIGHT = Bound(1e-12, 0.0)
@@ -157,13 +158,20 @@ def test_a_writer_killed_mid_write_leaves_the_old_golden_and_the_next_run_cleans
 
 
 def test_sweep_leaves_a_write_in_progress_alone(tmp_path):
-    live = tmp_path / f".a.pt.{os.getpid()}.abcd1234.tmp"  # this process: alive
-    live.write_bytes(b"half")
-    other = tmp_path / "sub" / ".b.pt.999999999.zz.tmp"  # no such pid
-    other.parent.mkdir()
-    other.write_bytes(b"half")
-    assert GoldenStore(tmp_path).sweep() == [other]
-    assert live.exists() and not other.exists()
+    # another worker's write in progress: its writer is alive, and must not be disturbed
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = tmp_path / f".a.pt.{writer.pid}.abcd1234.tmp"
+        live.write_bytes(b"half")
+        other = tmp_path / "sub" / ".b.pt.999999999.zz.tmp"  # no such pid
+        other.parent.mkdir()
+        other.write_bytes(b"half")
+        assert GoldenStore(tmp_path).sweep() == [other]
+        assert live.exists() and not other.exists()
+        assert writer.poll() is None  # not killed (nor hung up on) by the sweep
+    finally:
+        writer.kill()
+        writer.wait()
 
 
 # ---------------------------------------------------------------- non-finite values
@@ -231,3 +239,128 @@ def test_golden_names_follow_the_test_node_id():
         golden_stem("tests/a/test_b.py::TestC::test_d[x-1]") == "tests/a/test_b/TestC.test_d[x-1]"
     )
     assert golden_stem("test_b.py::test_d[a/b c]") == "test_b/test_d[a_b_c]"
+
+
+# ---------------------------------------------------------------- names and texts
+
+
+@pytest.mark.parametrize(
+    ("nodeid", "stem"),
+    [
+        ("tests/test_a.py", "tests/test_a"),
+        ("docs/guide.md::guide", "docs/guide.md/guide"),
+    ],
+    ids=["module-only", "not-a-py-file"],
+)
+def test_golden_stems_of_other_node_ids(nodeid, stem):
+    assert golden_stem(nodeid) == stem
+
+
+def test_a_named_golden_sits_next_to_the_tests_own(tmp_path):
+    store = GoldenStore(tmp_path)
+    nodeid = "tests/a/test_b.py::test_c[x]"
+    assert store.path_for(nodeid) == tmp_path / "tests/a/test_b/test_c[x].pt"
+    assert store.path_for(nodeid, "Field T2m/1") == (
+        tmp_path / "tests/a/test_b/test_c[x].Field_T2m_1.pt"
+    )
+
+
+def test_every_outcome_names_its_golden_in_full(tmp_path):
+    path = tmp_path / "a.pt"
+    hint = "run pytest with --update-goldens, review the diff and commit the goldens"
+    checking, updating = GoldenStore(tmp_path), GoldenStore(tmp_path, update=True)
+    missing = checking.check(path, tensors(), bound=EXACT)
+    written = updating.check(path, tensors(), bound=EXACT)
+    passed = checking.check(path, tensors(), bound=EXACT)
+    unchanged = updating.check(path, tensors(), bound=EXACT)
+    failed = checking.check(path, {"loss": tensors()["loss"]}, bound=EXACT)
+    updated = updating.check(path, {"loss": tensors()["loss"]}, bound=EXACT)
+    refused = updating.check(path, {"loss": torch.tensor(float("inf"))}, bound=EXACT)
+    not_updated = updating.not_updated(path, "grad mismatch")
+    assert [str(r).splitlines() for r in (missing, written, passed, unchanged)] == [
+        [f"golden {path}: missing", f"no golden at {path}: {hint} (then commit the new file)."],
+        [f"golden {path}: written"],
+        [f"golden {path}: passed"],
+        [f"golden {path}: unchanged"],
+    ]
+    assert str(failed).splitlines() == [
+        f"golden {path}: failed",
+        "  grad/w: in the golden but not produced any more",
+        f"If the change is intended, {hint}.",
+    ]
+    assert str(updated).splitlines() == [
+        f"golden {path}: updated",
+        "  grad/w: in the golden but not produced any more",
+    ]
+    assert str(refused).splitlines() == [
+        f"golden {path}: refused",
+        f"not writing {path}: a golden vouches only for finite values, and this run produced "
+        "NaN or inf:",
+        "  loss: this run produced 1 inf of 1 (first at ())",
+        "Make the run finite (or declare non-finite values expected), then update.",
+    ]
+    assert str(not_updated).splitlines() == [
+        f"golden {path}: not updated",
+        "not updated: grad mismatch; a golden is only written from a passing check. Fix the "
+        "check, then run --update-goldens again.",
+    ]
+    results = (missing, written, passed, unchanged, failed, updated, refused, not_updated)
+    assert all(r.path == path for r in results)
+
+
+def test_updating_over_a_corrupt_golden_replaces_it(tmp_path):
+    path = tmp_path / "a.pt"
+    path.write_bytes(b"\x00not a zip file at all")
+    result = GoldenStore(tmp_path, update=True).check(path, tensors(), bound=EXACT)
+    assert (result.status, result.lines) == ("updated", [])
+    assert GoldenStore(tmp_path).check(path, tensors(), bound=EXACT).status == "passed"
+
+
+def test_diff_lines_name_every_difference():
+    golden = {"a": torch.zeros(2, 2), "gone": torch.zeros(1), "loss": torch.tensor(1.0)}
+    actual = {
+        "a": torch.tensor([[0.0, float("nan")], [float("inf"), -float("inf")]]),
+        "loss": torch.tensor(float("nan")),
+        "new": torch.zeros(1),
+    }
+    assert diff_tensors(actual, golden, Bound(0.0, 0.0)) == [
+        "  gone: in the golden but not produced any more",
+        "  new: produced but not in the golden",
+        "  a: this run produced 1 NaN, 2 inf of 4 (first at (0, 1))",
+        "  loss: this run produced 1 NaN of 1 (first at ())",
+        "  a: 3/4 over tolerance (rtol 0, atol 0); max abs inf, max rel inf",
+        "  loss: 1/1 over tolerance (rtol 0, atol 0); max abs inf, max rel inf",
+    ]
+
+
+def test_provenance_is_stored_as_plain_values(tmp_path):
+    import harness
+
+    path = tmp_path / "a.pt"
+    provenance = {
+        "none": None,
+        "flag": True,
+        "n": 3,
+        "x": 1.5,
+        "s": "text",
+        "seq": (1, "a", (2.5, None)),
+        "path": tmp_path,
+        7: torch.__version__,
+    }
+    GoldenStore(tmp_path, update=True).check(path, tensors(), bound=EXACT, provenance=provenance)
+    stored = GoldenStore(tmp_path).load(path)["provenance"]
+    assert {k: stored[k] for k in ("none", "flag", "n", "x", "s", "seq", "path", "7")} == {
+        "none": None,
+        "flag": True,
+        "n": 3,
+        "x": 1.5,
+        "s": "text",
+        "seq": [1, "a", [2.5, None]],
+        "path": str(tmp_path),
+        "7": str(torch.__version__),
+    }
+    assert [type(stored[k]) for k in ("flag", "n", "7")] == [bool, int, str]
+    assert stored["harness"] == harness.__version__ and stored["torch"] == torch.__version__
+    created = datetime.datetime.fromisoformat(stored["created"])
+    assert created.utcoffset() == datetime.timedelta(0)  # UTC, and says so
+    assert abs(datetime.datetime.now(datetime.timezone.utc) - created).total_seconds() < 600

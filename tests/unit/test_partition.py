@@ -268,168 +268,285 @@ def test_cell_lookups_out_of_range_say_what_is_wrong():
         CellPartition.even(1, 0)
 
 
-# Each bad input gets one whole sentence: what is wrong and the fix (pinned whole).
-BAD_INPUTS = [
-    (
-        "LatLonPartition(nlat=3, nlon=8, h=4, w=1)",
-        (
-            "LatLonPartition: nlat=3 does not fit h=4 ranks: [0, 0, 0, 3] would leave ranks "
-            "without a latitude; choose h <= 3 or a grid with nlat >= 4"
-        ),
-    ),
-    (
-        "LatLonPartition(nlat=8, nlon=2, h=1, w=3)",
-        (
-            "LatLonPartition: nlon=2 does not fit w=3 ranks: [0, 0, 2] would leave ranks "
-            "without a longitude; choose w <= 2 or a grid with nlon >= 3"
-        ),
-    ),
-    (
-        "LatLonPartition(nlat=0, nlon=8)",
-        "nlat must be an integer >= 1, got 0 (int); pass a plain int",
-    ),
-    (
-        "LatLonPartition(nlat=4.0, nlon=8)",
-        "nlat must be an integer >= 1, got 4.0 (float); pass a plain int",
-    ),
-    (
-        "LatLonPartition(nlat=4, nlon=8, h=True)",
-        "h must be an integer >= 1, got True (bool); pass a plain int",
-    ),
-    (
-        "LatLonPartition(nlat=4, nlon=8, rule='nope')",
-        "unknown split rule 'nope'; use one of ('ceil', 'balanced')",
-    ),
-    (
-        "LatLonPartition(4, 4, 2, 2).slices(4)",
-        "rank 4 is not a spatial rank of this 2x2 partition; use 0 <= rank < 4",
-    ),
-    (
-        "LatLonPartition(4, 4, 2, 2).where(16)",
-        "flat index 16 is outside the 4x4 grid; use 0 <= index < 16",
-    ),
-    (
-        "LatLonPartition(4, 4, 2, 2).lat_slice(2)",
-        "polar index 2 out of range for h=2; use 0 <= p < 2",
-    ),
-    (
-        "LatLonPartition(4, 4, 2, 2).lon_slice(-1)",
-        "azimuth index -1 out of range for w=2; use 0 <= a < 2",
-    ),
-    (
-        "LatLonPartition(4, 4, 2, 2).slices(True)",
-        "rank True is not a spatial rank of this 2x2 partition; use 0 <= rank < 4",
-    ),
-    (
-        "CellPartition(3, (0, 108))",
-        (
-            "nside must be a power of two between 1 and 2**29 for NESTED HEALPix, got 3; "
-            "choose 1, 2, 4, 8, ... (nearest: 2 or 4)"
-        ),
-    ),
-    (
-        "CellPartition(0, (0, 0))",
-        (
-            "nside must be a power of two between 1 and 2**29 for NESTED HEALPix, got 0; "
-            "choose 1, 2, 4, 8, ..."
-        ),
-    ),
-    (
-        "CellPartition(1, (0, 5, 11))",
-        (
-            "CellPartition bounds must run from 0 to npix=12 (nside=1), got 0 .. 11; every "
-            "cell must be owned: start at 0 and end at 12"
-        ),
-    ),
-    (
-        "CellPartition(1, (1, 12))",
-        (
-            "CellPartition bounds must run from 0 to npix=12 (nside=1), got 1 .. 12; every "
-            "cell must be owned: start at 0 and end at 12"
-        ),
-    ),
-    (
-        "CellPartition(1, (0, 7, 5, 12))",
-        (
-            "CellPartition bounds must be non-decreasing, but rank 1's range 7:5 runs "
-            "backwards; sort the bounds (equal bounds give an empty rank)"
-        ),
-    ),
-    (
-        "CellPartition(1, (12,))",
-        (
-            "CellPartition bounds must be integers, one more than the ranks, got (12,); e.g. "
-            "(0, 6, 12) for 2 ranks, or CellPartition.even(nside, ranks)"
-        ),
-    ),
-    (
-        "CellPartition(1, (0, 2.5, 12))",
-        (
-            "CellPartition bounds must be integers, one more than the ranks, got (0, 2.5, "
-            "12); e.g. (0, 6, 12) for 2 ranks, or CellPartition.even(nside, ranks)"
-        ),
-    ),
-    (
-        "CellPartition(1, ('a', 12))",
-        (
-            "CellPartition bounds must be integers, one more than the ranks, got ('a', 12); "
-            "e.g. (0, 6, 12) for 2 ranks, or CellPartition.even(nside, ranks)"
-        ),
-    ),
-    (
-        "CellPartition.even(1, 3).cells(3)",
-        "rank 3 is not a spatial rank of this 3-rank cell partition; use 0 <= rank < 3",
-    ),
-    (
-        "CellPartition.even(1, 3).rank_of(12)",
-        (
-            "rank_of needs integer cells in [0, 12) for nside=1; got 12; are these cells of "
-            "another nside, or ring-ordered?"
-        ),
-    ),
-    (
-        "CellPartition.even(1, 3).rank_of(np.array([0, -1]))",
-        (
-            "rank_of needs integer cells in [0, 12) for nside=1; got array([ 0, -1]); are "
-            "these cells of another nside, or ring-ordered?"
-        ),
-    ),
-    (
-        "CellPartition.even(1, 3).packed_slice(np.ones(11, dtype=int), 0)",
-        (
-            "packed_slice needs one non-negative integer count per cell, shape (12,) for "
-            "nside=1; got shape (11,) of int64; use np.bincount(cells, minlength=12)"
-        ),
-    ),
-    (
-        "CellPartition.even(1, 3).packed_slice(-np.ones(12, dtype=int), 0)",
-        (
-            "packed_slice needs one non-negative integer count per cell, shape (12,) for "
-            "nside=1; got shape (12,) of int64; use np.bincount(cells, minlength=12)"
-        ),
-    ),
-    (
-        "cell_of(1, [100.0], [10.0])",
-        (
-            "cell_of needs latitudes in [-90, 90] degrees and finite longitudes; got "
-            "latitudes in [100.0, 100.0]; did you swap lat and lon?"
-        ),
-    ),
-    ("CellPartition.even(1, 0)", "ranks must be an integer >= 1, got 0 (int); pass a plain int"),
-    ("split_sizes(5, 0)", "parts must be an integer >= 1, got 0 (int); pass a plain int"),
-    ("split_sizes(-1, 2)", "size must be an integer >= 0, got -1 (int); pass a plain int"),
-    (
-        "ownership([np.array([0, 5])], 4)",
-        "rank 0 claims positions 0..5 outside [0, 4); positions are global, not local",
-    ),
-]
+# ---------------------------------------------------------------- exact messages and edges
 
 
-NAMES = {f.__name__: f for f in (LatLonPartition, CellPartition, cell_of, split_sizes, ownership)}
-
-
-@pytest.mark.parametrize(("call", "message"), BAD_INPUTS, ids=[c for c, _ in BAD_INPUTS])
-def test_every_bad_input_is_refused_with_its_whole_message(call, message):
+def _message(call) -> str:
     with pytest.raises(ConfigError) as info:
-        eval(call, {"np": np, **NAMES})  # the calls above, as a user would type them
-    assert str(info.value) == message
+        call()
+    return str(info.value)
+
+
+PLAIN_INT = "pass a plain int"
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: split_sizes(-1, 2), f"size must be an integer >= 0, got -1 (int); {PLAIN_INT}"),
+        (lambda: split_sizes(3, 0), f"parts must be an integer >= 1, got 0 (int); {PLAIN_INT}"),
+        (
+            lambda: split_sizes(3, True),
+            f"parts must be an integer >= 1, got True (bool); {PLAIN_INT}",
+        ),
+        (lambda: ownership([], -1), f"size must be an integer >= 0, got -1 (int); {PLAIN_INT}"),
+        (
+            lambda: ownership([[0], [5]], 3),
+            "rank 1 claims positions 5..5 outside [0, 3); positions are global, not local",
+        ),
+        (
+            lambda: ownership([[0, 1, 2, 3]], 3),  # one past the end
+            "rank 0 claims positions 0..3 outside [0, 3); positions are global, not local",
+        ),
+        (
+            lambda: ownership([[-1, 2]], 3),
+            "rank 0 claims positions -1..2 outside [0, 3); positions are global, not local",
+        ),
+        (
+            lambda: LatLonPartition(4, 4, rule="floor"),
+            "unknown split rule 'floor'; use one of ('ceil', 'balanced')",
+        ),
+        (
+            # the message shows the split of the partition's own rule, not the default one
+            lambda: LatLonPartition(3, 8, 4, 1, rule="balanced"),
+            "LatLonPartition: nlat=3 does not fit h=4 ranks: [1, 1, 1, 0] would leave ranks "
+            "without a latitude; choose h <= 3 or a grid with nlat >= 4",
+        ),
+        (
+            lambda: LatLonPartition(8, 2, 1, 3, rule="balanced"),
+            "LatLonPartition: nlon=2 does not fit w=3 ranks: [1, 1, 0] would leave ranks "
+            "without a longitude; choose w <= 2 or a grid with nlon >= 3",
+        ),
+        (
+            lambda: LatLonPartition(4, 4, 2, 2).slices(4),
+            "rank 4 is not a spatial rank of this 2x2 partition; use 0 <= rank < 4",
+        ),
+        (
+            lambda: LatLonPartition(4, 4, 2, 2).lon_slice(2),
+            "azimuth index 2 out of range for w=2; use 0 <= a < 2",
+        ),
+        (
+            lambda: LatLonPartition(4, 4, 2, 2).lat_slice(2),
+            "polar index 2 out of range for h=2; use 0 <= p < 2",
+        ),
+        (
+            lambda: LatLonPartition(4, 4, 2, 2).where(16),
+            "flat index 16 is outside the 4x4 grid; use 0 <= index < 16",
+        ),
+    ],
+    ids=[
+        "negative_size",
+        "zero_parts",
+        "bool_parts",
+        "ownership_size",
+        "ownership_past_end",
+        "ownership_one_past_end",
+        "ownership_negative",
+        "latlon_rule",
+        "latlon_lat_too_few",
+        "latlon_lon_too_few",
+        "latlon_rank",
+        "latlon_azimuth",
+        "latlon_polar",
+        "latlon_flat",
+    ],
+)
+def test_refusals_read_problem_evidence_remedy(call, message):
+    assert _message(call) == message
+
+
+NSIDE = "nside must be a power of two between 1 and 2**29 for NESTED HEALPix, got {}; "
+NSIDE += "choose 1, 2, 4, 8, ...{}"
+BOUNDS_INT = (
+    "CellPartition bounds must be integers, one more than the ranks, got {}; e.g. (0, 6, 12) "
+    "for 2 ranks, or CellPartition.even(nside, ranks)"
+)
+
+
+@pytest.mark.parametrize(
+    ("nside", "bounds", "message"),
+    [
+        (0, (0, 0), NSIDE.format(0, "")),
+        (3, (0, 108), NSIDE.format(3, " (nearest: 2 or 4)")),
+        (100, (0, 120000), NSIDE.format(100, " (nearest: 64 or 128)")),
+        (True, (0, 12), NSIDE.format(True, "")),
+        (2.0, (0, 48), NSIDE.format(2.0, "")),
+        # a power of two, but too fine: no 'nearest' powers beyond the limit are suggested
+        (2**30, (0, 12 * 4**30), NSIDE.format(2**30, "")),
+        (2**29 + 1, (0, 12), NSIDE.format(2**29 + 1, "")),
+        (1, (0, 2.5, 12), BOUNDS_INT.format("(0, 2.5, 12)")),
+        (1, None, BOUNDS_INT.format("None")),
+        (1, ("a", "b"), BOUNDS_INT.format("('a', 'b')")),
+        (
+            1,
+            (1, 5, 12),
+            "CellPartition bounds must run from 0 to npix=12 (nside=1), got 1 .. 12; every "
+            "cell must be owned: start at 0 and end at 12",
+        ),
+        (
+            1,
+            (0, 5, 11),
+            "CellPartition bounds must run from 0 to npix=12 (nside=1), got 0 .. 11; every "
+            "cell must be owned: start at 0 and end at 12",
+        ),
+        (
+            1,
+            (0, 13, 12),  # the last rank runs backwards
+            "CellPartition bounds must be non-decreasing, but rank 1's range 13:12 runs "
+            "backwards; sort the bounds (equal bounds give an empty rank)",
+        ),
+    ],
+    ids=[
+        "nside0",
+        "nside3",
+        "nside100",
+        "nside_bool",
+        "nside_float",
+        "nside_too_fine",
+        "nside_too_fine_odd",
+        "float_bound",
+        "no_bounds",
+        "text_bounds",
+        "late_start",
+        "short_end",
+        "last_backwards",
+    ],
+)
+def test_cell_partition_refusals_read_problem_evidence_remedy(nside, bounds, message):
+    assert _message(lambda: CellPartition(nside, bounds)) == message
+
+
+def test_the_finest_nside_is_accepted():
+    part = CellPartition(2**29, (0, 12 * 4**29))
+    assert (part.nside, part.ranks, part.sizes) == (2**29, 1, [12 * 4**29])
+
+
+def test_cell_partition_stores_plain_ints_in_a_tuple():
+    part = CellPartition(np.int64(2), [0, np.int64(20), 48.0])
+    assert part.bounds == (0, 20, 48)
+    assert type(part.nside) is int and all(type(b) is int for b in part.bounds)
+    assert hash(part) == hash(CellPartition(2, (0, 20, 48)))
+
+
+@pytest.mark.parametrize("method", ["cells", "halo", "local_neighbours", "packed_slice"])
+@pytest.mark.parametrize("rank", [3, -1, True, 1.0])
+def test_every_cell_lookup_validates_its_rank(method, rank):
+    part = CellPartition.even(1, 3)
+    args = (np.ones(12, dtype=np.int64), rank) if method == "packed_slice" else (rank,)
+    assert _message(lambda: getattr(part, method)(*args)) == (
+        f"rank {rank!r} is not a spatial rank of this 3-rank cell partition; use 0 <= rank < 3"
+    )
+
+
+@pytest.mark.parametrize("cell", [-1, 12, 1.5, np.array([0, -1])])
+def test_rank_of_refuses_cells_that_do_not_exist(cell):
+    assert _message(lambda: CellPartition.even(1, 3).rank_of(cell)) == (
+        f"rank_of needs integer cells in [0, 12) for nside=1; got {cell!r}; are these cells "
+        "of another nside, or ring-ordered?"
+    )
+
+
+def test_rank_of_returns_a_plain_int_for_one_cell_and_int64_for_an_array():
+    part = CellPartition(1, (0, 5, 5, 12))
+    assert type(part.rank_of(5)) is int and part.rank_of(5) == 2
+    owners = part.rank_of(np.array([0, 4, 11], dtype=np.int32))
+    assert owners.dtype == np.int64 and owners.tolist() == [0, 0, 2]
+
+
+def test_packed_slice_refuses_counts_that_are_not_one_integer_per_cell():
+    part = CellPartition.even(1, 3)
+    assert _message(lambda: part.packed_slice(np.ones(12), 0)) == (
+        "packed_slice needs one non-negative integer count per cell, shape (12,) for nside=1; "
+        "got shape (12,) of float64; use np.bincount(cells, minlength=12)"
+    )
+
+
+# ---------------------------------------------------------------- ownership
+
+
+def test_ownership_counts_claims_and_names_holes_and_double_owners():
+    own = ownership([[0], np.array([1, 0]), []], size=4)
+    assert own.size == 4 and own.counts.dtype == np.int64
+    assert own.counts.tolist() == [2, 1, 0, 0]
+    assert (own.missing.tolist(), own.doubled.tolist(), own.complete) == ([2, 3], [0], False)
+    assert own.owners_of(0) == [0, 1] and own.owners_of(3) == []
+    assert own.describe() == (
+        "2 positions owned by no rank (first: 2); 1 owned by several (first: 0, by ranks 0, 1)"
+    )
+    assert own.describe(lambda p: f"cell {p}") == (
+        "2 positions owned by no rank (first: cell 2); 1 owned by several (first: cell 0, "
+        "by ranks 0, 1)"
+    )
+
+
+def test_ownership_of_a_complete_cover_describes_nothing():
+    own = ownership([[2, 0], [], [1]], size=3)  # an empty rank claims nothing
+    assert own.complete and own.describe() == "" and own.owners_of(1) == [2]
+    assert ownership([[]], size=0).complete  # nothing to own
+
+
+def test_ownership_reads_a_rank_s_block_of_positions_as_a_flat_list():
+    own = ownership([np.array([[0, 1], [1, 2]])], size=3)  # one rank claims 1 twice
+    assert own.counts.tolist() == [1, 2, 1]
+    assert own.owners_of(1) == [0, 0]
+    assert own.describe() == "1 owned by several (first: 1, by ranks 0, 0)"
+
+
+def test_ownership_of_one_missing_position_is_singular():
+    assert ownership([[1]], size=2).describe() == "1 position owned by no rank (first: 0)"
+
+
+# ---------------------------------------------------------------- split rules
+
+
+@pytest.mark.parametrize("rule", ["ceil", "balanced"])
+def test_latlon_partition_splits_with_its_own_rule(rule):
+    part = LatLonPartition(10, 5, 4, 4, rule=rule)
+    assert part.rule == rule
+    assert part.lat_sizes == split_sizes(10, 4, rule=rule)
+    assert part.lon_sizes == split_sizes(5, 4, rule=rule)
+    assert part.lon_slice(3) == slice(sum(part.lon_sizes[:3]), 5)
+
+
+def test_latlon_partition_records_the_installed_rule_when_none_is_given():
+    part = LatLonPartition(10, 5, 4, 4)
+    assert part.rule == sht_split_rule()
+    assert part == LatLonPartition(10, 5, 4, 4, rule=sht_split_rule())
+
+
+# ---------------------------------------------------------------- cell_of
+
+
+def test_cell_of_accepts_the_poles_and_integer_degrees():
+    assert cell_of(1, [90.0, -90.0], [0.0, 0.0]).tolist() == [0, 8]
+    cells = cell_of(1, [80, -80], [45, 45])
+    assert cells.dtype == np.int64 and cells.tolist() == [0, 8]
+
+
+@pytest.mark.parametrize(
+    ("lat", "lon", "shown"),
+    [
+        ([100], [10.0], "[100.0, 100.0]"),
+        ([-90.5, 0.0], [10.0, 10.0], "[-90.5, 0.0]"),
+        ([float("nan")], [10.0], "[nan, nan]"),
+        ([0.0], [float("inf")], "[0.0, 0.0]"),
+    ],
+    ids=["over", "just_under_south_pole", "nan_latitude", "infinite_longitude"],
+)
+def test_cell_of_refuses_impossible_coordinates(lat, lon, shown):
+    assert _message(lambda: cell_of(1, lat, lon)) == (
+        "cell_of needs latitudes in [-90, 90] degrees and finite longitudes; got latitudes in "
+        f"{shown}; did you swap lat and lon?"
+    )
+
+
+# ---------------------------------------------------------------- properties
+
+
+@settings(max_examples=60)
+@given(st.integers(0, 200), st.integers(1, 20), st.sampled_from(["ceil", "balanced"]))
+def test_split_sizes_cover_the_size_with_non_negative_parts(size, parts, rule):
+    sizes = split_sizes(size, parts, rule=rule)
+    assert len(sizes) == parts and sum(sizes) == size and min(sizes) >= 0
+    if rule == "balanced":
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
