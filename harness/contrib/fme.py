@@ -1,8 +1,9 @@
 """ACE / ``fme``'s spatially parallel SFNO as a ``SpatialCase``.
 
-``FmeCase`` builds fme's own conditional SFNO (``get_lat_lon_sfnonet``, on fme's
-``Distributed`` singleton and torch-harmonics' distributed SHT) and trains it one step at a
-time the way fme does around the model:
+``FmeCase`` builds fme's own noise-conditioned SFNO (``NoiseConditionedSFNOBuilder.build``,
+the registry's ``"NoiseConditionedSFNO"``, on fme's ``Distributed`` singleton and
+torch-harmonics' distributed SHT) and trains it one step at a time the way fme does around
+the model:
 
 - fme's ``Distributed.wrap_module``: DDP over the data group (``broadcast_buffers=False``)
   plus fme's gradient hooks that all-reduce every parameter gradient over the spatial group;
@@ -20,6 +21,9 @@ manager's state, fme's ``Distributed`` singleton, fme's ``patch_gloo_alltoall`` 
 ``torch.distributed.all_to_all`` and torch-harmonics' groups (0.8.0's ``is_initialized`` is
 always False, so fme calls ``thd.init`` on every build). Gloo's ``all_to_all`` is fme's own
 patch, not the harness's: the harness's transposes are undone first.
+
+float32 only: fme builds its SHTs with ``.float()`` and draws its isotropic noise in
+float32 whatever the default dtype, so a float64 run fails in the reference already.
 
 Install with ``pip install "pytest-spatial-harness[fme]"`` beside fme (which pins
 torch-harmonics 0.8.0). Nothing here imports fme until a case is built.
@@ -39,7 +43,15 @@ from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.topology import Topology
 
-__all__ = ["FME_FAULTS", "FmeCase", "FmeConfig", "fault_matrix", "main_configs", "require"]
+__all__ = [
+    "FME_FAULTS",
+    "FmeCase",
+    "FmeConfig",
+    "FmeNotInstalled",
+    "fault_matrix",
+    "main_configs",
+    "require",
+]
 
 _INSTALL = 'pip install "pytest-spatial-harness[fme]"'
 
@@ -51,17 +63,27 @@ PRELOAD = ("fme", "torch_harmonics", "torch_harmonics.distributed")
 FME_FAULTS: dict[str, str] = {
     "no-spatial-grad-hooks": "wrap_module leaves out fme's spatial gradient all-reduce hooks",
     "reduce-sum-no-allreduce": "spatial_reduce_sum returns the local sum (no all-reduce)",
+    "reduce-sum-summed-backward": "spatial_reduce_sum's backward all-reduces the gradient "
+    "(fme's is the identity, right for the replicated loss): gradients S times too large",
     "slices-swapped": "get_local_slices hands each rank the block of its mirror rank",
+    "all-to-all-peer-order": "fme's gloo all_to_all files each peer's block under the next "
+    "peer (a wrong gather order in the SHT's transposes)",
+    "no-gloo-alltoall-patch": "ModelTorchDistributed skips patch_gloo_alltoall",
 }
 
 
+class FmeNotInstalled(ConfigError, ImportError):
+    """fme is not importable here: both an ``ImportError`` (what callers of an optional
+    dependency catch) and the harness's ``ConfigError`` (what its CLI and plugin report)."""
+
+
 def require() -> Any:
-    """Import and return ``fme``, or raise a ``ConfigError`` naming the fix."""
+    """Import and return ``fme``, or raise ``FmeNotInstalled`` naming the fix."""
     try:
         import fme
         from fme.core.distributed import distributed  # noqa: F401
     except ImportError as exc:
-        raise ConfigError(
+        raise FmeNotInstalled(
             f"harness.contrib.fme needs the fme package (ACE) ({exc}); install it with: {_INSTALL}"
         ) from exc
     return fme
@@ -73,7 +95,9 @@ class FmeConfig:
 
     ``h`` x ``w`` is fme's spatial process grid (latitudes x longitudes, split by
     torch-harmonics' rule, uneven where the sizes do not divide); ranks beyond ``h * w``
-    become fme's data-parallel groups. The SFNO options are fme's ``SFNONetConfig``'s.
+    become fme's data-parallel groups. The model options are those of fme's
+    ``NoiseConditionedSFNOBuilder`` (registry name ``"NoiseConditionedSFNO"``, the SFNO ACE
+    trains); ``options`` passes any other field of it.
     """
 
     nlat: int = 8
@@ -85,31 +109,51 @@ class FmeConfig:
     grid: str = "legendre-gauss"  # fme's data_grid: "legendre-gauss" or "equiangular"
     embed_dim: int = 8
     num_layers: int = 2
+    #: fme's conditioning noise: "isotropic" (drawn in spectral space, sliced per rank) or
+    #: "gaussian" (drawn per grid point); ``noise_embed_dim=0`` turns the noise off
+    noise_type: str = "isotropic"
+    noise_embed_dim: int = 4
+    context_pos_embed_dim: int = 0
     pos_embed: bool = True
     big_skip: bool = True
     global_layer_norm: bool = False
     affine_norms: bool = False
     normalize_big_skip: bool = False
+    filter_residual: bool = False
+    filter_output: bool = False
     filter_type: str = "linear"
     clip_latent_global_means: bool = False
+    #: fields of fme's ``AtmosphereCorrectorConfig`` to apply fme's corrector to the output
+    #: as its stepper does (channel 0 is named ``tendency_of_total_water_path_due_to_advection``,
+    #: the others ``var1``, ...), e.g. ``{"zero_global_mean_moisture_advection": True}``
+    corrector: dict[str, Any] | None = None
     #: also run the model in eval mode each step and compare that output ("eval output"):
     #: some of fme's code paths (the latent mean clipping) only act in eval
     eval_output: bool = False
-    options: dict[str, Any] = field(default_factory=dict)  # any other SFNONetConfig field
+    options: dict[str, Any] = field(default_factory=dict)  # any other builder field
 
-    def sfno_config(self) -> Any:
-        from fme.core.models.conditional_sfno.sfnonet import SFNONetConfig
+    def builder(self) -> Any:
+        """fme's ``NoiseConditionedSFNOBuilder`` for these options."""
+        from fme.ace.registry.stochastic_sfno import NoiseConditionedSFNOBuilder
 
-        return SFNONetConfig(
+        return NoiseConditionedSFNOBuilder(
             embed_dim=self.embed_dim,
             num_layers=self.num_layers,
+            # no noise channels: fme's isotropic draw would run an inverse SHT on an empty
+            # tensor (an MKL FFT error); its gaussian draw of 0 channels is a no-op
+            noise_type="gaussian" if self.noise_embed_dim == 0 else self.noise_type,
+            noise_embed_dim=self.noise_embed_dim,
+            context_pos_embed_dim=self.context_pos_embed_dim,
             pos_embed=self.pos_embed,
             big_skip=self.big_skip,
             global_layer_norm=self.global_layer_norm,
             affine_norms=self.affine_norms,
             normalize_big_skip=self.normalize_big_skip,
+            filter_residual=self.filter_residual,
+            filter_output=self.filter_output,
             filter_type=self.filter_type,
             clip_latent_global_means=self.clip_latent_global_means,
+            data_grid=self.grid,
             **self.options,
         )
 
@@ -118,8 +162,8 @@ class FmeCase(SpatialCase):
     """fme's SFNO: its ``NonDistributed`` path against ``ModelTorchDistributed`` on the
     harness's ranks (``h * w`` ranks per spatial group).
 
-    float32 by default: fme's SHT and loss are float32 code; float64 works where fme's
-    layers follow the default dtype (``dtype=torch.float64``).
+    float32: fme's SHTs are float32 (``get_sht(...).float()``) and its isotropic noise is
+    drawn in float32, so ``dtype=torch.float64`` fails in fme's own reference path.
     """
 
     def __init__(
@@ -146,16 +190,14 @@ class FmeCase(SpatialCase):
                 f"FmeCase h={cfg.h} x w={cfg.w} needs spatial groups of {cfg.h * cfg.w} "
                 f"ranks, got {topo.spatial_size}: pass spatial_size={cfg.h * cfg.w}"
             )
+        if topo.spatial_group is not None:
+            _patch_faults(self.faults)  # before fme's backend exists: some act in its __init__
         instance = _install_backend(topo, cfg)
-        _patch_faults(self.faults, instance)
-        from fme.core.models.conditional_sfno.sfnonet import get_lat_lon_sfnonet
+        from fme.core.dataset_info import DatasetInfo
 
-        net = get_lat_lon_sfnonet(
-            self.config.sfno_config(),
-            in_chans=cfg.channels,
-            out_chans=cfg.channels,
-            img_shape=(cfg.nlat, cfg.nlon),
-            data_grid=cfg.grid,
+        # fme's own builder, as its registry calls it (ModuleSelector.build)
+        net = cfg.builder().build(
+            cfg.channels, cfg.channels, DatasetInfo(img_shape=(cfg.nlat, cfg.nlon))
         )
         return _FmeModel(net, instance.wrap_module(net), _area_weights(cfg))
 
@@ -174,15 +216,15 @@ class FmeCase(SpatialCase):
     def forward(self, model: torch.nn.Module, batch: Any, topo: Topology) -> Outputs:
         from fme.core.distributed.distributed import Distributed
         from fme.core.loss import AreaWeightedMSELoss
-        from fme.core.models.conditional_sfno.layers import Context
 
         assert isinstance(model, _FmeModel)
         cfg = self.config
         dist = Distributed.get_instance()
         local = dist.scatter_spatial(batch, (cfg.nlat, cfg.nlon))  # fme's own slicing
         ops = _lat_lon_operations(model.area)
-        context = Context(embedding_scalar=None, embedding_pos=None, labels=None, noise=None)
-        out = model(local["x"], context)
+        out = model(local["x"])  # fme's NoiseConditionedModel draws its noise here
+        if cfg.corrector is not None:
+            out = _correct(out, cfg.corrector, ops)
         components = AreaWeightedMSELoss(ops.area_weighted_mean)(out, local["y"])
         loss = sum(c.reduce_to_channel().mean() for c in components)
         assert isinstance(loss, torch.Tensor)
@@ -193,7 +235,7 @@ class FmeCase(SpatialCase):
             model.eval()
             with torch.no_grad():
                 # an input unlike the training batches: eval-only paths act on it
-                fields["eval output"] = model(2.0 * local["x"] + 1.0, context)
+                fields["eval output"] = model(2.0 * local["x"] + 1.0)
             model.train()
         if topo.spatial_group is None:
             return Outputs(loss, dict(fields))
@@ -324,6 +366,24 @@ def _lat_lon_operations(area: torch.Tensor) -> Any:
     return LatLonOperations(area)
 
 
+#: the names fme's atmosphere corrector gives the output channels (channel 0 first)
+_CORRECTED_NAME = "tendency_of_total_water_path_due_to_advection"
+
+
+def _correct(out: torch.Tensor, options: dict[str, Any], ops: Any) -> torch.Tensor:
+    """fme's ``AtmosphereCorrector`` (built by its config, as the stepper builds it) applied to
+    the output's channels, as a dict of named fields, then stacked back."""
+    import datetime
+
+    from fme.core.corrector.atmosphere import AtmosphereCorrectorConfig
+
+    corrector = AtmosphereCorrectorConfig(**options)._build(ops, None, datetime.timedelta(hours=6))
+    names = [_CORRECTED_NAME] + [f"var{i}" for i in range(1, out.shape[1])]
+    gen = {name: out[:, i] for i, name in enumerate(names)}
+    corrected = corrector({}, gen, {}, None).corrected
+    return torch.stack([corrected[name] for name in names], dim=1)
+
+
 def _data_mean(loss: torch.Tensor, topo: Topology) -> torch.Tensor:
     """The loss as fme logs it over data groups: the mean of the groups' losses, with an
     identity backward (DDP averages the gradients over the data group itself)."""
@@ -348,16 +408,36 @@ class _DataMean(torch.autograd.Function):
 _UNDO: list[Callable[[], None]] = []
 
 
-def _patch_faults(faults: tuple[str, ...], instance: Any) -> None:
-    """Break fme's own distributed path the way each fault says, on this rank only."""
-    backend = instance._distributed
-    if not faults or type(backend).__name__ != "ModelTorchDistributed":
-        return
-    cls = type(backend)
+def _patch_faults(faults: tuple[str, ...]) -> None:
+    """Break fme's own distributed path the way each fault says, on this rank only (undone
+    by ``teardown``)."""
+    from fme.core.distributed import _gloo_patch, model_torch_distributed
+    from fme.core.distributed.model_torch_distributed import (
+        ModelTorchDistributed,
+        _AutogradAllReduce,
+    )
+
+    cls = ModelTorchDistributed
     if "no-spatial-grad-hooks" in faults:
         _swap(cls, "_register_spatial_grad_hooks", lambda self, module: None)
     if "reduce-sum-no-allreduce" in faults:
         _swap(cls, "spatial_reduce_sum", lambda self, tensor: tensor)
+    if "reduce-sum-summed-backward" in faults:
+
+        def summed_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            grad = grad.clone()
+            torch.distributed.all_reduce(grad, group=_FAULT_GROUPS[0])
+            return grad, None
+
+        original_reduce = cls.spatial_reduce_sum
+
+        def reduce_sum(self: Any, tensor: torch.Tensor) -> torch.Tensor:
+            _FAULT_GROUPS[:] = [self._spatial_group]
+            reduced: torch.Tensor = original_reduce(self, tensor)
+            return reduced
+
+        _swap(cls, "spatial_reduce_sum", reduce_sum)
+        _swap(_AutogradAllReduce, "backward", staticmethod(summed_backward))
     if "slices-swapped" in faults:
         original = cls._get_local_spatial_shape
 
@@ -369,17 +449,36 @@ def _patch_faults(faults: tuple[str, ...], instance: Any) -> None:
                 self._h_rank = saved
 
         _swap(cls, "_get_local_spatial_shape", mirrored)
+    if "all-to-all-peer-order" in faults:
+        exchange = _gloo_patch._gloo_all_to_all
+
+        def misfiled(outputs: list[torch.Tensor], inputs: list[torch.Tensor], **kw: Any) -> None:
+            exchange(outputs, inputs, **kw)
+            received = [t.clone() for t in outputs]
+            for i, out in enumerate(outputs):
+                nxt = received[(i + 1) % len(received)]
+                if nxt.shape == out.shape:
+                    out.copy_(nxt)
+
+        _swap(_gloo_patch, "_gloo_all_to_all", misfiled)
+    if "no-gloo-alltoall-patch" in faults:
+        _swap(model_torch_distributed, "patch_gloo_alltoall", lambda: None)
 
 
-def _swap(cls: type, name: str, new: Any) -> None:
-    old = cls.__dict__[name]
-    setattr(cls, name, new)
-    _UNDO.append(lambda: setattr(cls, name, old))
+_FAULT_GROUPS: list[Any] = []
+
+
+def _swap(owner: Any, name: str, new: Any) -> None:
+    """Set ``owner.name`` (a class or a module) to ``new``, and remember how to undo it."""
+    old = owner.__dict__[name]
+    setattr(owner, name, new)
+    _UNDO.append(lambda: setattr(owner, name, old))
 
 
 def _unpatch_faults() -> None:
     while _UNDO:
         _UNDO.pop()()
+    _FAULT_GROUPS.clear()
 
 
 # ---------------------------------------------------------------------- the main job
@@ -389,16 +488,61 @@ Config = tuple[str, Callable[..., SpatialCase], dict[str, Any], "int | None"]
 
 
 def main_configs(ranks: int) -> list[Config]:
-    """(label, factory, kwargs, spatial_size) for ``harness-check --model fme``."""
+    """(label, factory, kwargs, spatial_size) for ``harness-check --model fme``: layouts of
+    fme's noise-conditioned SFNO (isotropic noise) that ``ranks`` ranks can hold.
+
+    The spatial x data layout runs without noise: the reference draws the whole global
+    batch's noise in one call, a data group only its share from the same RNG state, so the
+    samples' noise cannot agree (a harness limit, see NOTES; not an fme bug).
+    """
     if ranks == 4:
         return [
             ("fme 2x2", FmeCase, {"h": 2, "w": 2}, None),
-            ("fme 4x1 uneven", FmeCase, {"nlat": 10, "nlon": 16, "h": 4, "w": 1}, None),
-            ("fme 1x4 equiangular", FmeCase, {"h": 1, "w": 4, "grid": "equiangular"}, None),
-            ("fme 2x1 x 2 data", FmeCase, {"h": 2, "w": 1, "batch_size": 4}, 2),
+            ("fme 4x1 uneven", FmeCase, {"nlat": 10, "h": 4, "w": 1}, None),
+            (
+                "fme 1x4 uneven equiangular",
+                FmeCase,
+                {"nlon": 18, "h": 1, "w": 4, "grid": "equiangular"},
+                None,
+            ),
+            (
+                "fme 2x1 x 2 data",
+                FmeCase,
+                {"h": 2, "w": 1, "batch_size": 4, "noise_embed_dim": 0},
+                2,
+            ),
         ]
-    h = ranks if ranks <= 8 else 1
-    return [(f"fme {h}x1", FmeCase, {"nlat": max(8, 2 * h), "h": h, "w": 1}, None)]
+    if ranks == 1:
+        return [("fme 1x1", FmeCase, {"h": 1, "w": 1}, None)]
+    configs = [_config(ranks, 1), _config(1, ranks)]
+    if ranks % 2 == 0 and ranks > 2:
+        configs.append(_config(2, ranks // 2))
+        configs.append(_config(ranks // 2, 1, data=2))
+    return configs
+
+
+def _config(h: int, w: int, data: int = 1) -> Config:
+    """A main-job layout for an h x w grid (times ``data`` data groups): grid sizes that no
+    process count divides (uneven blocks, none empty: torch-harmonics' split rule), and at
+    least as many latent and noise channels as ranks in a direction (its distributed
+    transposes split channels over the h and w groups and refuse fewer channels than ranks).
+    With data groups the noise is off (see ``main_configs``)."""
+    from harness.partition import split_sizes
+
+    nlat = max(8, 2 * h + 1) + (1 if h > 1 and max(8, 2 * h + 1) % h == 0 else 0)
+    nlon = max(16, 4 * w + 2) + (2 if w > 2 and max(16, 4 * w + 2) % w == 0 else 0)
+    options: dict[str, Any] = {
+        "h": h,
+        "w": w,
+        "nlat": nlat,
+        "nlon": nlon,
+        "embed_dim": max(8, h, w),
+        "noise_embed_dim": 0 if data > 1 else max(4, h, w),
+        "batch_size": 2 * data,
+    }
+    uneven = len(set(split_sizes(nlat, h))) > 1 or len(set(split_sizes(nlon, w))) > 1
+    label = f"fme {h}x{w}" + (" uneven" if uneven else "") + (f" x {data} data" if data > 1 else "")
+    return label, FmeCase, options, (h * w if data > 1 else None)
 
 
 def fault_matrix(ranks: int) -> Iterator[tuple[str, Any, dict[str, Any], Any, str, set[str]]]:
@@ -408,7 +552,10 @@ def fault_matrix(ranks: int) -> Iterator[tuple[str, Any, dict[str, Any], Any, st
     expected = {
         "no-spatial-grad-hooks": {"grad", "sync"},
         "reduce-sum-no-allreduce": {"loss", "grad"},
+        "reduce-sum-summed-backward": {"grad"},
         "slices-swapped": {"field", "loss"},
+        "all-to-all-peer-order": {"field", "loss"},
+        "no-gloo-alltoall-patch": {"error"},
     }
     for fault in FME_FAULTS:
         yield "fme", FmeCase, {"h": 2, "w": 2}, None, fault, expected[fault]

@@ -3,8 +3,10 @@
 Runs in the fme CI venv (``pip install fme==2026.10.0`` then
 ``pip install "pytest-spatial-harness[fme]"``), with ``--spatial-preload
 fme,torch_harmonics.distributed`` so each rank imports fme once; skipped where fme is not
-installed. Tolerances are the harness's float32 defaults: fme's spectral weights are float32
-whatever the default dtype (a float64 run fails in fme's own ``_contract_dhconv``).
+installed. Tolerances are the harness's float32 defaults (an absolute term on every
+quantity: the partitioned float32 SFNO differs from the serial one by up to ~3e-7 in fields
+and ~3e-8 in gradients near zero): fme's SHTs and noise are float32 whatever the default
+dtype, so a float64 run fails in fme's own reference path.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ import pytest
 
 pytest.importorskip("fme", reason="fme is not installed here: tox -e fme (and .ci/run) runs these")
 
-from harness.contrib.fme import FmeCase, fault_matrix, main_configs, require
+from harness import check_equivalence
+from harness.contrib.fme import (
+    FME_FAULTS,
+    FmeCase,
+    FmeNotInstalled,
+    fault_matrix,
+    main_configs,
+    require,
+)
 from harness.errors import ConfigError
 from tests.contrib.upstream import UpstreamBug, assert_fault_caught, finding
 
@@ -26,8 +36,9 @@ RANKS = 4
 
 def test_missing_fme_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "fme", None)
-    with pytest.raises(ConfigError, match=r"pytest-spatial-harness\[fme\]"):
+    with pytest.raises(ImportError, match=r"pytest-spatial-harness\[fme\]") as info:
         require()
+    assert isinstance(info.value, FmeNotInstalled) and isinstance(info.value, ConfigError)
     with pytest.raises(ConfigError, match="unknown fme fault"):
         FmeCase(faults=("nope",))
 
@@ -54,7 +65,7 @@ def fme_state() -> dict[str, Any]:
     """What fme and torch-harmonics hold in module globals on this rank."""
     import torch.distributed as dist
     import torch_harmonics.distributed.utils as thu
-    from fme.core.distributed import _gloo_patch, distributed
+    from fme.core.distributed import _gloo_patch, distributed, model_torch_distributed
     from fme.core.distributed.external.pnd_manager import DistributedManager
 
     return {
@@ -64,6 +75,18 @@ def fme_state() -> dict[str, Any]:
         "all_to_all patched": _gloo_patch._original_all_to_all is not None
         or dist.all_to_all.__module__ != "torch.distributed.distributed_c10d",
         "polar group": getattr(thu, "_POLAR_PARALLEL_GROUP", None) is None,
+        # what the faults patch: fme's own functions again
+        "fme functions": sorted(
+            f.__qualname__
+            for f in (
+                model_torch_distributed.ModelTorchDistributed.spatial_reduce_sum,
+                model_torch_distributed.ModelTorchDistributed._register_spatial_grad_hooks,
+                model_torch_distributed.ModelTorchDistributed._get_local_spatial_shape,
+                model_torch_distributed._AutogradAllReduce.backward,
+                model_torch_distributed.patch_gloo_alltoall,
+                _gloo_patch._gloo_all_to_all,
+            )
+        ),
     }
 
 
@@ -77,9 +100,21 @@ def test_a_run_leaves_fme_as_it_found_it_on_every_rank(spatial: Any) -> None:
         "manager": {},
         "all_to_all patched": False,
         "polar group": True,
+        "fme functions": [
+            "ModelTorchDistributed._get_local_spatial_shape",
+            "ModelTorchDistributed._register_spatial_grad_hooks",
+            "ModelTorchDistributed.spatial_reduce_sum",
+            "_AutogradAllReduce.backward",
+            "_gloo_all_to_all",
+            "patch_gloo_alltoall",
+        ],
     }
     assert spatial.run(fme_state) == [clean] * RANKS
     spatial.check(FmeCase(h=2, w=2, faults=()))
+    assert spatial.run(fme_state) == [clean] * RANKS
+    # a run with every fault patched in (it fails) leaves fme's functions as they were too
+    every_fault = FmeCase(h=2, w=2, faults=tuple(FME_FAULTS))
+    assert not check_equivalence(every_fault, ranks=RANKS, pool=spatial.pool(RANKS)).ok
     assert spatial.run(fme_state) == [clean] * RANKS
     assert fme_state() == clean  # the reference's process too
 
@@ -141,3 +176,125 @@ def test_latent_mean_clipping_under_spatial_parallelism(spatial: Any) -> None:
             {(x.quantity, x.name) for x in report.mismatches} == {("field", "eval output")}
         ),
     )
+
+
+@pytest.mark.spatial(ranks=RANKS)
+@pytest.mark.xfail(
+    strict=True,
+    raises=UpstreamBug,
+    reason="fme 2026.10.0: NoiseConditionedModel draws gaussian noise with randn at the "
+    "rank's local (nlat/h, nlon/w) shape from the replicated RNG state, so every spatial "
+    "tile gets the same noise and none gets its slice of the global field",
+)
+def test_gaussian_noise_under_spatial_parallelism(spatial: Any) -> None:
+    noise_fed = ("W_scale_2d", "W_bias_2d")  # the conditioning layers that read the noise
+    finding(
+        spatial,
+        FmeCase(h=2, w=2, noise_type="gaussian", num_layers=1),
+        RANKS,
+        lambda m, report: (
+            m.quantity == "grad"
+            and any(k in m.name for k in noise_fed)
+            and "field" in report.quantities
+        ),
+    )
+
+
+@pytest.mark.spatial(ranks=RANKS)
+@pytest.mark.xfail(
+    strict=True,
+    raises=UpstreamBug,
+    reason="fme 2026.10.0: the makani-linear SpectralConvS2 keeps modes_lat_local = "
+    "modes_lat (its weight is never sliced to the rank's l range), so with h > 1 its "
+    "contraction meets the distributed SHT's local modes and fails",
+)
+def test_makani_linear_filter_with_a_split_latitude(spatial: Any) -> None:
+    finding(
+        spatial,
+        FmeCase(h=2, w=2, filter_type="makani-linear", num_layers=1),
+        RANKS,
+        lambda m, _: m.quantity == "error" and m.phase == "step 0 forward",
+    )
+
+
+@pytest.mark.spatial(ranks=RANKS)
+@pytest.mark.xfail(
+    strict=True,
+    raises=UpstreamBug,
+    reason="fme 2026.10.0: SpectralConvS2's spectral LoRA factors (lora_A, lora_B) are "
+    "global in l and applied to x[..., :modes_lat, :] while the main weight is sliced to "
+    "the rank's l range (self._l_slice), so with h > 1 the LoRA einsum fails",
+)
+def test_spectral_lora_with_a_split_latitude(spatial: Any) -> None:
+    finding(
+        spatial,
+        FmeCase(h=2, w=2, num_layers=1, options={"spectral_lora_rank": 2}),
+        RANKS,
+        lambda m, _: m.quantity == "error" and m.phase == "step 0 forward",
+    )
+
+
+@pytest.mark.spatial(ranks=RANKS)
+@pytest.mark.xfail(
+    strict=True,
+    raises=UpstreamBug,
+    reason="fme 2026.10.0: filter_output runs the output (out_chans channels) through the "
+    "distributed SHT, whose transposes (torch-harmonics 0.8.0) split the channel dim over "
+    "the w (or h) group and assert channels >= ranks; fme checks nothing, so an SFNO with "
+    "fewer output channels than w ranks crashes",
+)
+def test_output_filter_with_fewer_channels_than_ranks(spatial: Any) -> None:
+    finding(
+        spatial,
+        FmeCase(h=1, w=4, num_layers=1, channels=2, filter_output=True),
+        RANKS,
+        lambda m, _: (
+            m.quantity == "error"
+            and m.phase == "step 0 forward"
+            and "cannot split dim -3 of size 2 into" in m.where
+        ),
+    )
+
+
+@pytest.mark.spatial(ranks=RANKS)
+@pytest.mark.xfail(
+    strict=True,
+    raises=UpstreamBug,
+    reason="fme 2026.10.0: the atmosphere corrector's global means (here "
+    "zero_global_mean_moisture_advection) go through spatial_reduce_sum, whose "
+    "_AutogradAllReduce has an identity backward (right only for the loss); inside the "
+    "model the mean feeds every point, so each rank drops the other ranks' share of its "
+    "gradient: forward exact, gradients wrong",
+)
+def test_corrector_global_mean_under_spatial_parallelism(spatial: Any) -> None:
+    finding(
+        spatial,
+        FmeCase(h=2, w=2, num_layers=1, corrector={"zero_global_mean_moisture_advection": True}),
+        RANKS,
+        # the forward is exact (step 0's loss and output match); only gradients differ
+        lambda m, report: (
+            m.quantity == "grad"
+            and m.step == 0
+            and not {(x.quantity, x.step) for x in report.mismatches} & {("loss", 0), ("field", 0)}
+        ),
+    )
+
+
+@pytest.mark.spatial(ranks=RANKS)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"filter_type": "makani-linear"},
+        {"options": {"spectral_lora_rank": 2}},
+        # 4 channels: torch-harmonics splits channels over the w group (see the finding below)
+        {"filter_residual": True, "filter_output": True, "channels": 4},
+        {"normalize_big_skip": True, "affine_norms": True},
+        {"pos_embed": False, "context_pos_embed_dim": 3},
+        {"options": {"local_blocks": [0], "lora_rank": 2}},
+        {"corrector": {"force_positive_names": ["var1"]}},
+    ],
+    ids=["makani", "spectral-lora", "filters", "norms", "context-pos", "disco-lora", "clamp"],
+)
+def test_options_on_a_longitude_only_split_match_reference(spatial: Any, options: Any) -> None:
+    # h = 1: the l axis is whole on every rank, where makani-linear and spectral LoRA work
+    spatial.check(FmeCase(h=1, w=4, num_layers=1, **options), steps=1)
