@@ -368,8 +368,10 @@ class HarnessSession:
             tr.write_sep("=", "spatial equivalence")
             # in test order, whichever xdist worker ran which test
             rows = sorted(self.equivalences, key=lambda r: (r.get("test", ""), r["case"]))
-            # fitted to the terminal (the partition column shortened), never below 100
-            width = max(100, shutil.get_terminal_size((100, 24)).columns)
+            # fitted to a terminal (the partition column shortened), never below 100
+            # columns; a log (no terminal, no COLUMNS) gets the whole text
+            columns = shutil.get_terminal_size((0, 0)).columns
+            width = max(100, columns) if columns else None
             for line in equivalence_table(rows, width=width):
                 tr.write_line(line)
         counts: dict[str, int] = {}
