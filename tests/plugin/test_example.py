@@ -35,7 +35,12 @@ def example(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(root: Path, *args: str, bug: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "TINYCLIMATE_"))}
+    # as in a CI log: no terminal size (xdist workers export COLUMNS=80 to their children)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_", "TINYCLIMATE_")) and k not in ("COLUMNS", "LINES")
+    }
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(root / "src"), os.environ.get("PYTHONPATH")) if p
     )
