@@ -635,6 +635,7 @@ def test_a_nonfinite_value_in_a_shard_given_by_a_slice_names_its_global_position
     for index, where in [
         (slice(2, 4), "[0] position 3 (1 NaN)"),
         (slice(1, 5, 2), "[0] position 3 (1 NaN)"),
+        (slice(None, 2), "[0] position 1 (1 NaN)"),
         (slice(-2, None), "[0] local position 1 (1 NaN)"),  # needs the size: said as local
     ]:
         shard = FieldRecord(torch.tensor([[1.0, NAN]], dtype=F64), index, -1, None)

@@ -768,6 +768,12 @@ def test_a_scale_of_one_on_a_single_rank_is_no_hint():
 # ---------------------------------------------------------------- edges of the rendering
 
 
+def test_a_table_of_41_rows_says_the_one_left_out():
+    rows = [Mismatch("field", f"f{i:02d}", 0, 0, 1.0, 1.0, "(0,)", 1, 1) for i in range(41)]
+    lines = str(_failed_report(rows)).splitlines()
+    assert lines[44].startswith("field     f39 ") and lines[45] == "... and 1 more rows"
+
+
 def test_a_table_of_exactly_40_rows_is_shown_whole():
     rows = [Mismatch("field", f"f{i:02d}", 0, 0, 1.0, 1.0, "(0,)", 1, 1) for i in range(40)]
     lines = str(_failed_report(rows)).splitlines()
