@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from harness import EquivalenceReport, SpatialCase, check_equivalence
 from harness.compare import Mismatch
 
@@ -49,3 +51,9 @@ def assert_fault_caught(spatial: Any, fault: tuple[Any, ...], ranks: int) -> Non
     )
     assert not report.ok, f"{fault_id} not caught"
     assert report.mismatches[0].quantity in expected, str(report)
+
+
+def upstream_bug(reason: str) -> Any:
+    """The mark of a findings test: ``xfail(strict=True, raises=UpstreamBug, reason=...)``,
+    the reason naming the model, its version and the cause."""
+    return pytest.mark.xfail(strict=True, raises=UpstreamBug, reason=reason)

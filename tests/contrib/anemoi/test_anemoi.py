@@ -19,7 +19,7 @@ pytest.importorskip(
 
 from harness.contrib.anemoi import AnemoiCase, fault_matrix, main_configs, require_anemoi
 from harness.errors import ConfigError
-from tests.contrib.upstream import UpstreamBug, assert_fault_caught, finding
+from tests.contrib.upstream import assert_fault_caught, finding, upstream_bug
 
 RANKS = 4
 
@@ -49,12 +49,10 @@ def test_fault_in_anemoi_is_caught(spatial: Any, fault: Any) -> None:
 
 
 @pytest.mark.spatial(ranks=RANKS)
-@pytest.mark.xfail(
-    strict=True,
-    raises=UpstreamBug,
-    reason="anemoi-models 0.13.0: GraphConvMapperBlock shards its message sum with "
+@upstream_bug(
+    "anemoi-models 0.13.0: GraphConvMapperBlock shards its message sum with "
     "shard_tensor(gather_in_backward=False), whose backward returns the shard-sized gradient "
-    "for the full-sized input: the GNN mappers fail in backward on any model group > 1",
+    "for the full-sized input: the GNN mappers fail in backward on any model group > 1"
 )
 def test_gnn_backward_on_a_model_group(spatial: Any) -> None:
     finding(
@@ -70,12 +68,10 @@ def test_gnn_backward_on_a_model_group(spatial: Any) -> None:
 
 
 @pytest.mark.spatial(ranks=RANKS)
-@pytest.mark.xfail(
-    strict=True,
-    raises=UpstreamBug,
-    reason="anemoi-models 0.13.0: distributed.primitives._reduce(use_fp32=True) all-reduces "
+@upstream_bug(
+    "anemoi-models 0.13.0: distributed.primitives._reduce(use_fp32=True) all-reduces "
     "float64 tensors in float32 (sync_tensor backward, reduce_tensor): float64 gradients of "
-    "the sharded path are rounded to float32",
+    "the sharded path are rounded to float32"
 )
 def test_float64_edge_sharding_keeps_float64(spatial: Any) -> None:
     # float64 tolerances (rtol 1e-10): only reordered sums may differ
@@ -85,11 +81,9 @@ def test_float64_edge_sharding_keeps_float64(spatial: Any) -> None:
 
 
 @pytest.mark.spatial(ranks=RANKS)
-@pytest.mark.xfail(
-    strict=True,
-    raises=UpstreamBug,
-    reason="anemoi-models 0.13.0: a model-group rank whose grid shard is empty "
-    "(grid_shard_shapes with a 0) fails in the encoder's edge sharding (IndexError)",
+@upstream_bug(
+    "anemoi-models 0.13.0: a model-group rank whose grid shard is empty "
+    "(grid_shard_shapes with a 0) fails in the encoder's edge sharding (IndexError)"
 )
 def test_empty_grid_shard(spatial: Any) -> None:
     case = AnemoiCase(

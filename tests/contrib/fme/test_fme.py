@@ -29,7 +29,7 @@ from harness.contrib.fme import (
     require,
 )
 from harness.errors import ConfigError
-from tests.contrib.upstream import UpstreamBug, assert_fault_caught, finding
+from tests.contrib.upstream import assert_fault_caught, finding, upstream_bug
 
 RANKS = 4
 
@@ -140,12 +140,10 @@ def test_harness_check_model_fme_prints_the_table_and_passes(tmp_path: Any) -> N
 
 
 @pytest.mark.spatial(ranks=RANKS)
-@pytest.mark.xfail(
-    strict=True,
-    raises=UpstreamBug,
-    reason="fme 2026.10.0: global_layer_norm builds nn.LayerNorm over the global "
+@upstream_bug(
+    "fme 2026.10.0: global_layer_norm builds nn.LayerNorm over the global "
     "(C, nlat, nlon) image on every rank, so a spatially partitioned block cannot be "
-    "normalised; nothing refuses the option under spatial parallelism",
+    "normalised; nothing refuses the option under spatial parallelism"
 )
 def test_global_layer_norm_under_spatial_parallelism(spatial: Any) -> None:
     finding(
@@ -159,12 +157,10 @@ def test_global_layer_norm_under_spatial_parallelism(spatial: Any) -> None:
 
 
 @pytest.mark.spatial(ranks=RANKS)
-@pytest.mark.xfail(
-    strict=True,
-    raises=UpstreamBug,
-    reason="fme 2026.10.0: clip_latent_global_means takes x.mean over the rank's own block "
+@upstream_bug(
+    "fme 2026.10.0: clip_latent_global_means takes x.mean over the rank's own block "
     "as the 'global' mean and reduces its envelope over the data group only, so in eval "
-    "every spatial rank clips by its block's statistics, not the globe's",
+    "every spatial rank clips by its block's statistics, not the globe's"
 )
 def test_latent_mean_clipping_under_spatial_parallelism(spatial: Any) -> None:
     finding(
@@ -179,12 +175,10 @@ def test_latent_mean_clipping_under_spatial_parallelism(spatial: Any) -> None:
 
 
 @pytest.mark.spatial(ranks=RANKS)
-@pytest.mark.xfail(
-    strict=True,
-    raises=UpstreamBug,
-    reason="fme 2026.10.0: NoiseConditionedModel draws gaussian noise with randn at the "
+@upstream_bug(
+    "fme 2026.10.0: NoiseConditionedModel draws gaussian noise with randn at the "
     "rank's local (nlat/h, nlon/w) shape from the replicated RNG state, so every spatial "
-    "tile gets the same noise and none gets its slice of the global field",
+    "tile gets the same noise and none gets its slice of the global field"
 )
 def test_gaussian_noise_under_spatial_parallelism(spatial: Any) -> None:
     noise_fed = ("W_scale_2d", "W_bias_2d")  # the conditioning layers that read the noise
@@ -201,12 +195,10 @@ def test_gaussian_noise_under_spatial_parallelism(spatial: Any) -> None:
 
 
 @pytest.mark.spatial(ranks=RANKS)
-@pytest.mark.xfail(
-    strict=True,
-    raises=UpstreamBug,
-    reason="fme 2026.10.0: the makani-linear SpectralConvS2 keeps modes_lat_local = "
+@upstream_bug(
+    "fme 2026.10.0: the makani-linear SpectralConvS2 keeps modes_lat_local = "
     "modes_lat (its weight is never sliced to the rank's l range), so with h > 1 its "
-    "contraction meets the distributed SHT's local modes and fails",
+    "contraction meets the distributed SHT's local modes and fails"
 )
 def test_makani_linear_filter_with_a_split_latitude(spatial: Any) -> None:
     finding(
@@ -218,12 +210,10 @@ def test_makani_linear_filter_with_a_split_latitude(spatial: Any) -> None:
 
 
 @pytest.mark.spatial(ranks=RANKS)
-@pytest.mark.xfail(
-    strict=True,
-    raises=UpstreamBug,
-    reason="fme 2026.10.0: SpectralConvS2's spectral LoRA factors (lora_A, lora_B) are "
+@upstream_bug(
+    "fme 2026.10.0: SpectralConvS2's spectral LoRA factors (lora_A, lora_B) are "
     "global in l and applied to x[..., :modes_lat, :] while the main weight is sliced to "
-    "the rank's l range (self._l_slice), so with h > 1 the LoRA einsum fails",
+    "the rank's l range (self._l_slice), so with h > 1 the LoRA einsum fails"
 )
 def test_spectral_lora_with_a_split_latitude(spatial: Any) -> None:
     finding(
@@ -235,13 +225,11 @@ def test_spectral_lora_with_a_split_latitude(spatial: Any) -> None:
 
 
 @pytest.mark.spatial(ranks=RANKS)
-@pytest.mark.xfail(
-    strict=True,
-    raises=UpstreamBug,
-    reason="fme 2026.10.0: filter_output runs the output (out_chans channels) through the "
+@upstream_bug(
+    "fme 2026.10.0: filter_output runs the output (out_chans channels) through the "
     "distributed SHT, whose transposes (torch-harmonics 0.8.0) split the channel dim over "
     "the w (or h) group and assert channels >= ranks; fme checks nothing, so an SFNO with "
-    "fewer output channels than w ranks crashes",
+    "fewer output channels than w ranks crashes"
 )
 def test_output_filter_with_fewer_channels_than_ranks(spatial: Any) -> None:
     finding(
@@ -257,14 +245,12 @@ def test_output_filter_with_fewer_channels_than_ranks(spatial: Any) -> None:
 
 
 @pytest.mark.spatial(ranks=RANKS)
-@pytest.mark.xfail(
-    strict=True,
-    raises=UpstreamBug,
-    reason="fme 2026.10.0: the atmosphere corrector's global means (here "
+@upstream_bug(
+    "fme 2026.10.0: the atmosphere corrector's global means (here "
     "zero_global_mean_moisture_advection) go through spatial_reduce_sum, whose "
     "_AutogradAllReduce has an identity backward (right only for the loss); inside the "
     "model the mean feeds every point, so each rank drops the other ranks' share of its "
-    "gradient: forward exact, gradients wrong",
+    "gradient: forward exact, gradients wrong"
 )
 def test_corrector_global_mean_under_spatial_parallelism(spatial: Any) -> None:
     finding(
