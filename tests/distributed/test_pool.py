@@ -172,7 +172,10 @@ def test_a_rank_that_dies_is_named_within_a_second_and_the_pool_restarts(spatial
     # Noticed through the process sentinel, not by running into the timeout (and not by
     # waiting for the stuck ranks' error grace either).
     assert time.monotonic() - t0 < 30
-    assert info.value.ranks == [1]
+    # the rank that died is named first; its peers may follow when gloo aborts them on the
+    # lost connection (seen on a loaded machine: [1, 0, 2])
+    first = info.value.problems[0]
+    assert (first.rank, first.kind) == (1, "crash") and says in first.summary
     assert says in str(info.value)
     if how == "SIGSEGV":  # faulthandler's Python traceback of the crashing rank
         assert "exit_on" in info.value.problems[0].detail
