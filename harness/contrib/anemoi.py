@@ -29,6 +29,7 @@ from typing import Any, cast
 
 import torch
 
+from harness.contrib._patches import patch, undo_all
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.topology import Topology
@@ -64,22 +65,6 @@ def require_anemoi() -> Any:
 
 # ---------------------------------------------------------------------- faults (patches)
 
-#: (object, attribute, original value) of every patch a fault applied in this process
-_PATCHES: list[tuple[Any, str, Any]] = []
-
-
-def _patch(obj: Any, name: str, value: Any) -> None:
-    _PATCHES.append(
-        (obj, name, obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name))
-    )
-    setattr(obj, name, value)
-
-
-def _unpatch() -> None:
-    while _PATCHES:
-        obj, name, value = _PATCHES.pop()
-        setattr(obj, name, value)
-
 
 def _apply_faults(faults: frozenset[str]) -> None:
     from anemoi.models.distributed import graph, primitives
@@ -92,7 +77,7 @@ def _apply_faults(faults: frozenset[str]) -> None:
                 return split, None, None, None, None
             return grad_output, None, None, None, None
 
-        _patch(graph._SyncParallelSection, "backward", staticmethod(backward))
+        patch(graph._SyncParallelSection, "backward", staticmethod(backward))
     if "gather-order" in faults:
         original = graph._gather
 
@@ -101,7 +86,7 @@ def _apply_faults(faults: frozenset[str]) -> None:
             sizes = [s[dim_] for s in shapes_]
             return torch.cat(list(reversed(out.split(sizes, dim=dim_))), dim=dim_)
 
-        _patch(graph, "_gather", gather)
+        patch(graph, "_gather", gather)
 
 
 # ---------------------------------------------------------------------- the case
@@ -253,7 +238,7 @@ class AnemoiCase(SpatialCase):
         return Outputs(loss, {"forecast": Shard(out, index, dim=3, unit="grid point")})
 
     def teardown(self, model: torch.nn.Module | None, topo: Topology) -> None:
-        _unpatch()
+        undo_all()
 
 
 def _core(model: torch.nn.Module) -> Any:

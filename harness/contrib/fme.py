@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from harness.collectives import apply
+from harness.contrib._patches import patch, undo_all
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.topology import Topology
@@ -405,9 +406,6 @@ class _DataMean(torch.autograd.Function):
 # ---------------------------------------------------------------------- faults
 
 
-_UNDO: list[Callable[[], None]] = []
-
-
 def _patch_faults(faults: tuple[str, ...]) -> None:
     """Break fme's own distributed path the way each fault says, on this rank only (undone
     by ``teardown``)."""
@@ -419,9 +417,9 @@ def _patch_faults(faults: tuple[str, ...]) -> None:
 
     cls = ModelTorchDistributed
     if "no-spatial-grad-hooks" in faults:
-        _swap(cls, "_register_spatial_grad_hooks", lambda self, module: None)
+        patch(cls, "_register_spatial_grad_hooks", lambda self, module: None)
     if "reduce-sum-no-allreduce" in faults:
-        _swap(cls, "spatial_reduce_sum", lambda self, tensor: tensor)
+        patch(cls, "spatial_reduce_sum", lambda self, tensor: tensor)
     if "reduce-sum-summed-backward" in faults:
 
         def summed_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -436,8 +434,8 @@ def _patch_faults(faults: tuple[str, ...]) -> None:
             reduced: torch.Tensor = original_reduce(self, tensor)
             return reduced
 
-        _swap(cls, "spatial_reduce_sum", reduce_sum)
-        _swap(_AutogradAllReduce, "backward", staticmethod(summed_backward))
+        patch(cls, "spatial_reduce_sum", reduce_sum)
+        patch(_AutogradAllReduce, "backward", staticmethod(summed_backward))
     if "slices-swapped" in faults:
         original = cls._get_local_spatial_shape
 
@@ -448,7 +446,7 @@ def _patch_faults(faults: tuple[str, ...]) -> None:
             finally:
                 self._h_rank = saved
 
-        _swap(cls, "_get_local_spatial_shape", mirrored)
+        patch(cls, "_get_local_spatial_shape", mirrored)
     if "all-to-all-peer-order" in faults:
         exchange = _gloo_patch._gloo_all_to_all
 
@@ -460,24 +458,16 @@ def _patch_faults(faults: tuple[str, ...]) -> None:
                 if nxt.shape == out.shape:
                     out.copy_(nxt)
 
-        _swap(_gloo_patch, "_gloo_all_to_all", misfiled)
+        patch(_gloo_patch, "_gloo_all_to_all", misfiled)
     if "no-gloo-alltoall-patch" in faults:
-        _swap(model_torch_distributed, "patch_gloo_alltoall", lambda: None)
+        patch(model_torch_distributed, "patch_gloo_alltoall", lambda: None)
 
 
 _FAULT_GROUPS: list[Any] = []
 
 
-def _swap(owner: Any, name: str, new: Any) -> None:
-    """Set ``owner.name`` (a class or a module) to ``new``, and remember how to undo it."""
-    old = owner.__dict__[name]
-    setattr(owner, name, new)
-    _UNDO.append(lambda: setattr(owner, name, old))
-
-
 def _unpatch_faults() -> None:
-    while _UNDO:
-        _UNDO.pop()()
+    undo_all()
     _FAULT_GROUPS.clear()
 
 
