@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 
-from harness.collectives import apply
 from harness.contrib._patches import patch, undo_all
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
@@ -229,8 +228,8 @@ class FmeCase(SpatialCase):
         components = AreaWeightedMSELoss(ops.area_weighted_mean)(out, local["y"])
         loss = sum(c.reduce_to_channel().mean() for c in components)
         assert isinstance(loss, torch.Tensor)
-        if topo.data_group is not None and topo.data_size > 1:
-            loss = _data_mean(loss, topo)
+        # with data groups this is the group's own loss: the harness compares the mean of
+        # the groups' losses with the reference (checks.check_loss), as fme logs it
         fields = {"output": out.detach()}
         if cfg.eval_output:
             model.eval()
@@ -383,24 +382,6 @@ def _correct(out: torch.Tensor, options: dict[str, Any], ops: Any) -> torch.Tens
     gen = {name: out[:, i] for i, name in enumerate(names)}
     corrected = corrector({}, gen, {}, None).corrected
     return torch.stack([corrected[name] for name in names], dim=1)
-
-
-def _data_mean(loss: torch.Tensor, topo: Topology) -> torch.Tensor:
-    """The loss as fme logs it over data groups: the mean of the groups' losses, with an
-    identity backward (DDP averages the gradients over the data group itself)."""
-    return apply(_DataMean, loss, topo.data_group, topo.data_size)
-
-
-class _DataMean(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
-        out = x.detach().clone()
-        torch.distributed.all_reduce(out, group=group)
-        return out / size
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad, None, None
 
 
 # ---------------------------------------------------------------------- faults
