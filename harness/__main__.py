@@ -22,6 +22,7 @@ said, not failed); 1 a layout mismatched, a golden differs, or a fault went unca
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -63,6 +64,7 @@ MODELS = {
 }
 
 
+@functools.cache
 def _source(model: str) -> Any:
     """The module that lists ``model``'s checks; a clear error when the model is missing."""
     try:
