@@ -774,8 +774,9 @@ def test_buffer_records_sorted_by_name():
 
 
 def same(found, *expected):
-    """The findings are exactly these, every field of every one (the report prints them)."""
-    assert [repr(m) for m in found] == [repr(m) for m in expected]
+    """The findings are exactly these, every field of every one (the report prints them);
+    the same comparison as ``recs``, with the expected findings written as Mismatches."""
+    assert recs(found) == recs(expected)
 
 
 def shard(values, index, dim=-1, grid=None, unit="position", dtype=F64):
