@@ -46,6 +46,10 @@ ANEMOI_FAULTS: dict[str, str] = {
 }
 
 _INSTALL = 'pip install "pytest-spatial-harness[anemoi]"'
+
+#: What ``harness-check --model anemoi`` has its fork server import once (as tox and CI pass
+#: ``--spatial-preload``): anemoi-models and torch-geometric take seconds to import.
+PRELOAD = ("anemoi.models", "torch_geometric")
 _SKIP_SCALING = ("trainable", "no_gradscaling")  # anemoi-training's default skip list
 _NVARS = 3  # model input channels (prognostic a, b; forcing f); outputs a, b, diagnostic d
 
