@@ -11,6 +11,7 @@ from harness.errors import (
     ConfigError,
     GoldenError,
     HarnessError,
+    HarnessWarning,
     PicklingProblem,
     RankCrash,
     RankDeadlock,
@@ -19,6 +20,7 @@ from harness.errors import (
     RankPending,
     RankProblem,
     RankTimeout,
+    UnwaitedWork,
 )
 from harness.goldens import GoldenStore
 from harness.partition import CellPartition, LatLonPartition, cell_of, split_sizes
@@ -35,6 +37,7 @@ __all__ = [
     "GoldenError",
     "GoldenStore",
     "HarnessError",
+    "HarnessWarning",
     "LatLonPartition",
     "Mismatch",
     "Outputs",
@@ -53,6 +56,7 @@ __all__ = [
     "SpatialCase",
     "Tolerance",
     "Topology",
+    "UnwaitedWork",
     "__version__",
     "cell_of",
     "check_equivalence",

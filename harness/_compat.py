@@ -99,6 +99,23 @@ def group_sequence_numbers() -> dict[str, tuple[int, tuple[int, ...]]]:
     return out
 
 
+def group_name(pg: Any) -> str:
+    """The name torch gave a process group (``"0"`` for the default one), the same on every
+    rank. Private: ``distributed_c10d._world.pg_names``; without it, ``pg.group_name``."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return str(c10d._world.pg_names[pg])
+    except Exception:  # noqa: BLE001 - the internal moved
+        return str(getattr(pg, "group_name", "?"))
+
+
+def sequence_number(pg: Any) -> int:
+    """How many operations this rank has issued on ``pg`` (collectives and point-to-point,
+    from Python or C++). Private: ``ProcessGroup._get_sequence_number_for_group``."""
+    return int(pg._get_sequence_number_for_group())
+
+
 def operations_issued() -> int | None:
     """How many operations this rank has issued on all its groups together (a progress
     counter: it moves with every collective and send/recv, whoever issues it, Python code,

@@ -1,16 +1,14 @@
 """What runs inside a rank process of a ``RankPool``.
 
 The pool's parent side (``harness.pool``) starts ``_worker_main`` in each rank process and
-talks to it over a pipe in named events with keyword fields (``send(conn, "done",
-run_id=3, ok=True, result=...)``), one handler each on either side:
-
-    parent -> rank: run, fence, release, stop
-    rank -> parent: ready, started, progress, done, fenced, released
-
-A run: ``run`` -> ``started``, ``progress``..., ``done``. Once every rank is done, the
-parent proves the process group clean before anything reuses it: ``fence`` -> ``fenced``
-(operations left in flight, operation counts per group), then ``release`` (keep the group or
-not; ``verify`` runs one collective with the run id and a short deadline) -> ``released``.
+talks to it in the events of ``harness._events`` (``RunCall`` -> ``Done``, ``Fence`` ->
+``Fenced``, ``Release`` -> ``Released``), one handler each. What the rank is doing right now
+(its run, its phase, the operation its main thread waits on) it writes on its slot of the
+pool's notice board (``harness.board``) instead of sending it: the pool reads that whenever it
+likes, with no message and no help from the rank. A thread of the rank answers the pool's
+probes (``Probe`` -> ``Probed``) for what the board cannot show: where the main thread is
+when it is inside torch on something the harness does not see (DDP's reducer), and the
+rank's counts of operations.
 
 This module imports neither pytest nor, until a rank starts, torch.
 """
@@ -35,24 +33,27 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from harness._events import (
+    Done,
+    Fence,
+    Fenced,
+    Probe,
+    Probed,
+    Ready,
+    Release,
+    Released,
+    Report,
+    RunCall,
+    Stop,
+    handler_name,
+    receive,
+    send,
+)
+from harness.board import Board, State, Writer
 from harness.errors import exception_summary
 
-#: How long a rank waits for the operations it started asynchronously to complete once
-#: every rank has returned (an isend completes when its peer's recv arrives: milliseconds).
-FENCE_GRACE = 1.0
 #: Deadline of the fence collective that proves a kept group still pairs every rank.
 VERIFY_TIMEOUT = 10.0
-
-
-def send(conn: Connection, event: str, **fields: Any) -> None:
-    """Send one named event over a pool pipe."""
-    conn.send_bytes(pickle.dumps((event, fields), protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def receive(conn: Connection) -> tuple[str, dict[str, Any]]:
-    """The next named event from a pool pipe."""
-    event, fields = pickle.loads(conn.recv_bytes())
-    return event, fields
 
 
 # ---------------------------------------------------------------------- progress
@@ -63,11 +64,11 @@ _CURRENT: _Rank | None = None
 
 def report_progress(phase: str, step: int | None = None) -> None:
     """Tell the pool what this rank is doing now ("step 0 forward"), so that a failure, a
-    crash or a hang can say where it happened. A no-op outside a pool's rank process."""
+    crash or a hang can say where it happened. Written on the rank's board slot: no message,
+    ~1 µs. A no-op outside a pool's rank process."""
     rank = _CURRENT
     if rank is not None and rank.run_id is not None:
-        with contextlib.suppress(OSError, ValueError):
-            send(rank.conn, "progress", run_id=rank.run_id, phase=phase, step=step)
+        rank.board.phase(phase, step)
 
 
 # ---------------------------------------------------------------------- loading functions
@@ -160,6 +161,7 @@ def _worker_main(
     preload: tuple[str, ...] = (),
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when ranks stop
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     out = open(os.path.join(workdir, f"rank{rank}.out"), "ab", buffering=0)
     os.dup2(out.fileno(), 1)
     os.dup2(out.fileno(), 2)
@@ -179,14 +181,22 @@ def _worker_main(
     for module in preload:  # at start, not inside the first run's timeout
         importlib.import_module(module)
     _warm_up(torch, os.path.join(workdir, f"warmup{rank}"), backend)
+    from harness import _intercept
+
+    tracker = _intercept.install()
+    board = Writer(Board(os.path.join(workdir, "board"), world), rank)
+    tracker.board = board
+    global _CURRENT
+    _CURRENT = _Rank(rank, world, conn, backend, board, tracker)
     if probe is not None:
         main = threading.get_ident()
         threading.Thread(
-            target=_serve_probes, args=(probe, main), name="harness-probe", daemon=True
+            target=_serve_probes,
+            args=(probe, main, tracker, board),
+            name="harness-probe",
+            daemon=True,
         ).start()
-    global _CURRENT
-    _CURRENT = _Rank(rank, world, conn, backend)
-    send(conn, "ready", pid=os.getpid())
+    send(conn, Ready(pid=os.getpid()))
     _CURRENT.serve()
 
 
@@ -211,36 +221,41 @@ def _warm_up(torch: Any, store_path: str, backend: str) -> None:
     _RankState.save().restore()  # its first call imports for a second too
 
 
-def _serve_probes(conn: Connection, main: int) -> None:
+def _serve_probes(conn: Connection, main: int, tracker: Any, board: Writer) -> None:
     """Answer the pool's probes from a thread of its own, while the main thread runs (or
-    hangs in) the function: where the main thread is, whether that is inside a
-    torch.distributed call, and how many operations this rank's groups have seen. What the
-    pool's deadlock detection reads; a main thread holding the GIL delays the answer, which
-    the pool takes as progress."""
-    from harness._compat import current_frame, operations_issued
+    waits): where the main thread is, whether inside torch, this process's CPU time and the
+    run's counts. Asked only about ranks whose board slot cannot say enough (inside torch
+    on something unseen, or waiting long); the main thread waiting has released the GIL, so
+    the answer does not wait for it."""
+    from harness._compat import current_frame, group_sequence_numbers
+    from harness._intercept import torch_dir
 
     while True:
         try:
-            _, fields = receive(conn)
+            probe: Probe = receive(conn)
         except (EOFError, OSError):
             return
         frame = current_frame(main)
-        where, waiting, stack = "", False, ""
+        where, in_torch = "", False
         if frame is not None:
             code = frame.f_code
             where = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
-            waiting = f"{os.sep}torch{os.sep}distributed{os.sep}" in code.co_filename
-            if waiting:
-                stack = "".join(traceback.format_stack(frame, limit=40))
+            in_torch = code.co_filename.startswith(torch_dir())
+        since = board.since
+        counts = tracker.counts() if tracker.active else None
+        groups = {name: ranks for name, (_, ranks) in group_sequence_numbers().items()}
         try:
             send(
                 conn,
-                "probed",
-                n=fields.get("n"),
-                where=where,
-                waiting=waiting,
-                operations=operations_issued(),
-                stack=stack,
+                Probed(
+                    n=probe.n,
+                    where=where,
+                    in_torch=in_torch,
+                    cpu=time.process_time(),
+                    since=since if board.since == since else -1.0,
+                    counts=counts,
+                    groups=groups,
+                ),
             )
         except (OSError, ValueError):
             return
@@ -249,89 +264,72 @@ def _serve_probes(conn: Connection, main: int) -> None:
 class _Rank:
     """One rank's side of the protocol: a handler per event from the parent."""
 
-    def __init__(self, rank: int, world: int, conn: Connection, backend: str) -> None:
-        from harness._compat import WorkTracker
-
+    def __init__(
+        self, rank: int, world: int, conn: Connection, backend: str, board: Writer, tracker: Any
+    ) -> None:
         self.rank, self.world, self.conn, self.backend = rank, world, conn, backend
+        self.board, self.tracker = board, tracker
         self.run_id: int | None = None
         self.saved: _RankState | None = None
         self.ok = False
-        self.works = WorkTracker()
-        self.works.install()
 
     def serve(self) -> None:
         while True:
             try:
-                event, fields = receive(self.conn)
+                event = receive(self.conn)
             except (EOFError, OSError):
                 return
-            if event == "stop":
+            if isinstance(event, Stop):
                 return
             try:
-                getattr(self, f"on_{event}")(**fields)
+                getattr(self, handler_name(event))(event)
             except (EOFError, OSError):  # the parent is gone: nothing left to serve
                 return
 
-    def on_run(
-        self,
-        run_id: int,
-        payload: bytes,
-        store: str,
-        sys_path: list[str],
-        timeout: float,
-        reuse: bool,
-    ) -> None:
-        send(self.conn, "started", run_id=run_id)
-        self.run_id = run_id
-        for p in sys_path:
+    def on_runcall(self, call: RunCall) -> None:
+        self.run_id = call.run_id
+        self.board.begin(call.run_id, time.monotonic())  # the pool now sees this rank started
+        for p in call.sys_path:
             if p not in sys.path:
                 sys.path.append(p)
         self.saved = _RankState.save()
-        self.works.clear()
-        ok, fields = _run_one(self.rank, self.world, payload, store, self.backend, timeout, reuse)
+        ok, fields = _run_one(self.rank, self.world, call, self.backend, self.tracker)
+        self.tracker.end()
         self.ok = ok
-        if ok:  # what the fence needs, now: most runs then need no fence round trip
-            from harness._compat import group_sequence_numbers
-
-            fields["in_flight"] = self.works.pending(0.0)
-            fields["sequences"] = group_sequence_numbers()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        self.board.leave(time.monotonic(), State.RETURNED)
         # Keep the process group up until every rank is done: a rank that returned while
         # others still wait in a collective (it skipped one) must leave them hanging, as it
         # would in production, not break them by tearing down. (A rank whose function
         # raised has torn its group down already, to free peers blocked on it.)
-        send(self.conn, "done", run_id=run_id, ok=ok, **fields)
+        send(self.conn, Done(run_id=call.run_id, ok=ok, **fields))
 
-    def on_fence(self, run_id: int) -> None:
-        """Every rank returned: report what this rank left in flight, and its counts."""
-        from harness._compat import group_sequence_numbers
+    def on_fence(self, fence: Fence) -> None:
+        """Every rank returned and what this rank left in flight is matched: wait for it."""
+        send(self.conn, Fenced(run_id=fence.run_id, pending=self.tracker.settle(fence.grace)))
 
-        pending = self.works.pending(FENCE_GRACE)
-        send(
-            self.conn, "fenced", run_id=run_id, pending=pending, sequences=group_sequence_numbers()
-        )
-
-    def on_release(self, run_id: int, keep: bool, verify: bool) -> None:
+    def on_release(self, release: Release) -> None:
         """The run is over: keep the group for the next run (after proving it still pairs
         every rank, if asked) or tear it down; then put back what the run changed."""
         ok, detail = True, ""
-        if keep and verify:
-            ok, detail = _verify_group(run_id, self.world)
+        if release.keep and release.verify:
+            ok, detail = _verify_group(release.run_id, self.world)
         # Answer first, then put things back: the parent returns the run's results while
         # the ranks restore, and the next run's message waits in the pipe until they have.
-        send(self.conn, "released", run_id=run_id, ok=ok, detail=detail)
-        self.works.clear()
+        send(self.conn, Released(run_id=release.run_id, ok=ok, detail=detail))
         self.run_id = None
+        self.board.leave(time.monotonic(), State.IDLE)
         if self.saved is not None:
-            _end_run(self.saved, keep_group=keep and ok and self.ok)
+            _end_run(self.saved, keep_group=release.keep and ok and self.ok)
             self.saved = None
 
 
 def _verify_group(run_id: int, world: int) -> tuple[bool, str]:
     """One all-reduce of (run id, 1) on the default group, with a short deadline: a group
-    whose ranks are out of step (a collective left pending somewhere) fails it."""
+    whose ranks are out of step (a collective left pending somewhere) fails it, and so does
+    one that pairs this rank with another run's fence (a different run id)."""
     import torch
     import torch.distributed as dist
 
@@ -350,21 +348,17 @@ def _verify_group(run_id: int, world: int) -> tuple[bool, str]:
 
 
 def _run_one(
-    rank: int,
-    world: int,
-    payload: bytes,
-    store_path: str,
-    backend: str,
-    timeout: float,
-    reuse: bool,
+    rank: int, world: int, call: RunCall, backend: str, tracker: Any
 ) -> tuple[bool, dict[str, Any]]:
     import torch.distributed as dist
 
+    from harness._compat import group_sequence_numbers
+
     try:
-        where, call = pickle.loads(payload)
+        where, payload = pickle.loads(call.payload)
         for module, file in where:
             _ensure_module(module, file)
-        fn, args, kwargs = pickle.loads(call)
+        fn, args, kwargs = pickle.loads(payload)
     except Exception as exc:  # noqa: BLE001
         return False, {
             "summary": f"could not load the rank function on rank {rank}: {exc!r}. "
@@ -372,41 +366,51 @@ def _run_one(
             "in an importable module.",
             "detail": traceback.format_exc(),
         }
-    if not (reuse and dist.is_initialized()):
+    if not (call.reuse and dist.is_initialized()):
         _end_group()
         try:
             dist.init_process_group(
                 backend,
                 store=dist.FileStore(  # type: ignore[attr-defined]  # not in the stubs
-                    store_path, world
+                    call.store, world
                 ),
                 rank=rank,
                 world_size=world,
-                timeout=datetime.timedelta(seconds=max(timeout * 2, 60)),
+                timeout=datetime.timedelta(seconds=max(call.timeout * 2, 60)),
             )
         except Exception as exc:  # noqa: BLE001 - e.g. a peer that failed at once and left
             _end_group()
             return False, {"summary": exception_summary(exc), "detail": traceback.format_exc()}
+    tracker.begin()
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - a rank's SystemExit is a failure too
         # Tear the group down at once: peers blocked in a collective with this rank then
         # fail fast ("Connection closed by peer") instead of waiting for the timeout.
+        tracker.end()
         _end_group()
         return False, {
             "summary": exception_summary(exc),
             "detail": traceback.format_exc(),
             "phase": getattr(exc, "harness_phase", None),
         }
+    report = Report(
+        counts=tracker.counts(),
+        groups={name: ranks for name, (_, ranks) in group_sequence_numbers().items()},
+        leftovers=tracker.leftovers(),
+        unwaited=tracker.unwaited(),
+    )
     try:
-        return True, {"result": pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)}
+        data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001
         return False, {
             "summary": f"PicklingProblem: rank {rank} returned a {type(result).__module__}."
             f"{type(result).__qualname__} that cannot be pickled ({exc}); return tensors, "
             "numbers, lists or dicts of them",
             "detail": traceback.format_exc(),
+            "report": report,
         }
+    return True, {"result": data, "report": report}
 
 
 def _end_group() -> None:

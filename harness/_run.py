@@ -1,14 +1,19 @@
 """The parent's side of one run of a ``RankPool``: events in, verdict out.
 
-A ``Run`` sends the function to every rank, handles each rank's events (``on_started``,
-``on_progress``, ``on_done``, ``on_fenced``, ``on_released``: one handler per event of
-``harness._rank``), notices deaths through the process sentinels, and ends in one of:
+A ``Run`` sends the function to every rank, handles each rank's events (``on_done``,
+``on_fenced``, ``on_released``, ``on_probed``: one handler per event of ``harness._events``),
+notices deaths through the process sentinels, watches the ranks' notice board for a
+deadlock (``DeadlockWatch``, which feeds the pure rule of ``harness.deadlock``), and ends in
+one of:
 
-- every rank returned and the group is proven clean: the results, in rank order;
-- a rank raised, died, hung, or left an operation in flight: a ``RankFailure`` naming every
-  rank (its traceback or stack, its phase, and for a hang which ranks had returned when);
+- every rank returned and the groups are proven clean: the results, in rank order;
+- a rank raised, died, hung, or left an operation that can never complete: a ``RankFailure``
+  naming every rank (its traceback or stack, its phase, and for a deadlock the evidence);
 - a rank that died while idle, before it saw the run: ``DiedIdle``, which the pool answers
   by starting fresh processes and running again.
+
+A ``Run`` sees the pool only through ``Ranks``: the processes' pipes, sentinels, board and
+logs, and a way to kill them all. It never touches the pool itself.
 """
 
 from __future__ import annotations
@@ -16,129 +21,298 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
-from collections.abc import Iterable
-from multiprocessing.connection import wait
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, NoReturn, Protocol
 
-from harness._rank import FENCE_GRACE, VERIFY_TIMEOUT, receive, send
+from harness import deadlock
+from harness._events import (
+    Done,
+    Fence,
+    Fenced,
+    Probe,
+    Probed,
+    Release,
+    Released,
+    Report,
+    handler_name,
+    receive,
+    send,
+)
+from harness._rank import VERIFY_TIMEOUT as _VERIFY_TIMEOUT
+from harness.board import Board, Slot, State
+from harness.deadlock import Counts, Op, RankView, Status, Verdict
 from harness.errors import RankProblem, failure_from
-
-if TYPE_CHECKING:
-    from harness.pool import RankPool
 
 #: How long the parent waits for the fence and release answers beyond the ranks' own
 #: deadlines, before it takes a silent rank to be stuck (then the pool restarts).
 FENCE_MARGIN = 10.0
-#: Deadlock detection starts this far into a run (shorter runs never pay for it) and
-#: probes the running ranks this often.
+#: Operations every member has entered (or a send whose receive was posted) complete by
+#: themselves: after every rank returned, they get this long (at most the run's time left).
+FENCE_WAIT = 30.0
+#: The deadlock watch starts this far into a run (shorter runs never pay for it) and reads
+#: the board this often.
+CHECK_AFTER = 0.2
+CHECK_EVERY = 0.1
+#: A rank the board shows running, unchanged this long, is probed (is it idle inside torch
+#: on something unseen?), at most this often.
 PROBE_AFTER = 0.5
 PROBE_EVERY = 0.5
+#: A rank is idle when its CPU time grew by less than this share of the time between two
+#: probes (a rank waiting on gloo's sockets uses none; one computing uses all it is given).
+IDLE_CPU_SHARE = 0.05
 
 
-class DeadlockWatch:
-    """Decides, from the ranks' probes, that a run can no longer finish.
+class Ranks(Protocol):
+    """What a run may use of a pool: its rank processes, their pipes, board and logs."""
 
-    A running rank is *blocked* when its main thread sits inside a torch.distributed call
-    and the operation count of its groups has not moved since the last probe. When every
-    running rank has been blocked for ``window`` seconds (some ranks may have returned),
-    nothing can complete any more: each waits for a peer that waits too, or that is gone.
-    A rank that is computing (its main thread outside torch.distributed, or too busy to
-    answer) is progress, so slow ranks never raise the alarm.
-    """
+    world_size: int
+    conns: list[Connection]
+    probes: list[Connection]
+    procs: list[Any]
+    board: Board
 
-    def __init__(self, window: float) -> None:
-        self.window = window
-        self.next_probe = PROBE_AFTER
-        self.blocked: dict[int, tuple[float, tuple[Any, str]]] = {}  # rank -> (since, state)
-        self.stacks: dict[int, str] = {}
-
-    def deadlocked(self, run: Run, elapsed: float) -> bool:
-        if not self.window or elapsed < self.next_probe or run.problems:
-            return False
-        self.next_probe = elapsed + PROBE_EVERY
-        running = sorted(run.pending)
-        answers = run.pool._probe(running, timeout=PROBE_EVERY)
-        for r in running:
-            a = answers.get(r)
-            if a is None or not a["waiting"] or a["operations"] is None:
-                self.blocked.pop(r, None)
-                continue
-            state = (a["operations"], a["where"])
-            since, before = self.blocked.get(r, (elapsed, state))
-            self.blocked[r] = (since if before == state else elapsed, state)
-            self.stacks[r] = a["stack"]
-        return bool(running) and all(
-            r in self.blocked and elapsed - self.blocked[r][0] >= self.window for r in running
-        )
+    def log_size(self, rank: int) -> int: ...
+    def read_log(self, rank: int, offset: int) -> str: ...
+    def crash_log(self, rank: int) -> str: ...
+    def stacks(self, ranks: Sequence[int]) -> dict[int, str]: ...
+    def kill(self) -> None: ...
 
 
 class DiedIdle(Exception):
     """A rank died before it saw the run (killed while idle): not the run's fault."""
 
 
+@dataclass
+class _Answers:
+    """A rank's probe answers: the first of the current streak of answers that show it in
+    the same place with the same counts, and the latest (each with when it came, seconds
+    into the run)."""
+
+    asked: float = -1e9
+    waiting_for: int | None = None  # the probe number not yet answered
+    first: tuple[float, Probed] | None = None
+    latest: tuple[float, Probed] | None = None
+
+    def add(self, elapsed: float, probed: Probed) -> None:
+        self.latest = (elapsed, probed)
+        if self.first is None or not _same_place(self.first[1], probed):
+            self.first = (elapsed, probed)
+
+
+def _same_place(a: Probed, b: Probed) -> bool:
+    return (a.where, a.since, a.in_torch, a.counts) == (b.where, b.since, b.in_torch, b.counts)
+
+
+class DeadlockWatch:
+    """Gathers the evidence for ``harness.deadlock.decide`` while a run is under way.
+
+    From the board: which operation each running rank waits on, since when. From the ranks
+    that returned: what they did (their reports). From probes, asked only where the board
+    cannot say enough: whether a rank that seems to run is in fact idle inside torch (DDP's
+    backward waiting in the reducer's all-reduce), and the counts of ranks that wait long.
+    A verdict is reported once it has held, unchanged, for ``window`` seconds.
+    """
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self.next_check = CHECK_AFTER
+        self.held: tuple[tuple[Any, ...], float] | None = None
+        self.answers: dict[int, _Answers] = {}
+        self.probe_count = 0
+        self.verdict: Verdict | None = None
+
+    def check(self, run: Run, elapsed: float) -> Verdict | None:
+        """The verdict, once proven and held for the window; else ``None``."""
+        if not self.window or elapsed < self.next_check or run.problems:
+            return None
+        self.next_check = elapsed + CHECK_EVERY
+        views, slots = self.views(run)
+        verdict = deadlock.decide(views, run.groups(slots))
+        self._probe(run, views, slots, verdict, elapsed)
+        if verdict is None:
+            self.held = None
+            return None
+        key = (
+            verdict.kind,
+            tuple(verdict.ranks),
+            verdict.culprits,
+            tuple(slots[r].since for r in verdict.ranks),
+        )
+        if self.held is None or self.held[0] != key:
+            self.held = (key, elapsed)
+            return None
+        if elapsed - self.held[1] < self.window:
+            return None
+        self.verdict = verdict
+        return verdict
+
+    def views(self, run: Run) -> tuple[list[RankView], dict[int, Slot]]:
+        """Every rank as the evidence shows it now."""
+        views, slots = [], {}
+        for r in range(run.n):
+            report = run.reports.get(r)
+            if r not in run.pending:
+                status = Status.DEAD if r in run.dead else Status.RETURNED
+                views.append(
+                    RankView(
+                        r,
+                        status,
+                        since=run.returned_at.get(r, 0.0),
+                        counts=report.counts if report else None,
+                    )
+                )
+                continue
+            slot = run.ranks.board.read(r)
+            slots[r] = slot
+            views.append(self._running(run, r, slot))
+        return views, slots
+
+    def _running(self, run: Run, r: int, slot: Slot) -> RankView:
+        if slot.run_id != run.run_id:
+            return RankView(r, Status.RUNNING)  # not started yet
+        answers = self.answers.get(r)
+        if slot.state == State.WAITING and not slot.bounded and slot.kind:
+            op = Op(
+                deadlock.Kind(slot.kind),
+                slot.group,
+                slot.op,
+                slot.index,
+                slot.peer,
+                slot.tag,
+                slot.numel,
+                slot.dtype,
+                slot.site,
+            )
+            latest = answers.latest[1] if answers and answers.latest else None
+            counts = latest.counts if latest and latest.since == slot.since else None
+            return RankView(r, Status.WAITING, op, slot.since - run.t0, counts)
+        if slot.state == State.RUNNING and answers and answers.first and answers.latest:
+            (t1, a), (t2, b) = answers.first, answers.latest
+            idle = (
+                b.in_torch
+                and b.since == slot.since
+                and b.counts is not None
+                and t2 - t1 >= self.window
+                and b.cpu - a.cpu <= IDLE_CPU_SHARE * (t2 - t1)
+            )
+            if idle:
+                return RankView(
+                    r, Status.BLOCKED, since=slot.since - run.t0, counts=b.counts, where=b.where
+                )
+        return RankView(r, Status.RUNNING)
+
+    def _probe(
+        self,
+        run: Run,
+        views: list[RankView],
+        slots: dict[int, Slot],
+        verdict: Verdict | None,
+        elapsed: float,
+    ) -> None:
+        """Ask the ranks whose board slot cannot say enough."""
+        if verdict is not None:
+            return
+        anyone_finished = any(v.status in deadlock.FINISHED for v in views)
+        waiting = [v for v in views if v.status == Status.WAITING]
+        now = time.monotonic()
+        for v in views:
+            slot = slots.get(v.rank)
+            if slot is None or slot.run_id != run.run_id:
+                continue
+            quiet = now - slot.since
+            if slot.state == State.RUNNING:
+                wanted = anyone_finished and quiet >= PROBE_AFTER
+            else:
+                wanted = v.status == Status.WAITING and len(waiting) > 1 and quiet >= self.window
+            answers = self.answers.setdefault(v.rank, _Answers())
+            if wanted and elapsed - answers.asked >= PROBE_EVERY:
+                self.probe_count += 1
+                answers.asked, answers.waiting_for = elapsed, self.probe_count
+                with contextlib.suppress(OSError, ValueError):
+                    send(run.ranks.probes[v.rank], Probe(self.probe_count))
+
+    def answer(self, rank: int, probed: Probed, elapsed: float) -> None:
+        answers = self.answers.setdefault(rank, _Answers())
+        if probed.n != answers.waiting_for:
+            return  # a late answer to an earlier probe
+        answers.waiting_for = None
+        answers.add(elapsed, probed)
+
+
 class Run:
     """One call of ``RankPool.run``, from sending the function to the verdict."""
 
-    def __init__(self, pool: RankPool, run_id: int, timeout: float) -> None:
-        self.pool, self.run_id, self.timeout = pool, run_id, timeout
-        self.n = pool.world_size
+    def __init__(
+        self,
+        ranks: Ranks,
+        run_id: int,
+        timeout: float,
+        *,
+        error_grace: float,
+        deadlock_window: float,
+    ) -> None:
+        self.ranks, self.run_id, self.timeout = ranks, run_id, timeout
+        self.error_grace = error_grace
+        self.n = ranks.world_size
         self.t0 = time.monotonic()
-        self.offsets = [pool.logs.size(r) for r in range(self.n)]
+        self.offsets = [ranks.log_size(r) for r in range(self.n)]
         self.pending = set(range(self.n))  # ranks that have not answered "done"
-        self.started: set[int] = set()
         self.results: dict[int, Any] = {}
+        self.reports: dict[int, Report] = {}
         self.problems: list[RankProblem] = []
-        self.progress: dict[int, tuple[str, int | None]] = {}
         self.returned_at: dict[int, float] = {}
-        self.fences: dict[int, tuple[list[str], dict[str, Any]]] = {}
+        self.fenced: dict[int, list[Op]] = {}
         self.releases: dict[int, tuple[bool, str]] = {}
         self.first_failure: float | None = None
         self.crashed = False
         self.dead: set[int] = set()
-        self.watch = DeadlockWatch(pool.deadlock_window)
+        self.outputs: list[str] = [""] * self.n
+        self.keep = False  # may the next run reuse the process groups?
+        self.unwaited: list[tuple[int, Op]] = []
+        self.probe_groups: dict[str, tuple[int, ...]] = {}
+        self.watch = DeadlockWatch(deadlock_window)
 
     # ------------------------------------------------------------------ handlers
 
-    def on_started(self, rank: int) -> None:
-        self.started.add(rank)
-
-    def on_progress(self, rank: int, phase: str, step: int | None) -> None:
-        self.progress[rank] = (phase, step)
-
-    def on_done(
-        self,
-        rank: int,
-        ok: bool,
-        result: bytes = b"",
-        summary: str = "",
-        detail: str = "",
-        phase: str | None = None,
-        in_flight: list[str] | None = None,
-        sequences: dict[str, Any] | None = None,
-    ) -> None:
-        if ok:  # what the rank said at return; the fence asks again only if needed
-            self.fences[rank] = (in_flight or [], sequences or {})
+    def on_done(self, rank: int, done: Done) -> None:
         self.pending.discard(rank)
         self.returned_at[rank] = time.monotonic() - self.t0
-        self.pool._idle[rank] = True
-        if not ok:
-            self.fail(rank, "error", summary, detail, phase=phase)
+        if done.report is not None:
+            self.reports[rank] = done.report
+        if not done.ok:
+            self.fail(rank, "error", done.summary, done.detail, phase=done.phase)
             return
         try:
-            self.results[rank] = pickle.loads(result)
+            self.results[rank] = pickle.loads(done.result)
         except Exception as exc:  # noqa: BLE001 - any unpickling failure
             self.fail(rank, "error", f"result could not be unpickled: {exc!r}")
 
-    def on_fenced(self, rank: int, pending: list[str], sequences: dict[str, Any]) -> None:
-        self.fences[rank] = (pending, sequences)
+    def on_fenced(self, rank: int, fenced: Fenced) -> None:
+        self.fenced[rank] = fenced.pending
 
-    def on_released(self, rank: int, ok: bool, detail: str) -> None:
-        self.releases[rank] = (ok, detail)
+    def on_released(self, rank: int, released: Released) -> None:
+        self.releases[rank] = (released.ok, released.detail)
+
+    def on_probed(self, rank: int, probed: Probed) -> None:
+        self.probe_groups.update(probed.groups)
+        self.watch.answer(rank, probed, time.monotonic() - self.t0)
+
+    def groups(self, slots: dict[int, Slot] | None = None) -> dict[str, tuple[int, ...]]:
+        """Every process group the ranks said they belong to -> its global ranks (from their
+        reports, probe answers, and the board slots of ranks waiting on one)."""
+        out = {s.group: s.members for s in (slots or {}).values() if s.waiting and s.members}
+        out.update(self.probe_groups)
+        for report in self.reports.values():
+            out.update(report.groups)
+        return out
 
     def fail(
         self, rank: int, kind: str, summary: str, detail: str = "", phase: str | None = None
     ) -> None:
-        where, step = self.progress.get(rank, ("", None))
+        slot = self.ranks.board.read(rank)
+        where, step = (slot.phase, slot.step) if slot.run_id == self.run_id else ("", None)
         if phase and phase != where:  # the exception knows better than the last report
             where, step = phase, _step_of(phase)
         self.problems.append(
@@ -158,68 +332,76 @@ class Run:
     # ------------------------------------------------------------------ the loop
 
     def poll(self, ranks: Iterable[int], seconds: float) -> None:
-        """Wait up to ``seconds`` for events or deaths of ``ranks`` and handle them."""
-        pool = self.pool
+        """Wait up to ``seconds`` for events or deaths of ``ranks`` (and probe answers from
+        any rank) and handle them."""
+        pool = self.ranks
         ranks = sorted(ranks)
-        waitables: list[Any] = []
+        waitables: list[Any] = list(pool.probes)
         for r in ranks:
-            waitables += [pool._conns[r], pool._procs[r].sentinel]
+            waitables += [pool.conns[r], pool.procs[r].sentinel]
         ready = wait(waitables, timeout=max(0.0, seconds))
+        for r, probe in enumerate(pool.probes):
+            if probe in ready:
+                with contextlib.suppress(EOFError, OSError):
+                    while probe.poll():
+                        self.on_probed(r, receive(probe))
         for r in ranks:
-            conn, proc = pool._conns[r], pool._procs[r]
+            conn, proc = pool.conns[r], pool.procs[r]
             if conn in ready:
-                # Drain every event first: a rank that said "started" and then died
-                # must be seen as started.
+                # Drain every event first: a rank that answered and then died must be seen
+                # as having answered.
                 with contextlib.suppress(EOFError, OSError):
                     while conn.poll():
-                        event, fields = receive(conn)
-                        if fields.pop("run_id", self.run_id) != self.run_id:
+                        event = receive(conn)
+                        if getattr(event, "run_id", self.run_id) != self.run_id:
                             continue  # a late answer of an earlier, failed run
-                        getattr(self, f"on_{event}")(r, **fields)
+                        getattr(self, handler_name(event))(r, event)
             if r not in self.dead and (proc.sentinel in ready or not proc.is_alive()):
                 self.dead.add(r)
                 self._died(r)
 
     def _died(self, rank: int) -> None:
-        proc = self.pool._procs[rank]
+        proc = self.ranks.procs[rank]
         proc.join(0.5)
-        if rank not in self.started:
+        if self.ranks.board.read(rank).run_id != self.run_id and rank in self.pending:
             raise DiedIdle(rank)
         self.pending.discard(rank)
         self.crashed = True
-        self.fail(rank, "crash", _describe_exit(proc.exitcode), self.pool.logs.crash(rank))
+        self.fail(rank, "crash", _describe_exit(proc.exitcode), self.ranks.crash_log(rank))
 
     def collect(self) -> list[Any]:
-        """Wait for every rank's answer, then prove the group clean; the results or raise."""
+        """Wait for every rank's answer, then prove the groups clean; the results or raise."""
         deadline = self.t0 + self.timeout
         while self.pending:
             now = time.monotonic()
             if now >= deadline:
                 break
             if self.first_failure is not None and (
-                self.crashed or now - self.first_failure >= self.pool.error_grace
+                self.crashed or now - self.first_failure >= self.error_grace
             ):
                 break
-            if self.watch.deadlocked(self, now - self.t0):
-                name_the_stuck(self, deadlock=True)
-            self.poll(self.pending, min(0.2, deadline - now))
+            verdict = self.watch.check(self, now - self.t0)
+            if verdict is not None:
+                name_the_stuck(self, verdict)
+            self.poll(self.pending, min(CHECK_EVERY, deadline - now))
         if self.pending:
-            name_the_stuck(self)
+            name_the_stuck(self, None)
         if self.problems:
             self.release_all(keep=False)
             if self.crashed:
-                self.pool._kill()
+                self.ranks.kill()
             raise self.failure()
         return prove_clean(self)
 
     # ------------------------------------------------------------------ the fence
 
-    def await_answers(self, answers: dict[int, Any], seconds: float) -> None:
+    def await_answers(self, answers: dict[int, Any], ranks: Iterable[int], seconds: float) -> None:
+        ranks = set(ranks)
         deadline = time.monotonic() + seconds
-        while len(answers) < self.n and time.monotonic() < deadline and not self.crashed:
-            self.poll(set(range(self.n)) - set(answers), deadline - time.monotonic())
-        if len(answers) < self.n:
-            silent = sorted(set(range(self.n)) - set(answers) - self.dead)
+        while ranks - set(answers) and time.monotonic() < deadline and not self.crashed:
+            self.poll(ranks - set(answers), deadline - time.monotonic())
+        silent = sorted(ranks - set(answers) - self.dead)
+        if silent or self.crashed:
             for r in silent:
                 self.fail(
                     r,
@@ -227,118 +409,203 @@ class Run:
                     "did not answer the pool after returning (stuck in "
                     "an operation left in flight?)",
                 )
-            self.pool._kill()
+            self.ranks.kill()
             raise self.failure()
-
-    def send_all(self, event: str, **fields: Any) -> None:
-        for conn in self.pool._conns:
-            with contextlib.suppress(OSError):
-                send(conn, event, run_id=self.run_id, **fields)
 
     def release_all(self, *, keep: bool, verify: bool = False) -> None:
         """Every rank that answered waits for this, error or not."""
-        for r, conn in enumerate(self.pool._conns):
+        for r, conn in enumerate(self.ranks.conns):
             if r in self.returned_at:
                 with contextlib.suppress(OSError):
-                    send(conn, "release", run_id=self.run_id, keep=keep, verify=verify)
+                    send(conn, Release(self.run_id, keep=keep, verify=verify))
 
     # ------------------------------------------------------------------ the verdict
 
     def attach_outputs(self) -> None:
-        outputs = [self.pool._read_log(r, self.offsets[r]) for r in range(self.n)]
-        self.pool.last_outputs = outputs
+        self.outputs = [self.ranks.read_log(r, self.offsets[r]) for r in range(self.n)]
         for p in self.problems:
-            p.output = outputs[p.rank]
+            p.output = self.outputs[p.rank]
 
-    def failure(self) -> Exception:
+    def failure(self, headline: str | None = None) -> Exception:
         self.attach_outputs()
-        return failure_from(self.problems, self.n, self.timeout)
+        return failure_from(self.problems, self.n, self.timeout, headline=headline)
 
 
-def name_the_stuck(run: Run, *, deadlock: bool = False) -> NoReturn:
-    """Ranks still running at the deadline, deadlocked, or left after another failed:
-    name everyone."""
-    pool = run.pool
+def name_the_stuck(run: Run, verdict: Verdict | None) -> NoReturn:
+    """A proven deadlock (``verdict``), or ranks still running at the deadline or after
+    another rank failed: name everyone, with the evidence."""
+    if verdict is None and not run.problems and run.watch.window:
+        # at the deadline: is a deadlock proven now? Then say so (it is the better report)
+        views, slots = run.watch.views(run)
+        verdict = deadlock.decide(views, run.groups(slots))
     stuck = sorted(run.pending)
-    stacks = pool._dump_stacks(stuck)
+    stacks = run.ranks.stacks(stuck)
     waited = time.monotonic() - run.t0
-    kind = "deadlock" if deadlock else "stopped" if run.problems else "timeout"
+    timed_out = verdict is None and not run.problems
+    proven = set(verdict.ranks) if verdict else set()
     for r in stuck:
-        if kind == "deadlock":
-            where = run.watch.blocked[r][1][1]
-            why = (
-                f"waiting inside torch.distributed for {run.watch.window:g}s with no "
-                f"operation completing on any of its groups ({waited:.1f}s into the run; "
-                f"at {where})"
+        slot = run.ranks.board.read(r)
+        if r in proven:
+            assert verdict is not None
+            kind, why = "deadlock", verdict.reason(r)
+        elif timed_out or verdict is not None:
+            kind = "timeout" if timed_out else "stopped"
+            why = f"still running after {waited:.1f}s" + (
+                f" (timeout {run.timeout:g}s)" if timed_out else " (not part of the deadlock)"
             )
-            stack = run.watch.stacks.get(r) or stacks.get(r, "")
-        elif kind == "timeout":
-            why = f"still running after {waited:.1f}s (timeout {run.timeout:g}s)"
-        else:
-            why = "still running after another rank failed (waiting in a collective?)"
-        if kind != "deadlock":
-            stack = stacks.get(r, "")
-        run.fail(r, kind, why, stack or "(no stack collected)")
-    if kind in ("timeout", "deadlock"):
-        for r in sorted(run.returned_at, key=run.returned_at.__getitem__):
-            if r in run.results:
-                t = run.returned_at[r]
-                last = run.progress.get(r, ("", None))[0]
-                run.problems.append(
-                    RankProblem(
-                        r,
-                        "returned",
-                        f"returned without error after {t:.2f}s while rank(s) "
-                        f"{', '.join(map(str, stuck))} still waited: the likely culprit "
-                        "(did it skip a collective the others entered?)",
-                        f"rank {r} finished its function {t:.2f}s into the run"
-                        + (f"; the last phase it reported was {last!r}" if last else "")
-                        + "; the waiting ranks' stacks show the collective it never entered.",
-                        phase=last,
-                        seconds=t,
-                    )
+            if slot.run_id == run.run_id and slot.state == State.WAITING:
+                why += (
+                    f"; waiting since {slot.since - run.t0:.2f}s in {slot.op} on group {slot.group}"
                 )
-    pool._kill()  # ranks stuck in a collective cannot be reused: start afresh next run
-    run.attach_outputs()
-    raise run.failure()
+                if slot.site:
+                    why += f" at {slot.site}"
+        else:
+            kind, why = (
+                "stopped",
+                "still running after another rank failed (waiting in a collective?)",
+            )
+        run.fail(r, kind, why, stacks.get(r, "") or "(no stack collected)")
+    headline = None
+    if verdict is not None:
+        for m in verdict.culprits:
+            if m in run.results:
+                run.problems.append(_culprit(run, m, verdict))
+        headline = _deadlock_headline(run, verdict, proven_before_timeout=not timed_out)
+    elif timed_out and run.returned_at:
+        done = ", ".join(
+            f"{r}/{run.n} (after {t:.2f}s)" for r, t in sorted(run.returned_at.items())
+        )
+        headline = (
+            f"run timed out after {run.timeout:g}s on rank "
+            f"{', '.join(f'{r}/{run.n}' for r in stuck)}; rank {done} had returned. Nothing "
+            "proves a deadlock (every wait seen could still complete): raise the timeout "
+            "(--spatial-timeout) if the work is really that slow; every rank's state follows."
+        )
+    run.ranks.kill()  # ranks stuck in a collective cannot be reused: start afresh next run
+    raise run.failure(headline)
+
+
+def _culprit(run: Run, rank: int, verdict: Verdict) -> RankProblem:
+    t = run.returned_at[rank]
+    waiting = ", ".join(str(s.rank) for s in verdict.stuck if rank in s.waits_for)
+    report = run.reports.get(rank)
+    counts = report.counts if report else None
+    waited_on = sorted({s.group for s in _waits(run, verdict) if s})
+    did = ""
+    if counts is not None and waited_on:
+        did = " having issued " + ", ".join(
+            f"{counts.collectives_on(g)} collective{'s' if counts.collectives_on(g) != 1 else ''}"
+            f" on group {g}"
+            for g in waited_on
+        )
+    if verdict.kind == "mismatch":
+        summary = (
+            f"returned after {t:.2f}s{did}; rank(s) {waiting} wait in a collective it entered "
+            "as a different operation or size: one side called the wrong one"
+        )
+    else:
+        summary = (
+            f"returned after {t:.2f}s{did}, while rank(s) {waiting} wait for its part in an "
+            "operation it never entered: the culprit (did it skip a collective, a send or a "
+            "receive the others issued?)"
+        )
+    return RankProblem(
+        rank,
+        "returned",
+        summary,
+        f"rank {rank} finished its function {t:.2f}s into the run; the waiting ranks' "
+        "reasons and stacks show what they wait in.",
+        seconds=t,
+    )
+
+
+def _waits(run: Run, verdict: Verdict) -> list[Op | None]:
+    """The operations the stuck ranks of ``verdict`` wait on (``None``: not seen)."""
+    views, _ = run.watch.views(run)
+    by_rank = {v.rank: v.wait for v in views}
+    return [by_rank.get(r) for r in verdict.ranks]
+
+
+def _deadlock_headline(run: Run, verdict: Verdict, *, proven_before_timeout: bool) -> str:
+    """``"run deadlocked on rank 0/4, 1/4 (found 1.4s into the run, before the 120s
+    timeout): they wait for rank 3/4, which returned without its part. Rank 0: ..."``."""
+    n = run.n
+    ranks = ", ".join(f"{r}/{n}" for r in verdict.ranks)
+    when = (
+        f"found {time.monotonic() - run.t0:.1f}s into the run, before the {run.timeout:g}s timeout"
+        if proven_before_timeout
+        else f"proven at the {run.timeout:g}s timeout"
+    )
+    if verdict.kind == "missing":
+        gone = ", ".join(f"{m}/{n}" for m in verdict.culprits)
+        what = f"they wait for rank {gone}, which returned without its part"
+    elif verdict.kind == "mismatch":
+        what = "they wait in a collective that members of its group entered as another one"
+    else:
+        what = "they wait for each other in a cycle"
+    first = verdict.stuck[0]
+    return (
+        f"run deadlocked on rank {ranks} ({when}): {what}. Rank {first.rank} {first.reason}. "
+        "Every rank's state follows."
+    )
 
 
 def prove_clean(run: Run) -> list[Any]:
-    """Every rank returned: prove the group clean before the next run may reuse it.
+    """Every rank returned: prove the groups clean before the next run may reuse them.
 
-    Operations a rank started and left in flight fail the run (they would be matched by
-    the next run's operations, or hang it). Operation counts that differ between the
-    members of a group, with nothing tracked in flight, are legitimate (an uneven
-    point-to-point pattern, a halo exchange with edge ranks) or untracked: either way
-    the next run gets a fresh group. Equal counts: one fence collective with the run id
-    and a short deadline, then the group is kept.
+    Operations left in flight that can never complete (a collective some member never
+    entered, a send nobody receives) fail the run at once: the next run would inherit them.
+    Matched ones complete by themselves: the ranks wait for them (the fence). Then groups
+    whose members issued the same collectives and matched every send are kept, after one
+    fence collective with the run id proves them in step; any others are torn down.
     """
     everyone = range(run.n)
-    if any(in_flight for in_flight, _ in run.fences.values()):
-        # In flight at return: an isend may only complete once its peer, returning
-        # later, has received it. Ask again, now that every rank has returned.
-        run.fences.clear()
-        run.send_all("fence")
-        run.await_answers(run.fences, FENCE_GRACE + FENCE_MARGIN)
-    pending = {r: f[0] for r, f in run.fences.items() if f[0]}
-    if pending:
-        for r, ops in sorted(pending.items()):
-            more = f" (and {len(ops) - 1} more)" if len(ops) > 1 else ""
-            run.problems.append(
-                RankProblem(
-                    r,
-                    "pending",
-                    f"{ops[0]}{more} never completed",
-                    "\n".join(ops),
-                    seconds=run.returned_at.get(r),
-                )
+    reports = [run.reports.get(r) for r in everyone]
+    counts: dict[int, Counts] = {
+        r: rep.counts for r, rep in enumerate(reports) if rep is not None and rep.counts is not None
+    }
+    groups = run.groups()
+    leftovers = {r: rep.leftovers for r, rep in enumerate(reports) if rep and rep.leftovers}
+    for r, ops in sorted(deadlock.unmatched(leftovers, counts, groups).items()):
+        first, why = ops[0]
+        more = f" (and {len(ops) - 1} more)" if len(ops) > 1 else ""
+        run.problems.append(
+            RankProblem(
+                r,
+                "pending",
+                f"{first.describe()} can never complete: {why}{more}",
+                "\n".join(f"{op.describe()}: {w}" for op, w in ops),
+                seconds=run.returned_at.get(r),
             )
+        )
+    if run.problems:
         run.release_all(keep=False)
         raise run.failure()
-    keep = _consistent(run.fences[r][1] for r in everyone)
+    if leftovers:  # matched: they complete by themselves; wait for them
+        grace = max(1.0, min(FENCE_WAIT, run.t0 + run.timeout - time.monotonic()))
+        for r in leftovers:
+            with contextlib.suppress(OSError):
+                send(run.ranks.conns[r], Fence(run.run_id, grace))
+        run.await_answers(run.fenced, leftovers, grace + FENCE_MARGIN)
+        for r, ops in sorted(run.fenced.items()):
+            if ops:
+                run.problems.append(
+                    RankProblem(
+                        r,
+                        "pending",
+                        f"{ops[0].describe()} never completed, {grace:.0f}s after every rank "
+                        "returned, although its peers did their part",
+                        "\n".join(op.describe() for op in ops),
+                        seconds=run.returned_at.get(r),
+                    )
+                )
+        if run.problems:
+            run.release_all(keep=False)
+            raise run.failure()
+    keep = len(counts) == run.n and deadlock.consistent(counts, groups)
     run.release_all(keep=keep, verify=keep)
     if keep:
-        run.await_answers(run.releases, VERIFY_TIMEOUT + FENCE_MARGIN)
+        run.await_answers(run.releases, everyone, _VERIFY_TIMEOUT + FENCE_MARGIN)
         bad = {r: d for r, (ok, d) in run.releases.items() if not ok}
         if bad:
             for r, detail in sorted(bad.items()):
@@ -346,18 +613,10 @@ def prove_clean(run: Run) -> list[Any]:
                     RankProblem(r, "pending", "the process group was left out of step: " + detail)
                 )
             raise run.failure()
-    run.pool._group_ok = keep
+    run.keep = keep
+    run.unwaited = [(r, op) for r, rep in enumerate(reports) if rep for op in rep.unwaited]
     run.attach_outputs()
     return [run.results[r] for r in everyone]
-
-
-def _consistent(reports: Iterable[dict[str, Any]]) -> bool:
-    """Did the members of every group issue the same number of operations on it?"""
-    seen: dict[str, set[int]] = {}
-    for sequences in reports:
-        for name, (seq, _ranks) in sequences.items():
-            seen.setdefault(name, set()).add(seq)
-    return all(len(counts) == 1 for counts in seen.values())
 
 
 def _step_of(phase: str) -> int | None:

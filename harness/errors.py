@@ -26,6 +26,17 @@ class PicklingProblem(HarnessError, TypeError):
     """A rank function, its arguments or a rank's result cannot cross a process boundary."""
 
 
+class HarnessWarning(UserWarning):
+    """Base class of the warnings the harness gives: findings that do not fail a run."""
+
+
+class UnwaitedWork(HarnessWarning):
+    """An operation issued with ``async_op=True`` (or an ``isend``/``irecv``) completed, but
+    nothing waited on its work: harmless only where the backend finished it before its
+    tensor was used (gloo usually does; NCCL does not). Turn it into a failure with
+    ``-W error::harness.UnwaitedWork``."""
+
+
 #: What a ``RankProblem`` can be. ``returned`` and ``stopped`` are context, not causes:
 #: ``returned`` is a rank that finished while others were still waiting (the likely culprit
 #: of a hang: it skipped a collective the others entered); ``stopped`` a healthy rank that
@@ -159,8 +170,11 @@ def _rank_order(p: RankProblem) -> int:
     return _ORDER[p.kind]
 
 
-def failure_from(problems: Sequence[RankProblem], world: int, timeout: float) -> RankFailure:
-    """The exception for a failed run: its class and headline follow the likeliest cause.
+def failure_from(
+    problems: Sequence[RankProblem], world: int, timeout: float, *, headline: str | None = None
+) -> RankFailure:
+    """The exception for a failed run: its class and headline follow the likeliest cause
+    (``headline``, where the caller has a better one from its evidence).
 
     Within a kind, arrival order is kept: the rank that failed first is the likely cause.
     """
@@ -201,7 +215,7 @@ def failure_from(problems: Sequence[RankProblem], world: int, timeout: float) ->
         )
     else:
         cls, msg = RankError, f"rank {where} raised {first.summary}"
-    return cls(msg, world, list(problems))
+    return cls(headline or msg, world, list(problems))
 
 
 def _indent(text: str, prefix: str = "    ") -> str:

@@ -40,9 +40,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol, runtime_checkable
 
 from harness._compat import stop_forkserver
-from harness._rank import _worker_main, receive, report_progress, send
+from harness._events import Ready, RunCall, Stop, receive, send
+from harness._rank import _worker_main, report_progress
 from harness._run import DiedIdle, Run
-from harness.errors import ConfigError, PicklingProblem, RankCrash, RankProblem
+from harness.board import Board
+from harness.errors import ConfigError, PicklingProblem, RankCrash, RankProblem, UnwaitedWork
 
 __all__ = ["PoolRegistry", "RankPool", "Runner", "report_progress", "shared_registry"]
 
@@ -52,10 +54,11 @@ DEFAULT_TIMEOUT = 120.0
 ERROR_GRACE = 3.0
 #: How long a rank may take to start (import torch, set up) before the start counts as failed.
 START_TIMEOUT = 180.0
-#: A run whose every running rank has waited inside a torch.distributed call this long,
-#: with no operation issued on any of its groups, can no longer finish: it fails as a
-#: deadlock at once instead of at the timeout. 0 turns detection off.
-DEADLOCK_WINDOW = 2.0
+#: A deadlock proven from the ranks' evidence (``harness.deadlock``: a rank waits for a peer
+#: that returned without its part, ranks entered different collectives, or wait on each
+#: other in a cycle) fails the run once the proof has held this long, instead of at the
+#: timeout. 0 turns detection off.
+DEADLOCK_WINDOW = 1.0
 START_METHODS = ("spawn", "forkserver")
 
 #: More rank processes than this many per core is refused unless asked for: they would
@@ -123,10 +126,8 @@ class RankPool:
                 f"start_method {start_method!r} is not supported; use one of {START_METHODS} "
                 "(plain fork after torch is imported can deadlock the ranks)"
             )
-        if timeout is None or timeout <= 0:
-            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.world_size = world_size
-        self.timeout = float(timeout)
+        self.timeout = check_seconds(timeout, "timeout")
         self.start_method = start_method
         self.backend = backend
         self.error_grace = error_grace
@@ -136,15 +137,11 @@ class RankPool:
             )
         self.deadlock_window = float(deadlock_window)
         self.preload = tuple(preload)
-        self._probes: list[Connection] = []
-        self._probe_count = 0
         self.starts = 0  # how many times the processes were (re)started
         self.runs = 0
         self.last_outputs: list[str] = [""] * world_size
-        self._procs: list[Any] = []
-        self._conns: list[Connection] = []
-        self._workdir: str | None = None
-        self._idle: list[bool] = [True] * world_size
+        self._ranks: _Processes | None = None
+        self._busy = False  # a run is under way (its ranks are not idle)
         # After a run that every rank finished cleanly, the next run reuses its process group
         # and cached subgroups (saves ~50 ms a run, more with many subgroups); after any
         # failure the ranks build a fresh group, so a broken one can never be reused.
@@ -163,11 +160,16 @@ class RankPool:
 
     @property
     def alive(self) -> bool:
-        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+        return self._ranks is not None and self._ranks.alive
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._ranks.procs] if self._ranks else []
+
+    @property
+    def workdir(self) -> str | None:
+        """The pool's temporary directory (rendezvous files, logs, the board), while started."""
+        return self._ranks.workdir if self._ranks else None
 
     def start(self) -> None:
         """Start the rank processes (no-op if they are running)."""
@@ -181,76 +183,24 @@ class RankPool:
             # applies to a server started later, so ranks import the list again (cheap when
             # the server has it already).
             ctx.set_forkserver_preload(["harness._preload", *self.preload])
-        self._workdir = tempfile.mkdtemp(prefix=f"harness-pool{self.world_size}-")
-        parent_pid = os.getpid()
+        workdir = tempfile.mkdtemp(prefix=f"harness-pool{self.world_size}-")
+        self._ranks = _Processes(self.world_size, workdir)
         with _no_main_module():
-            self._spawn(ctx, parent_pid)
-        deadline = time.monotonic() + START_TIMEOUT
-        self._await_ready(deadline)
+            self._ranks.spawn(ctx, os.getpid(), self.backend, self.preload)
+        self._ranks.await_ready(time.monotonic() + START_TIMEOUT)
         self.starts += 1
-
-    def _spawn(self, ctx: Any, parent_pid: int) -> None:
-        for rank in range(self.world_size):
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            probe_end, probe_child = ctx.Pipe(duplex=True)  # answered by a rank's own thread
-            proc = ctx.Process(
-                target=_worker_main,
-                args=(rank, self.world_size, child_end, self._workdir, parent_pid, self.backend),
-                kwargs={"probe": probe_child, "preload": self.preload},
-                name=f"harness-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            child_end.close()
-            probe_child.close()
-            self._procs.append(proc)
-            self._conns.append(parent_end)
-            self._probes.append(probe_end)
-
-    def _await_ready(self, deadline: float) -> None:
-        for rank, conn in enumerate(self._conns):
-            left = max(0.0, deadline - time.monotonic())
-            ready = wait([conn, self._procs[rank].sentinel], timeout=left)
-            if conn in ready:
-                with contextlib.suppress(EOFError, OSError):
-                    receive(conn)
-                    continue
-            output = self._read_log(rank, 0)
-            self._kill()
-            raise RankCrash(
-                f"rank {rank}/{self.world_size} failed to start "
-                f"({'timed out' if not ready else 'process exited'}); its output follows. "
-                "Check that torch imports in a fresh interpreter.",
-                self.world_size,
-                [RankProblem(rank, "crash", "failed to start", output)],
-            )
 
     def close(self) -> None:
         """Stop every rank process and remove the pool's temporary directory."""
-        for conn in self._conns:
-            with contextlib.suppress(OSError, ValueError):
-                send(conn, "stop")
-        deadline = time.monotonic() + 2.0
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
+        if self._ranks is not None:
+            self._ranks.close()
         self._kill()
 
     def _kill(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive():
-                with contextlib.suppress(OSError):
-                    proc.kill()
-        for proc in self._procs:
-            proc.join(5.0)
-            with contextlib.suppress(ValueError):
-                proc.close()
-        for conn in [*self._conns, *self._probes]:
-            with contextlib.suppress(OSError):
-                conn.close()
-        self._procs, self._conns, self._probes = [], [], []
-        if self._workdir:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
+        if self._ranks is not None:
+            self._ranks.kill()
+            self._ranks = None
+        self._group_ok = False
 
     # ------------------------------------------------------------------ running
 
@@ -260,52 +210,66 @@ class RankPool:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
 
         Raises ``RankError`` (a rank raised), ``RankCrash`` (a rank died), ``RankTimeout``
-        (the run took longer than ``timeout`` seconds; every rank's stack is attached) or
-        ``RankPending`` (every rank returned but left a collective or send in flight), each
-        a ``RankFailure`` listing every rank's problem. ``PicklingProblem`` if ``fn``, its
+        (the run took longer than ``timeout`` seconds; every rank's stack is attached),
+        ``RankDeadlock`` (a ``RankTimeout`` proven before the timeout: ranks wait for a peer
+        that returned without its part, or for each other) or ``RankPending`` (every rank
+        returned, but an operation was left that can never complete), each a
+        ``RankFailure`` listing every rank's problem. ``PicklingProblem`` if ``fn``, its
         arguments or a result cannot cross the process boundary. A rank that died while
-        idle is replaced, silently, and the run goes to fresh processes.
+        idle is replaced, silently, and the run goes to fresh processes. Work that completed
+        but was never waited on is not a failure: it is warned about (``UnwaitedWork``).
         """
+        __tracebackhide__ = True
         payload = _dump_call(fn, args, kwargs)
-        timeout = self.timeout if timeout is None else float(timeout)
+        timeout = self.timeout if timeout is None else check_seconds(timeout, "timeout")
         with self._lock:
             for attempt in (1, 2):
                 if not self.alive:
                     self.start()
                 run = self._begin(payload, timeout)
                 try:
-                    return run.collect()
+                    results = run.collect()
                 except DiedIdle:
                     self._kill()  # killed from outside between runs: not this run's fault
                     if attempt == 2:
                         raise
+                    continue
                 except BaseException:
                     # KeyboardInterrupt or a bug here: never leave ranks running behind us.
-                    if self.alive and not all(self._idle):
+                    if self.alive and run.pending:
                         self._kill()
                     raise
+                finally:
+                    self.last_outputs = run.outputs
+                self._group_ok = run.keep
+                _warn_unwaited(run.unwaited)
+                return results
         raise AssertionError("unreachable")
 
     def _begin(self, payload: bytes, timeout: float) -> Run:
-        assert self._workdir is not None
+        ranks = self._ranks
+        assert ranks is not None
         self.runs += 1
-        run = Run(self, self.runs, timeout)
+        run = Run(
+            ranks,
+            self.runs,
+            timeout,
+            error_grace=self.error_grace,
+            deadlock_window=self.deadlock_window,
+        )
         reuse = self._group_ok
         self._group_ok = False
-        self._idle = [False] * self.world_size
-        store = os.path.join(self._workdir, f"store-{run.run_id}")
-        for conn in self._conns:
+        call = RunCall(
+            run_id=run.run_id,
+            payload=payload,
+            store=os.path.join(ranks.workdir, f"store-{run.run_id}"),
+            sys_path=list(sys.path),
+            timeout=timeout,
+            reuse=reuse,
+        )
+        for conn in ranks.conns:
             try:
-                send(
-                    conn,
-                    "run",
-                    run_id=run.run_id,
-                    payload=payload,
-                    store=store,
-                    sys_path=list(sys.path),
-                    timeout=timeout,
-                    reuse=reuse,
-                )
+                send(conn, call)
             except OSError:  # a rank that died since the last run: its pipe is closed
                 pass  # its sentinel tells the run, which then starts afresh
         return run
@@ -319,35 +283,142 @@ class RankPool:
 
     @property
     def logs(self) -> RankLogs:
-        assert self._workdir is not None, "the pool is not started"
-        return RankLogs(self._workdir)
+        assert self._ranks is not None, "the pool is not started"
+        return self._ranks.logs
 
-    def _read_log(self, rank: int, offset: int, what: str = "out") -> str:
-        return self.logs.read(rank, offset, what) if self._workdir else ""
+    @property
+    def board(self) -> Board:
+        """What each rank is doing now (``harness.board``), while started."""
+        assert self._ranks is not None, "the pool is not started"
+        return self._ranks.board
 
-    def _probe(self, ranks: Sequence[int], timeout: float) -> dict[int, dict[str, Any]]:
-        """Ask each rank's probe thread where its main thread is and how many operations its
-        groups have seen; ranks that do not answer in time (busy holding the GIL, say) are
-        left out: they are taken to be making progress."""
-        self._probe_count += 1
-        asked: dict[Any, int] = {}
-        for r in ranks:
-            with contextlib.suppress(OSError, ValueError):
-                send(self._probes[r], "probe", n=self._probe_count)
-                asked[self._probes[r]] = r
-        answers: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + timeout
-        while len(answers) < len(asked) and time.monotonic() < deadline:
-            waiting = [c for c, r in asked.items() if r not in answers]
-            for conn in wait(waiting, timeout=max(0.0, deadline - time.monotonic())):
+
+def check_seconds(value: Any, what: str, *, minimum: float = 0.01) -> float:
+    """A finite number of seconds ``>= minimum``, or one clear error naming ``what``."""
+    import math
+
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < minimum:
+        raise ConfigError(
+            f"{what} must be a finite number of seconds >= {minimum:g}, got {value!r}; "
+            f"e.g. {what}={DEFAULT_TIMEOUT:g}"
+        )
+    return seconds
+
+
+def _warn_unwaited(unwaited: list[tuple[int, Any]]) -> None:
+    """One warning per operation (by call site) that completed without anyone waiting on
+    it: not a failure (it matched and finished), but a race on backends that do not
+    finish an operation before its tensor is used (NCCL)."""
+    import warnings
+
+    by_site: dict[tuple[str, str], list[int]] = {}
+    for rank, op in unwaited:
+        by_site.setdefault((op.op, op.site), []).append(rank)
+    for (name, site), ranks in by_site.items():
+        warnings.warn(
+            UnwaitedWork(
+                f"rank {', '.join(map(str, sorted(set(ranks))))}: {name}"
+                f"{' issued at ' + site if site else ''} was never waited on: its work "
+                "completed, but nothing ordered the rank's use of its tensors after it. Call "
+                "work.wait() (or use async_op=False) before reading or reusing them; on NCCL "
+                "this is a race."
+            ),
+            stacklevel=3,
+        )
+
+
+class _Processes:
+    """The rank processes of one start of a pool, as a ``Run`` sees them (``_run.Ranks``):
+    their pipes, sentinels, probe pipes, board and logs, and a way to kill them all."""
+
+    def __init__(self, world_size: int, workdir: str) -> None:
+        self.world_size, self.workdir = world_size, workdir
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        self.probes: list[Connection] = []
+        self.board = Board(os.path.join(workdir, "board"), world_size, create=True)
+        self.logs = RankLogs(workdir)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
+    def spawn(self, ctx: Any, parent_pid: int, backend: str, preload: tuple[str, ...]) -> None:
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            probe_end, probe_child = ctx.Pipe(duplex=True)  # answered by a rank's own thread
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, child_end, self.workdir, parent_pid, backend),
+                kwargs={"probe": probe_child, "preload": preload},
+                name=f"harness-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_end.close()
+            probe_child.close()
+            self.procs.append(proc)
+            self.conns.append(parent_end)
+            self.probes.append(probe_end)
+
+    def await_ready(self, deadline: float) -> None:
+        for rank, conn in enumerate(self.conns):
+            left = max(0.0, deadline - time.monotonic())
+            ready = wait([conn, self.procs[rank].sentinel], timeout=left)
+            if conn in ready:
                 with contextlib.suppress(EOFError, OSError):
-                    _, fields = receive(conn)  # type: ignore[arg-type]
-                    if fields.pop("n", None) == self._probe_count:  # not a late answer
-                        answers[asked[conn]] = fields
-        return answers
+                    if isinstance(receive(conn), Ready):
+                        continue
+            output = self.read_log(rank, 0)
+            self.kill()
+            raise RankCrash(
+                f"rank {rank}/{self.world_size} failed to start "
+                f"({'timed out' if not ready else 'process exited'}); its output follows. "
+                "Check that torch imports in a fresh interpreter.",
+                self.world_size,
+                [RankProblem(rank, "crash", "failed to start", output)],
+            )
 
-    def _dump_stacks(self, ranks: Sequence[int]) -> dict[int, str]:
-        return self.logs.stacks({r: self._procs[r].pid for r in ranks})
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError, ValueError):
+                send(conn, Stop())
+        deadline = time.monotonic() + 2.0
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                with contextlib.suppress(OSError):
+                    proc.kill()
+        for proc in self.procs:
+            proc.join(5.0)
+            with contextlib.suppress(ValueError):
+                proc.close()
+        for conn in [*self.conns, *self.probes]:
+            with contextlib.suppress(OSError):
+                conn.close()
+        self.procs, self.conns, self.probes = [], [], []
+        self.board.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # what a Run reads
+    def log_size(self, rank: int) -> int:
+        return self.logs.size(rank)
+
+    def read_log(self, rank: int, offset: int) -> str:
+        return self.logs.read(rank, offset)
+
+    def crash_log(self, rank: int) -> str:
+        return self.logs.crash(rank)
+
+    def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
+        return self.logs.stacks({r: self.procs[r].pid for r in ranks if r < len(self.procs)})
 
 
 class RankLogs:
@@ -375,7 +446,8 @@ class RankLogs:
         return self.read(rank, 0, "crash").strip()
 
     def stacks(self, pids: dict[int, int | None]) -> dict[int, str]:
-        """Ask each rank (rank -> pid) for its Python stack (faulthandler on SIGUSR1) and
+        """Ask each rank (rank -> pid) for its Python stack (faulthandler on SIGUSR1: written
+        from the signal handler, so it needs neither the GIL nor the rank's main thread) and
         read them back."""
         before = {r: self.size(r, "stack") for r in pids}
         for pid in pids.values():

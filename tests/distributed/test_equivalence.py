@@ -160,7 +160,8 @@ def test_a_skipped_collective_becomes_a_deadlock_mismatch_with_the_waiting_stack
     )
     assert report.quantities == {"deadlock"}  # found by the watch, long before the timeout
     first = report.mismatches[0]
-    assert first.rank == 3 and "returned without error" in first.where  # the culprit
+    assert first.rank == 3 and first.where.startswith("returned after")  # the culprit
+    assert "never entered" in first.where
     assert report.likely.startswith("rank 3 returned while the others waited in a collective")
     waiting = [m for m in report.mismatches if m.quantity == "deadlock" and m.rank != 3]
     assert {m.rank for m in waiting} == {0, 1, 2}

@@ -195,19 +195,24 @@ def test_a_skipped_collective_is_a_deadlock_found_long_before_the_timeout(spatia
     err = info.value
     assert isinstance(err, RankTimeout)  # code that handles hangs handles this too
     assert err.ranks == [0, 1, 2]
-    # the rank that returned is the culprit: listed first, with when it returned
+    # the rank that returned is the culprit, by evidence: it never entered what they wait in
     assert err.returned == [3] and err.problems[0].rank == 3
-    assert "returned without error after" in err.problems[0].summary
-    assert str(err).startswith(
-        "run deadlocked on rank 0/4, 1/4, 2/4 (found before the 100s "
-        "timeout) while rank 3/4 had returned"
+    assert err.problems[0].summary.startswith("returned after ")
+    assert "having issued 0 collectives on group 0, while rank(s) 0, 1, 2 wait" in (
+        err.problems[0].summary
     )
+    assert str(err).startswith("run deadlocked on rank 0/4, 1/4, 2/4 (found ")
+    assert "before the 100s timeout): they wait for rank 3/4, which returned without" in str(err)
     waiting = [p for p in err.problems if p.kind == "deadlock"]
     assert [p.rank for p in waiting] == [0, 1, 2]
     for problem in waiting:
         assert "skip_collective_on" in problem.detail  # each waiting rank's stack
         assert "all_reduce" in problem.detail
-        assert problem.summary.startswith("waiting inside torch.distributed for 2s")
+        assert problem.summary.startswith("waits in all_reduce #1 on group 0 (1 element float32)")
+        assert "test_pool.py:" in problem.summary  # the line that issued it
+        assert problem.summary.endswith(
+            "rank 3 never entered it: it returned after 0 collectives on group 0"
+        )
     assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0  # only that run failed
 
 
@@ -340,11 +345,14 @@ def test_a_collective_left_pending_fails_its_own_run_and_not_the_next(spatial):
         spatial.run(leave_collective_pending, 2)
     err = info.value
     assert err.ranks == [2]
-    assert "rank 2/4 returned with communication still pending: all_reduce(async_op=True)" in str(
-        err
+    assert str(err).startswith(
+        "rank 2/4 returned with communication still pending: all_reduce #1 on group 0 "
+        "(1 element float32) at "
     )
     assert "test_pool.py" in err.problems[0].summary  # where it was issued
-    assert "in leave_collective_pending" in err.problems[0].summary
+    assert "in leave_collective_pending can never complete: rank 0, 1, 3 never entered it" in (
+        err.problems[0].summary
+    )
     assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0  # the next run is innocent and passes
 
 
@@ -353,7 +361,8 @@ def test_an_unmatched_isend_fails_its_own_run_and_not_the_next(spatial):
     with pytest.raises(RankPending) as info:
         spatial.run(leave_isend_unmatched, timeout=20)
     assert info.value.ranks == [0]
-    assert "isend to rank 1 (tag 0)" in info.value.problems[0].summary
+    assert info.value.problems[0].summary.startswith("isend to rank 1 (tag 0, #1) (3 elements")
+    assert info.value.problems[0].summary.endswith("can never complete: rank 1 never received it")
     # before the fence this next exchange hung (and was blamed for a skipped collective)
     assert spatial.run(send_and_receive, timeout=20)[1] == [1.0, 1.0, 1.0]
 

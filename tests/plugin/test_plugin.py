@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.pool import DEADLOCK_WINDOW
+
 DOWNSTREAM = """
 import torch
 from harness import Outputs, Shard, SpatialCase
@@ -211,7 +213,7 @@ def test_the_ini_file_sets_defaults_and_the_header_shows_them(pytester):
     result.stdout.fnmatch_lines(
         [
             "harness: spatial ranks 3, backend gloo, start method forkserver, deadlock "
-            "detection after 2s, timeout 7s, torch *"
+            f"detection after {DEADLOCK_WINDOW:g}s, timeout 7s, torch *"
         ]
     )
 
@@ -469,7 +471,8 @@ def test_a_deadlock_fails_before_the_timeout_the_next_test_passes_and_no_rank_su
     out = proc.stdout
     assert proc.returncode == 1, out
     assert "1 failed, 1 passed" in out
-    assert "run deadlocked on rank 1/4, 2/4, 3/4 (found before the 60s timeout)" in out
+    assert "run deadlocked on rank 1/4, 2/4, 3/4 (found " in out
+    assert "before the 60s timeout): they wait for rank 0/4, which returned without" in out
     assert out.count("in hang") >= 3  # each waiting rank's stack names the function
     assert time.monotonic() - t0 < 60
     assert _wait_gone(tag) == []

@@ -1,0 +1,410 @@
+"""What the harness sees of a rank's torch.distributed operations, without changing any.
+
+Installed once in every rank process of a pool. It wraps methods of torch's
+``ProcessGroup`` and ``Work`` classes: every operation issued from Python passes through
+them, whichever function issued it (``dist.all_reduce``, ``dist.isend`` inside
+``batch_isend_irecv``, ``torch.distributed.nn``, a function bound at import as
+``from torch.distributed import isend``). The public functions of ``torch.distributed`` are
+never replaced, so identity checks on them (``P2POp`` takes only ``dist.isend`` and
+``dist.irecv`` themselves; ``batch_isend_irecv`` and torch.compile look functions up by
+identity) see torch's own. Each wrapper calls the original with the same arguments and
+returns what it returned; what it notes never raises into the caller.
+
+What it notes, during a run only:
+
+- for each operation: what it is (collective, send, receive), its group, its number in the
+  run's order on that group, its size, and the line of user code that issued it; the
+  ``Work`` it returned, until someone waits on it;
+- on the rank's slot of the pool's notice board (``harness.board``): which operation the
+  main thread waits on, from when; so the pool can prove a deadlock without asking the rank;
+- per group: collectives issued (torch's sequence number, which also counts what C++ issues,
+  such as DDP's reducer, less the point-to-point operations seen here), sends and receives
+  per (peer, tag).
+
+Operations issued from C++ (DDP's reducer, functional collectives, DTensor) are not seen one
+by one; they show in the sequence numbers. Written for torch 2.4-2.14 (the method names of
+``ProcessGroup``; a name a release drops is skipped).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness._compat import group_name, group_sequence_numbers, sequence_number
+from harness.board import State, Writer, members_bits
+from harness.deadlock import ANY_SOURCE, Counts, Kind, Op
+
+#: ProcessGroup method -> (the torch.distributed name users know, kind, which argument holds
+#: the tensors whose size must match across ranks: an index into the positional arguments)
+_METHODS: dict[str, tuple[str, Kind, int | None]] = {
+    "allreduce": ("all_reduce", Kind.COLLECTIVE, 0),
+    "allreduce_coalesced": ("all_reduce_coalesced", Kind.COLLECTIVE, 0),
+    "broadcast": ("broadcast", Kind.COLLECTIVE, 0),
+    "reduce": ("reduce", Kind.COLLECTIVE, 0),
+    "allgather": ("all_gather", Kind.COLLECTIVE, 1),
+    "_allgather_base": ("all_gather_into_tensor", Kind.COLLECTIVE, 1),
+    "allgather_coalesced": ("all_gather_coalesced", Kind.COLLECTIVE, None),
+    "allgather_into_tensor_coalesced": ("all_gather_into_tensor_coalesced", Kind.COLLECTIVE, None),
+    "gather": ("gather", Kind.COLLECTIVE, None),
+    "scatter": ("scatter", Kind.COLLECTIVE, None),
+    "reduce_scatter": ("reduce_scatter", Kind.COLLECTIVE, 0),
+    "_reduce_scatter_base": ("reduce_scatter_tensor", Kind.COLLECTIVE, 0),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor_coalesced", Kind.COLLECTIVE, None),
+    "alltoall_base": ("all_to_all_single", Kind.COLLECTIVE, None),
+    "alltoall": ("all_to_all", Kind.COLLECTIVE, None),
+    "barrier": ("barrier", Kind.COLLECTIVE, None),
+    "send": ("send", Kind.SEND, 0),
+    "recv": ("recv", Kind.RECV, 0),
+    "recv_anysource": ("recv", Kind.RECV, 0),
+}
+
+#: torch.distributed functions whose name says better than the method's what the user called
+_PUBLIC = frozenset(
+    {
+        "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather",
+        "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter",
+        "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single", "all_to_all",
+        "barrier", "send", "recv", "isend", "irecv", "broadcast_object_list",
+        "all_gather_object", "gather_object", "scatter_object_list", "send_object_list",
+        "recv_object_list",
+    }
+)  # fmt: skip
+
+#: Work methods through which a caller learns that the operation finished, or hands its
+#: completion on (a future): after any of them the work is not "never waited on".
+_CLAIMS = ("get_future", "result", "synchronize", "get_future_result", "block_current_stream")
+
+#: Files whose frames are the harness's own plumbing, never "the user's call site".
+_PLUMBING = {
+    os.path.join(os.path.dirname(__file__), name)
+    for name in ("_intercept.py", "_compat.py", "_rank.py", "board.py")
+}
+#: distributed_c10d.py, whose functions call ProcessGroup's methods (set at install)
+_C10D = "\0"
+#: torch's package directory (set at install): its frames are never the user's call site
+_TORCH = "\0"
+
+
+@dataclass
+class Issued:
+    """An operation whose work nobody has waited on yet."""
+
+    work: Any
+    op: Op
+    claimed: bool = False
+
+
+@dataclass
+class Tracker:
+    """One rank's record of the operations of the current run (see the module docstring)."""
+
+    board: Writer | None = None
+    active: bool = False
+    reliable: bool = True  # False once noting failed: then no proof may rest on this rank
+    base: dict[str, int] = field(default_factory=dict)  # sequence numbers at the run's start
+    p2p: Counter[str] = field(default_factory=Counter)
+    sends: Counter[tuple[str, int, int]] = field(default_factory=Counter)
+    recvs: Counter[tuple[str, int, int]] = field(default_factory=Counter)
+    issued: dict[tuple[str, int], Op] = field(default_factory=dict)  # recent collectives
+    live: dict[int, Issued] = field(default_factory=dict)  # id(work) -> not yet waited on
+    groups: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    members: dict[str, int] = field(default_factory=dict)  # group -> board.members_bits
+    _sites: dict[tuple[Any, int], str] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ a run
+
+    def begin(self) -> None:
+        self.p2p.clear()
+        self.sends.clear()
+        self.recvs.clear()
+        self.issued.clear()
+        self.live.clear()
+        self.groups.clear()
+        self.members.clear()
+        self.reliable = True
+        self.base = {name: seq for name, (seq, _) in group_sequence_numbers().items()}
+        self.active = True
+
+    def end(self) -> None:
+        self.active = False
+
+    def counts(self) -> Counts | None:
+        """This run's counts now (``None`` if they cannot be trusted or read)."""
+        if not self.reliable:
+            return None
+        try:
+            seqs = group_sequence_numbers()
+            return Counts(
+                collectives={
+                    name: seq - self.base.get(name, 0) - self.p2p[name]
+                    for name, (seq, _) in seqs.items()
+                },
+                sends=dict(self.sends),
+                recvs=dict(self.recvs),
+                issued=dict(self.issued),
+            )
+        except RuntimeError:  # a dict changed size under us (asked from another thread)
+            return None
+
+    def leftovers(self) -> list[Op]:
+        """Operations whose work has not completed."""
+        return [i.op for i in list(self.live.values()) if not _completed(i.work)]
+
+    def unwaited(self) -> list[Op]:
+        """Operations whose work nobody waited on (``async_op=True`` and never ``wait()``)."""
+        return [i.op for i in list(self.live.values()) if not i.claimed]
+
+    def settle(self, grace: float) -> list[Op]:
+        """Wait up to ``grace`` seconds for the leftovers to complete; those still not."""
+        deadline = time.monotonic() + grace
+        left = [i for i in list(self.live.values()) if not _completed(i.work)]
+        while left and time.monotonic() < deadline:
+            time.sleep(0.005)
+            left = [i for i in left if not _completed(i.work)]
+        return [i.op for i in left]
+
+    # ------------------------------------------------------------------ noting
+
+    def note(
+        self,
+        pg: Any,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        work: Any,
+        name: str = "",
+    ) -> None:
+        try:
+            self._note(pg, method, args, kwargs, work, name)
+        except Exception:  # noqa: BLE001 - never break the caller; distrust the counts
+            self.reliable = False
+
+    def _note(
+        self,
+        pg: Any,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        work: Any,
+        caller: str,
+    ) -> None:
+        name, kind, sized = _METHODS[method]
+        if caller in _PUBLIC:
+            name = caller
+        group, members = self._group(pg)
+        numel, dtype = _size(args[sized] if sized is not None and len(args) > sized else None)
+        site = self._site()
+        if kind == Kind.COLLECTIVE:
+            index = sequence_number(pg) - self.base.get(group, 0) - self.p2p[group]
+            op = Op(kind, group, name, index, numel=numel, dtype=dtype, site=site)
+            self.issued[(group, index)] = op
+            self.issued.pop((group, index - 64), None)  # recent ones only
+        else:
+            self.p2p[group] += 1
+            if method == "recv_anysource":
+                peer = ANY_SOURCE
+                tag = _arg(args, kwargs, 1, "tag", 0)
+            else:
+                local = _arg(args, kwargs, 1, "dstRank" if kind == Kind.SEND else "srcRank", 0)
+                peer = members[local] if 0 <= local < len(members) else local
+                tag = _arg(args, kwargs, 2, "tag", 0)
+            counter = self.sends if kind == Kind.SEND else self.recvs
+            counter[(group, peer, tag)] += 1
+            index = counter[(group, peer, tag)]
+            op = Op(kind, group, name, index, peer, tag, numel, dtype, site)
+        if work is not None:
+            if len(self.live) > 512:  # keep only what may still matter
+                self.live = {
+                    k: i for k, i in self.live.items() if not (i.claimed and _completed(i.work))
+                }
+            self.live[id(work)] = Issued(work, op)
+
+    def _group(self, pg: Any) -> tuple[str, tuple[int, ...]]:
+        known = self.groups.get(id(pg))
+        if known is None:
+            import torch.distributed as dist
+
+            known = (group_name(pg), tuple(dist.get_process_group_ranks(pg)))
+            self.groups[id(pg)] = known
+            self.members[known[0]] = members_bits(known[1])
+        return known
+
+    def _site(self) -> str:
+        """``"/path/model.py:41 in halo"``: the innermost frame outside torch and the harness's
+        plumbing (cached per code object and line: a frame walk is the cost, ~2 µs)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if not path.startswith(_TORCH) and path not in _PLUMBING:
+                key = (frame.f_code, frame.f_lineno)
+                text = self._sites.get(key)
+                if text is None:
+                    text = f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+                    self._sites[key] = text
+                return text
+            frame = frame.f_back  # type: ignore[assignment]
+        return ""
+
+    # ------------------------------------------------------------------ waiting
+
+    def waiting(self, work: Any, bounded: bool) -> Issued | None:
+        issued = self.live.get(id(work)) if self.active else None
+        if issued is None:
+            return None
+        issued.claimed = True
+        if self.board is not None:
+            op = issued.op
+            self.board.enter(
+                time.monotonic(),
+                kind=int(op.kind),
+                index=op.index,
+                peer=op.peer,
+                tag=op.tag,
+                numel=op.numel,
+                bounded=bounded,
+                members=self.members.get(op.group, 0),
+                group=op.group,
+                op=op.op,
+                dtype=op.dtype,
+                site=op.site,
+            )
+        return issued
+
+    def waited(self, issued: Issued) -> None:
+        if self.board is not None:
+            self.board.leave(time.monotonic(), State.RUNNING)
+        if _completed(issued.work):
+            self.live.pop(id(issued.work), None)
+
+    def claim(self, work: Any) -> None:
+        issued = self.live.get(id(work)) if self.active else None
+        if issued is not None:
+            issued.claimed = True
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(_ORIGINAL_IS_COMPLETED(work))
+    except Exception:  # noqa: BLE001 - a failed work is not in flight
+        return True
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str, default: int) -> int:
+    value = args[pos] if len(args) > pos else kwargs.get(name, default)
+    return int(value)
+
+
+def _size(tensors: Any) -> tuple[int | None, str]:
+    """Elements and dtype of a tensor or a (nested) list of tensors."""
+    if isinstance(tensors, (list, tuple)):
+        flat = [t for x in tensors for t in (x if isinstance(x, (list, tuple)) else [x])]
+    else:
+        flat = [tensors]
+    flat = [t for t in flat if hasattr(t, "numel")]
+    if not flat:
+        return None, ""
+    return sum(int(t.numel()) for t in flat), str(flat[0].dtype).replace("torch.", "")
+
+
+# ---------------------------------------------------------------------- installing
+
+
+def torch_dir() -> str:
+    """torch's package directory, with a trailing separator (after ``install``)."""
+    return _TORCH
+
+
+TRACKER = Tracker()
+_ORIGINAL_IS_COMPLETED: Any = None
+_INSTALLED = threading.Lock()
+_DONE = False
+
+
+def install() -> Tracker:
+    """Wrap ``ProcessGroup``'s operations and ``Work``'s waits (once per process)."""
+    global _ORIGINAL_IS_COMPLETED, _DONE, _TORCH, _C10D
+    with _INSTALLED:
+        if _DONE:
+            return TRACKER
+        import torch
+        from torch.distributed import ProcessGroup, Work, distributed_c10d
+
+        _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+        _C10D = distributed_c10d.__file__
+
+        for method in _METHODS:
+            original = ProcessGroup.__dict__.get(method)
+            if original is not None:
+                setattr(ProcessGroup, method, _operation(method, original))
+        _ORIGINAL_IS_COMPLETED = Work.is_completed
+        Work.wait = _wait(Work.wait)  # type: ignore[method-assign]
+        Work.is_completed = _is_completed(Work.is_completed)  # type: ignore[method-assign]
+        for method in _CLAIMS:
+            original = Work.__dict__.get(method)
+            if original is not None:
+                setattr(Work, method, _claim(original))
+        _DONE = True
+    return TRACKER
+
+
+def _operation(method: str, original: Any) -> Any:
+    def operation(pg: Any, *args: Any, **kwargs: Any) -> Any:
+        work = original(pg, *args, **kwargs)
+        if TRACKER.active:
+            # the torch.distributed function that called us names the operation as the user
+            # wrote it (isend rather than send, all_gather_into_tensor, ...)
+            caller = sys._getframe(1).f_code
+            name = caller.co_name if caller.co_filename == _C10D else ""
+            TRACKER.note(pg, method, args, kwargs, work, name)
+        return work
+
+    operation.__name__ = operation.__qualname__ = method
+    operation.__doc__ = getattr(original, "__doc__", None)
+    operation.__wrapped__ = original  # type: ignore[attr-defined]
+    return operation
+
+
+def _wait(original: Any) -> Any:
+    def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+        timeout = args[0] if args else kwargs.get("timeout")
+        issued = TRACKER.waiting(work, bounded=bool(timeout)) if TRACKER.active else None
+        if issued is None:
+            return original(work, *args, **kwargs)
+        try:
+            return original(work, *args, **kwargs)
+        finally:
+            TRACKER.waited(issued)
+
+    wait.__doc__ = getattr(original, "__doc__", None)
+    wait.__wrapped__ = original  # type: ignore[attr-defined]
+    return wait
+
+
+def _is_completed(original: Any) -> Any:
+    def is_completed(work: Any) -> bool:
+        done = bool(original(work))
+        if done and TRACKER.active:
+            TRACKER.claim(work)  # the caller saw it complete: that is a wait
+        return done
+
+    is_completed.__doc__ = getattr(original, "__doc__", None)
+    is_completed.__wrapped__ = original  # type: ignore[attr-defined]
+    return is_completed
+
+
+def _claim(original: Any) -> Any:
+    def claimed(work: Any, *args: Any, **kwargs: Any) -> Any:
+        if TRACKER.active:
+            TRACKER.claim(work)
+        return original(work, *args, **kwargs)
+
+    claimed.__name__ = claimed.__qualname__ = getattr(original, "__name__", "claimed")
+    claimed.__doc__ = getattr(original, "__doc__", None)
+    claimed.__wrapped__ = original  # type: ignore[attr-defined]
+    return claimed

@@ -1,0 +1,310 @@
+"""The deadlock rule on hand-made evidence: a deadlock only where the waits cannot complete.
+
+Every case is a small world of ranks with what each was seen doing: waiting on one
+operation (from its board slot), blocked inside torch (from its probes), returned (with its
+final counts), or running (nothing known). Correct programs, however slow, give no verdict;
+each kind of hang gives exactly one, naming who waits, for whom, and why.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.deadlock import (
+    ANY_SOURCE,
+    Counts,
+    Kind,
+    Op,
+    RankView,
+    Status,
+    compatible,
+    consistent,
+    decide,
+    unmatched,
+)
+
+W = {"0": (0, 1, 2, 3)}  # the default group of 4 ranks
+
+
+def allreduce(k: int, numel: int = 1, group: str = "0", site: str = "m.py:9 in f") -> Op:
+    return Op(Kind.COLLECTIVE, group, "all_reduce", k, numel=numel, dtype="float32", site=site)
+
+
+def waiting(rank: int, op: Op, counts: Counts | None = None, since: float = 0.5) -> RankView:
+    return RankView(rank, Status.WAITING, wait=op, since=since, counts=counts)
+
+
+def returned(rank: int, since: float = 0.1, **counts: object) -> RankView:
+    return RankView(rank, Status.RETURNED, since=since, counts=Counts(**counts))  # type: ignore[arg-type]
+
+
+def running(rank: int) -> RankView:
+    return RankView(rank, Status.RUNNING)
+
+
+# ---------------------------------------------------------------- correct programs: no verdict
+
+
+def test_a_collective_every_member_waits_in_is_in_progress_however_long():
+    views = [waiting(r, allreduce(3, numel=300_000_000), since=100.0) for r in range(4)]
+    assert decide(views, W) is None
+
+
+def test_ranks_waiting_for_a_late_rank_are_not_deadlocked():
+    # rank 3 sleeps, runs a subprocess, waits on a lock: running, so it may still come
+    views = [waiting(r, allreduce(1), since=60.0) for r in range(3)] + [running(3)]
+    assert decide(views, W) is None
+
+
+def test_a_late_rank_is_never_blamed_when_one_peer_returned_and_another_is_running():
+    group = {"0": (0, 1, 2)}
+    views = [waiting(0, allreduce(2)), returned(1, collectives={"0": 2}), running(2)]
+    assert decide(views, group) is None  # rank 1 did its part; rank 2 may still do its own
+
+
+def test_a_returned_rank_that_entered_the_collective_is_no_culprit():
+    # rank 3 took part in all_reduce #1 and left; the others are still inside it
+    views = [waiting(r, allreduce(1)) for r in range(3)] + [returned(3, collectives={"0": 1})]
+    assert decide(views, W) is None
+
+
+def test_a_finished_rank_whose_counts_are_unknown_proves_nothing():
+    views = [waiting(0, allreduce(1)), RankView(1, Status.RETURNED, counts=None)]
+    assert decide(views, {"0": (0, 1)}) is None
+
+
+def test_a_receive_whose_sender_returned_after_sending_is_in_progress():
+    recv = Op(Kind.RECV, "0", "recv", 1, peer=1, tag=0)
+    views = [waiting(0, recv), returned(1, sends={("0", 0, 0): 1})]
+    assert decide(views, {"0": (0, 1)}) is None
+
+
+def test_two_point_to_point_waits_whose_counts_are_unknown_prove_nothing():
+    views = [
+        waiting(0, Op(Kind.RECV, "0", "recv", 1, peer=1)),
+        waiting(1, Op(Kind.RECV, "0", "recv", 1, peer=0)),
+    ]
+    assert decide(views, {"0": (0, 1)}) is None  # each may have sent first (isend)
+
+
+def test_all_to_all_with_different_split_sizes_is_not_a_mismatch():
+    ops = [
+        Op(Kind.COLLECTIVE, "0", "all_to_all_single", 1, numel=n, dtype="float32")
+        for n in (3, 5, 7, 9)
+    ]
+    assert decide([waiting(r, op) for r, op in enumerate(ops)], W) is None
+
+
+def test_a_blocked_rank_whose_collectives_a_finished_peer_matched_proves_nothing():
+    blocked = RankView(0, Status.BLOCKED, counts=Counts(collectives={"0": 4}), where="x")
+    views = [blocked, returned(1, collectives={"0": 4})]
+    assert decide(views, {"0": (0, 1)}) is None  # idle in torch for another reason
+
+
+def test_a_waiting_rank_on_a_group_without_the_returned_rank_is_not_stuck():
+    groups = {"0": (0, 1, 2, 3), "1": (0, 1)}
+    views = [
+        waiting(0, allreduce(1, group="1")),
+        running(1),
+        returned(2, collectives={"0": 0}),
+        returned(3, collectives={"0": 0}),
+    ]
+    assert decide(views, groups) is None
+
+
+# ---------------------------------------------------------------- hangs: one verdict each
+
+
+def test_a_skipped_collective_names_who_waits_and_the_rank_that_returned():
+    views = [waiting(r, allreduce(3), since=0.42) for r in range(3)]
+    views.append(returned(3, collectives={"0": 2}))
+    verdict = decide(views, W)
+    assert verdict is not None
+    assert (verdict.kind, verdict.ranks, verdict.culprits) == ("missing", [0, 1, 2], (3,))
+    assert verdict.reason(0) == (
+        "waits in all_reduce #3 on group 0 (1 element float32) at m.py:9 in f since 0.42s; "
+        "rank 3 never entered it: it returned after 2 collectives on group 0"
+    )
+    assert all(s.waits_for == (3,) for s in verdict.stuck)
+
+
+def test_a_dead_rank_is_said_to_have_died():
+    views = [
+        waiting(0, allreduce(1)),
+        RankView(1, Status.DEAD, counts=Counts(collectives={"0": 0})),
+    ]
+    verdict = decide(views, {"0": (0, 1)})
+    assert verdict is not None
+    assert verdict.reason(0).endswith(
+        "rank 1 never entered it: it died after 0 collectives on group 0"
+    )
+
+
+def test_different_operations_at_the_same_point_are_a_mismatch():
+    bcast = Op(Kind.COLLECTIVE, "0", "broadcast", 1, numel=3, dtype="float32", site="m.py:12")
+    views = [waiting(0, allreduce(1, numel=3)), *[waiting(r, bcast) for r in (1, 2, 3)]]
+    verdict = decide(views, W)
+    assert verdict is not None and verdict.kind == "mismatch" and verdict.ranks == [0, 1, 2, 3]
+    assert verdict.culprits == ()
+    assert verdict.reason(0) == (
+        "waits in all_reduce #1 on group 0 (3 elements float32) at m.py:9 in f since 0.50s; "
+        "rank 1 waits in that collective as broadcast 3 elements float32 at m.py:12: the "
+        "ranks called different collectives (or sizes) at the same point"
+    )
+
+
+def test_a_returned_rank_that_did_the_collective_with_another_size_is_a_mismatch():
+    done = allreduce(1, numel=3)
+    views = [waiting(r, allreduce(1, numel=3 + r)) for r in (1, 2, 3)]
+    views.insert(0, returned(0, collectives={"0": 1}, issued={("0", 1): done}))
+    verdict = decide(views, W)
+    assert verdict is not None and verdict.kind == "mismatch"
+    assert verdict.ranks == [1, 2, 3] and verdict.culprits == (0,)
+    assert "rank 0 did that collective as all_reduce 3 elements float32" in verdict.reason(1)
+
+
+def test_a_receive_whose_sender_returned_without_sending_is_stuck():
+    recv = Op(Kind.RECV, "0", "recv", 2, peer=1, tag=7)
+    views = [waiting(0, recv), returned(1, sends={("0", 0, 7): 1})]
+    verdict = decide(views, {"0": (0, 1)})
+    assert verdict is not None and verdict.culprits == (1,)
+    assert verdict.reason(0).endswith("rank 1 returned having sent it 1 with tag 7")
+
+
+def test_a_send_whose_receiver_returned_without_receiving_is_stuck():
+    send = Op(Kind.SEND, "0", "send", 1, peer=1, tag=0)
+    views = [waiting(0, send), returned(1)]
+    verdict = decide(views, {"0": (0, 1)})
+    assert verdict is not None and verdict.culprits == (1,)
+    assert verdict.reason(0).endswith("rank 1 returned having received 0 from it with tag 0")
+
+
+def test_a_receive_from_any_source_may_take_the_send():
+    send = Op(Kind.SEND, "0", "send", 1, peer=1, tag=0)
+    views = [waiting(0, send), returned(1, recvs={("0", ANY_SOURCE, 0): 1})]
+    assert decide(views, {"0": (0, 1)}) is None
+
+
+def test_two_blocking_receives_from_each_other_are_a_cycle_once_both_counts_are_seen():
+    nothing = Counts()
+    views = [
+        waiting(0, Op(Kind.RECV, "0", "recv", 1, peer=1), counts=nothing),
+        waiting(1, Op(Kind.RECV, "0", "recv", 1, peer=0), counts=nothing),
+    ]
+    verdict = decide(views, {"0": (0, 1)})
+    assert verdict is not None and (verdict.kind, verdict.ranks) == ("cycle", [0, 1])
+    assert verdict.culprits == ()
+    assert "rank 1 has not done its part and waits itself, in recv from rank 0" in (
+        verdict.reason(0)
+    )
+
+
+def test_collectives_entered_in_opposite_orders_on_two_groups_are_a_cycle():
+    groups = {"1": (0, 1), "2": (0, 1)}
+    views = [
+        waiting(0, allreduce(1, group="1"), counts=Counts(collectives={"1": 1, "2": 0})),
+        waiting(1, allreduce(1, group="2"), counts=Counts(collectives={"1": 0, "2": 1})),
+    ]
+    verdict = decide(views, groups)
+    assert verdict is not None and verdict.kind == "cycle" and verdict.ranks == [0, 1]
+
+
+def test_a_cycle_with_one_member_still_running_is_no_deadlock():
+    groups = {"1": (0, 1, 2)}
+    views = [
+        waiting(0, allreduce(1, group="1"), counts=Counts(collectives={"1": 1})),
+        waiting(1, allreduce(1, group="1"), counts=Counts(collectives={"1": 1})),
+        running(2),
+    ]
+    assert decide(views, groups) is None
+
+
+def test_a_rank_blocked_in_ddps_backward_with_a_collective_a_returned_peer_never_issued():
+    blocked = RankView(
+        0,
+        Status.BLOCKED,
+        since=0.3,
+        counts=Counts(collectives={"0": 4}),
+        where="torch/autograd/graph.py:979 in _engine_run_backward",
+    )
+    views = [blocked, returned(1, collectives={"0": 3})]
+    verdict = decide(views, {"0": (0, 1)})
+    assert verdict is not None and verdict.culprits == (1,) and verdict.ranks == [0]
+    assert verdict.reason(0) == (
+        "is blocked inside torch (torch/autograd/graph.py:979 in _engine_run_backward) having "
+        "issued 4 collectives on group 0 (from Python or C++, e.g. DDP's gradient all-reduce); "
+        "rank 1 returned after 3: the collective #4 can never complete"
+    )
+
+
+def test_ranks_waiting_on_a_stuck_rank_are_stuck_too():
+    # 0 and 1 wait in a subgroup collective that rank 2 never entered: rank 2 waits on
+    # a world collective that rank 3 (returned) never entered
+    groups = {"0": (0, 1, 2, 3), "1": (0, 1, 2)}
+    views = [
+        waiting(0, allreduce(1, group="1")),
+        waiting(1, allreduce(1, group="1")),
+        waiting(2, allreduce(1, group="0"), counts=Counts(collectives={"0": 1, "1": 0})),
+        returned(3, collectives={"0": 0}),
+    ]
+    verdict = decide(views, groups)
+    assert verdict is not None and verdict.ranks == [0, 1, 2] and verdict.culprits == (3,)
+    assert verdict.stuck[0].waits_for == (2,)
+
+
+# ---------------------------------------------------------------- after the run
+
+
+def test_a_collective_some_member_never_entered_is_unmatched():
+    left = {2: [allreduce(1)]}
+    counts = {0: Counts(), 1: Counts(), 2: Counts(collectives={"0": 1}), 3: Counts()}
+    assert unmatched(left, counts, W) == {2: [(allreduce(1), "rank 0, 1, 3 never entered it")]}
+
+
+def test_a_collective_every_member_entered_is_matched_and_completes_by_itself():
+    counts = {r: Counts(collectives={"0": 1}) for r in range(4)}
+    assert unmatched({r: [allreduce(1)] for r in range(4)}, counts, W) == {}
+
+
+def test_sends_and_receives_are_matched_by_peer_tag_and_number():
+    isend = Op(Kind.SEND, "0", "isend", 2, peer=1, tag=5)
+    irecv = Op(Kind.RECV, "0", "irecv", 1, peer=0, tag=5)
+    once = {0: Counts(sends={("0", 1, 5): 2}), 1: Counts(recvs={("0", 0, 5): 1})}
+    assert unmatched({0: [isend]}, once, {"0": (0, 1)}) == {
+        0: [(isend, "rank 1 never received it")]
+    }
+    twice = {0: Counts(sends={("0", 1, 5): 2}), 1: Counts(recvs={("0", 0, 5): 2})}
+    assert unmatched({0: [isend], 1: [irecv]}, twice, {"0": (0, 1)}) == {}
+    unsent = {0: Counts(), 1: Counts(recvs={("0", 0, 5): 1})}
+    assert unmatched({1: [irecv]}, unsent, {"0": (0, 1)}) == {1: [(irecv, "rank 0 never sent it")]}
+
+
+def test_groups_are_in_step_only_with_equal_collectives_and_matched_sends():
+    same = {r: Counts(collectives={"0": 3}) for r in range(4)}
+    assert consistent(same, W)
+    apart = {**same, 3: Counts(collectives={"0": 2})}
+    assert not consistent(apart, W)
+    halo = {
+        0: Counts(collectives={"0": 3}, sends={("0", 1, 0): 1}),
+        1: Counts(collectives={"0": 3}, recvs={("0", 0, 0): 1}),
+    }
+    assert consistent(halo, {"0": (0, 1)})  # uneven but matched: an edge of a halo
+    lost = {0: halo[0], 1: Counts(collectives={"0": 3})}
+    assert not consistent(lost, {"0": (0, 1)})
+    anyone = {0: halo[0], 1: Counts(collectives={"0": 3}, recvs={("0", ANY_SOURCE, 0): 1})}
+    assert not consistent(anyone, {"0": (0, 1)})  # which sender it took is not known
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        (allreduce(1, numel=3), allreduce(1, numel=3), True),
+        (allreduce(1, numel=3), allreduce(1, numel=4), False),
+        (allreduce(1, numel=3), allreduce(1, numel=None), True),  # size not known: no claim
+        (allreduce(1), Op(Kind.COLLECTIVE, "0", "broadcast", 1, numel=1, dtype="float32"), False),
+        (allreduce(1), Op(Kind.COLLECTIVE, "0", "all_reduce", 1, numel=1, dtype="float64"), False),
+    ],
+    ids=["same", "size", "unknown-size", "operation", "dtype"],
+)
+def test_two_sides_of_a_collective_are_compatible_only_when_they_can_pair(a, b, same):
+    assert compatible(a, b) is same
