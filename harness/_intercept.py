@@ -161,13 +161,26 @@ class Tracker:
         return [i.op for i in list(self.live.values()) if not i.claimed]
 
     def settle(self, grace: float) -> list[Op]:
-        """Wait up to ``grace`` seconds for the leftovers to complete; those still not."""
+        """Wait up to ``grace`` seconds for the leftovers to complete; those still not.
+
+        By waiting on them: gloo marks a send or receive complete only inside ``wait()``,
+        so polling ``is_completed()`` would wait for ever for an isend its peer received.
+        """
+        import datetime
+
         deadline = time.monotonic() + grace
-        left = [i for i in list(self.live.values()) if not _completed(i.work)]
-        while left and time.monotonic() < deadline:
-            time.sleep(0.005)
-            left = [i for i in left if not _completed(i.work)]
-        return [i.op for i in left]
+        left = []
+        for issued in list(self.live.values()):
+            if _completed(issued.work):
+                continue
+            seconds = max(0.001, deadline - time.monotonic())
+            try:
+                _ORIGINAL_WAIT(issued.work, datetime.timedelta(seconds=seconds))
+            except Exception:  # noqa: BLE001 - timed out (or failed): report it
+                pass
+            if not _completed(issued.work):
+                left.append(issued.op)
+        return left
 
     # ------------------------------------------------------------------ noting
 
@@ -322,13 +335,14 @@ def torch_dir() -> str:
 
 TRACKER = Tracker()
 _ORIGINAL_IS_COMPLETED: Any = None
+_ORIGINAL_WAIT: Any = None
 _INSTALLED = threading.Lock()
 _DONE = False
 
 
 def install() -> Tracker:
     """Wrap ``ProcessGroup``'s operations and ``Work``'s waits (once per process)."""
-    global _ORIGINAL_IS_COMPLETED, _DONE, _TORCH, _C10D
+    global _ORIGINAL_IS_COMPLETED, _ORIGINAL_WAIT, _DONE, _TORCH, _C10D
     with _INSTALLED:
         if _DONE:
             return TRACKER
@@ -342,7 +356,7 @@ def install() -> Tracker:
             original = ProcessGroup.__dict__.get(method)
             if original is not None:
                 setattr(ProcessGroup, method, _operation(method, original))
-        _ORIGINAL_IS_COMPLETED = Work.is_completed
+        _ORIGINAL_IS_COMPLETED, _ORIGINAL_WAIT = Work.is_completed, Work.wait
         Work.wait = _wait(Work.wait)  # type: ignore[method-assign]
         Work.is_completed = _is_completed(Work.is_completed)  # type: ignore[method-assign]
         for method in _CLAIMS:

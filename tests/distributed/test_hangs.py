@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankDeadlock, RankPending, RankTimeout, UnwaitedWork
+from harness import RankDeadlock, RankPending, RankPool, RankTimeout, UnwaitedWork
 from harness.pool import DEADLOCK_WINDOW
 
 LATE = 2 * DEADLOCK_WINDOW + 1.0  # longer than the window, with room: the point of each test
@@ -174,15 +174,14 @@ def _late_in_a_subgroup(seconds: float) -> float:
 # ---------------------------------------------------------------- correct programs
 
 
-def collective_longer_than_the_window(target: float, cap: int) -> tuple[float, int]:
-    """One all_gather_into_tensor, made larger until it alone takes ``target`` seconds on
-    the slowest rank (or the size reaches ``cap`` elements per rank)."""
+def collective_longer_than(target: float, cap: int) -> tuple[float, int]:
+    """One all_reduce, made larger until it alone takes ``target`` seconds on the slowest
+    rank (or its size reaches ``cap`` elements)."""
     n, took = 1 << 20, 0.0
     while True:
         t = torch.ones(n)
-        out = torch.empty(n * dist.get_world_size())
         t0 = time.monotonic()
-        dist.all_gather_into_tensor(out, t)
+        dist.all_reduce(t)
         slowest = torch.tensor([time.monotonic() - t0])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank decides together
         took = slowest.item()
@@ -191,11 +190,15 @@ def collective_longer_than_the_window(target: float, cap: int) -> tuple[float, i
         n *= 2
 
 
-@pytest.mark.spatial(timeout=300)
-def test_a_collective_longer_than_the_window_is_in_progress_not_a_deadlock(spatial):
-    # up to 16 M floats a rank (64 MB in, 256 MB out): seconds here, longer under load
-    took = spatial.run(collective_longer_than_the_window, 2 * DEADLOCK_WINDOW, 1 << 24)
-    assert min(t for t, _ in took) >= 2 * DEADLOCK_WINDOW, "not long enough to prove anything"
+@pytest.mark.spatial_pool
+def test_a_collective_longer_than_the_window_is_in_progress_not_a_deadlock():
+    # A window of 0.05 s and one all_reduce of up to 64 M floats (256 MB a rank) that lasts
+    # 0.5 s or more: the watch (reading the board every 0.1 s) sees every rank inside it for
+    # ten windows, and must let it finish.
+    window = 0.05
+    with RankPool(4, start_method="forkserver", deadlock_window=window, timeout=300) as pool:
+        took = pool.run(collective_longer_than, 10 * window, 1 << 26)
+    assert min(t for t, _ in took) >= 10 * window, "not long enough to prove anything"
 
 
 def late_rank(how: str, seconds: float) -> float:
