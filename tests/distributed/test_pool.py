@@ -431,3 +431,58 @@ def test_the_processes_of_a_fresh_test_do_not_outlive_it(pytester):
         """
     )
     pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=3)
+
+
+# ---------------------------------------------------------------- the fence, proven
+
+
+def fence_with_own_run_id(run_id: int) -> tuple[bool, str]:
+    """The pool's fence collective, as if each rank were in a different run."""
+    from harness._rank import _verify_group
+
+    return _verify_group(run_id + dist.get_rank(), dist.get_world_size())
+
+
+def test_a_fence_that_pairs_other_runs_is_refused_with_what_it_got(spatial):
+    answers = spatial.run(fence_with_own_run_id, 10, ranks=2)
+    # run ids 10 and 11 sum to 21, not the 2 x 10 (or 2 x 11) each rank expects
+    assert answers == [
+        (False, "fence collective gave [21.0, 2.0], expected [20.0, 2.0]"),
+        (False, "fence collective gave [21.0, 2.0], expected [22.0, 2.0]"),
+    ]
+
+
+def sequence_at_start() -> int:
+    return int(dist.group.WORLD._get_sequence_number_for_group())
+
+
+def send_behind_the_watch() -> int:
+    """A send and receive on gloo's backend object itself, which the harness does not see:
+    rank 0 and 1 count one operation more than ranks 2 and 3 on the world group."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    if dist.get_rank() == 0:
+        backend.send([torch.ones(1)], 1, 0).wait()
+    elif dist.get_rank() == 1:
+        backend.recv([torch.zeros(1)], 0, 0).wait()
+    return 0
+
+
+def test_a_group_whose_members_counts_differ_is_never_reused(spatial):
+    spatial.run(rank_and_sum, 0.0)
+    assert min(spatial.run(sequence_at_start)) > 0  # in step: the next run reuses the group
+    spatial.run(send_behind_the_watch)
+    assert spatial.run(sequence_at_start) == [0, 0, 0, 0]  # a brand-new group
+
+
+def draw_from_every_rng() -> tuple[float, float, float]:
+    import random
+
+    import numpy as np
+
+    return torch.rand(1).item(), float(np.random.rand()), random.random()
+
+
+def test_numpy_and_python_rngs_are_put_back_like_torchs(spatial):
+    first = spatial.run(draw_from_every_rng, ranks=2)
+    spatial.run(draw_from_every_rng, ranks=2)  # moves every generator on
+    assert spatial.run(draw_from_every_rng, ranks=2) == first
