@@ -32,6 +32,8 @@ class Report:
     counts: Counts | None  # None: not to be trusted (noting an operation failed)
     groups: dict[str, tuple[int, ...]]  # every group it belongs to -> its global ranks
     leftovers: list[Op] = field(default_factory=list)  # issued, not completed
+    #: collectives torch counted that were not seen one by one (issued from C++); -1: unknown
+    unseen: int = -1
     unwaited: list[Op] = field(default_factory=list)  # issued, never waited on
 
 

@@ -109,6 +109,7 @@ class Tracker:
     reliable: bool = True  # False once noting failed: then no proof may rest on this rank
     base: dict[str, int] = field(default_factory=dict)  # sequence numbers at the run's start
     p2p: Counter[str] = field(default_factory=Counter)
+    seen: Counter[str] = field(default_factory=Counter)  # collectives issued from Python
     sends: Counter[tuple[str, int, int]] = field(default_factory=Counter)
     recvs: Counter[tuple[str, int, int]] = field(default_factory=Counter)
     issued: dict[tuple[str, int], Op] = field(default_factory=dict)  # recent collectives
@@ -121,6 +122,7 @@ class Tracker:
 
     def begin(self) -> None:
         self.p2p.clear()
+        self.seen.clear()
         self.sends.clear()
         self.recvs.clear()
         self.issued.clear()
@@ -151,6 +153,13 @@ class Tracker:
             )
         except RuntimeError:  # a dict changed size under us (asked from another thread)
             return None
+
+    def unseen(self, counts: Counts | None) -> int:
+        """Collectives torch counted that the harness did not see issued (from C++: DDP's
+        reducer, functional collectives); ``-1`` when the counts are not known."""
+        if counts is None:
+            return -1
+        return sum(max(0, n - self.seen[g]) for g, n in counts.collectives.items())
 
     def leftovers(self) -> list[Op]:
         """Operations whose work has not completed."""
@@ -217,6 +226,7 @@ class Tracker:
             index = sequence_number(pg) - self.base.get(group, 0) - self.p2p[group]
             op = Op(kind, group, name, index, numel=numel, dtype=dtype, site=site)
             self.issued[(group, index)] = op
+            self.seen[group] += 1
             self.issued.pop((group, index - 64), None)  # recent ones only
         else:
             self.p2p[group] += 1

@@ -394,8 +394,10 @@ def _run_one(
             "detail": traceback.format_exc(),
             "phase": getattr(exc, "harness_phase", None),
         }
+    counts = tracker.counts()
     report = Report(
-        counts=tracker.counts(),
+        counts=counts,
+        unseen=tracker.unseen(counts),
         groups={name: ranks for name, (_, ranks) in group_sequence_numbers().items()},
         leftovers=tracker.leftovers(),
         unwaited=tracker.unwaited(),

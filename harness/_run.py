@@ -270,6 +270,8 @@ class Run:
         self.dead: set[int] = set()
         self.outputs: list[str] = [""] * self.n
         self.keep = False  # may the next run reuse the process groups?
+        self.reused = False  # did this run start on the groups of the run before?
+        self.verify = False  # was the fence collective asked for?
         self.unwaited: list[tuple[int, Op]] = []
         self.probe_groups: dict[str, tuple[int, ...]] = {}
         self.watch = DeadlockWatch(deadlock_window)
@@ -411,6 +413,23 @@ class Run:
                 )
             self.ranks.kill()
             raise self.failure()
+
+    def verified(self) -> tuple[bool, str]:
+        """After a kept run: did the fence collective prove every group in step? Waits for
+        the ranks' answers (they are usually in by the time the next run starts); never
+        raises: a group not proven is simply not reused."""
+        deadline = time.monotonic() + _VERIFY_TIMEOUT + FENCE_MARGIN
+        everyone = set(range(self.n))
+        while everyone - set(self.releases) and time.monotonic() < deadline:
+            if self.dead or not all(p.is_alive() for p in self.ranks.procs):
+                return False, "a rank died after the run"
+            with contextlib.suppress(DiedIdle):
+                self.poll(everyone - set(self.releases), deadline - time.monotonic())
+        silent = sorted(everyone - set(self.releases))
+        if silent:
+            return False, f"rank {', '.join(map(str, silent))} did not answer the fence"
+        bad = [f"rank {r}: {d}" for r, (ok, d) in sorted(self.releases.items()) if not ok]
+        return (not bad), "; ".join(bad)
 
     def release_all(self, *, keep: bool, verify: bool = False) -> None:
         """Every rank that answered waits for this, error or not."""
@@ -603,16 +622,15 @@ def prove_clean(run: Run) -> list[Any]:
             run.release_all(keep=False)
             raise run.failure()
     keep = len(counts) == run.n and deadlock.consistent(counts, groups)
-    run.release_all(keep=keep, verify=keep)
-    if keep:
-        run.await_answers(run.releases, everyone, _VERIFY_TIMEOUT + FENCE_MARGIN)
-        bad = {r: d for r, (ok, d) in run.releases.items() if not ok}
-        if bad:
-            for r, detail in sorted(bad.items()):
-                run.problems.append(
-                    RankProblem(r, "pending", "the process group was left out of step: " + detail)
-                )
-            raise run.failure()
+    # Kept groups are in step by the counts: torch's sequence numbers agree between members
+    # and with what the harness saw issued. Where some operations were not seen one by one
+    # (issued from C++: DDP, functional collectives) or the groups are new, a second witness
+    # proves it: one fence collective with the run id. It runs while the caller goes on;
+    # its answers are read before the next run starts (``Run.verified``) and decide only
+    # whether that run may reuse the groups.
+    verify = keep and (not run.reused or any(rep is None or rep.unseen != 0 for rep in reports))
+    run.release_all(keep=keep, verify=verify)
+    run.verify = verify
     run.keep = keep
     run.unwaited = [(r, op) for r, rep in enumerate(reports) if rep for op in rep.unwaited]
     run.attach_outputs()

@@ -44,7 +44,14 @@ from harness._events import Ready, RunCall, Stop, receive, send
 from harness._rank import _worker_main, report_progress
 from harness._run import DiedIdle, Run
 from harness.board import Board
-from harness.errors import ConfigError, PicklingProblem, RankCrash, RankProblem, UnwaitedWork
+from harness.errors import (
+    ConfigError,
+    HarnessWarning,
+    PicklingProblem,
+    RankCrash,
+    RankProblem,
+    UnwaitedWork,
+)
 
 __all__ = ["PoolRegistry", "RankPool", "Runner", "report_progress", "shared_registry"]
 
@@ -146,6 +153,7 @@ class RankPool:
         # and cached subgroups (saves ~50 ms a run, more with many subgroups); after any
         # failure the ranks build a fresh group, so a broken one can never be reused.
         self._group_ok = False
+        self._verifying: Run | None = None  # a kept run whose fence answers are not read yet
         self._lock = threading.Lock()
         _LIVE_POOLS.add(self)
 
@@ -201,6 +209,7 @@ class RankPool:
             self._ranks.kill()
             self._ranks = None
         self._group_ok = False
+        self._verifying = None
 
     # ------------------------------------------------------------------ running
 
@@ -242,11 +251,37 @@ class RankPool:
                 finally:
                     self.last_outputs = run.outputs
                 self._group_ok = run.keep
+                self._verifying = run if run.verify else None
                 _warn_unwaited(run.unwaited)
                 return results
         raise AssertionError("unreachable")
 
+    def _settle_fence(self) -> None:
+        """Read the answers of the last kept run's fence (see ``prove_clean``): a group not
+        proven in step is not reused; ranks that no longer answer are replaced."""
+        previous, self._verifying = self._verifying, None
+        if previous is None or not self._group_ok:
+            return
+        ok, detail = previous.verified()
+        if not ok:
+            import warnings
+
+            self._group_ok = False
+            warnings.warn(
+                HarnessWarning(
+                    f"run {previous.run_id} left the process groups out of step although "
+                    f"every rank's counts matched ({detail}); the next run starts on fresh "
+                    "groups. Please report this with the test that ran it."
+                ),
+                stacklevel=3,
+            )
+            if "did not answer" in detail or "died" in detail:
+                self._kill()
+
     def _begin(self, payload: bytes, timeout: float) -> Run:
+        self._settle_fence()
+        if not self.alive:
+            self.start()
         ranks = self._ranks
         assert ranks is not None
         self.runs += 1
@@ -258,6 +293,7 @@ class RankPool:
             deadlock_window=self.deadlock_window,
         )
         reuse = self._group_ok
+        run.reused = reuse
         self._group_ok = False
         call = RunCall(
             run_id=run.run_id,
