@@ -1,10 +1,17 @@
-"""How long a hang takes to fail: deadlock detection against the timeout.
+"""How long a hang takes to fail, and how often a correct run is taken for one.
 
-    python benchmarks/hangs.py [--timeout 120] [--skip-baseline]
+    python benchmarks/hangs.py [--timeout 120] [--runs 10] [--burners 20] [--skip-baseline]
 
-1. One run where a rank skips a collective, 4 ranks: seconds to the failure with deadlock
-   detection (default window) and without it (the run waits out ``--timeout``; default the
-   plugin's 120 s).
+1. Each kind of hang (a rank skips a collective; different collectives or sizes at one
+   point; a rank gone while the others wait in ``Work.wait()`` or in DDP's backward;
+   blocking receives from each other), 4 ranks: seconds to the ``RankDeadlock``, on a quiet
+   machine and with ``--burners`` CPU-burning processes beside it (load >= 20 on 2 cores);
+   then a skipped collective without detection, which waits out ``--timeout``.
+1b. The false-alarm sweep: ``--runs`` runs of each correct program that makes ranks wait
+   longer than the deadlock window (a long collective, a late rank that sleeps, runs a
+   subprocess, waits on a lock, writes a file or computes; matched async work finishing
+   after return; a batch_isend_irecv halo; a DDP step), quiet and loaded: how many fail,
+   and how.
 2. Hypothesis shrinking an empty-rank hang: a case whose rank with no positions skips the
    loss reduction, positions split by drawn bounds. Total time until Hypothesis reports its
    minimal example, with detection at the default timeout; without detection each hanging
@@ -20,13 +27,18 @@ Everything is measured in this one run and printed as ratios; nothing asserts on
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import sys
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness import RankFailure, RankPool, check_equivalence
 from harness.pool import DEADLOCK_WINDOW, DEFAULT_TIMEOUT
@@ -84,6 +96,105 @@ def bounds(max_npos: int = 12) -> st.SearchStrategy[tuple[int, ...]]:
             lambda cuts: (0, *sorted(cuts), n)
         )
     )
+
+
+def _burn() -> None:
+    while True:
+        pass
+
+
+class Load:
+    """``n`` CPU-burning processes while the block runs (what a shared CI runner has)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.procs = n, []
+
+    def __enter__(self) -> Load:
+        ctx = multiprocessing.get_context("spawn")
+        self.procs = [ctx.Process(target=_burn, daemon=True) for _ in range(self.n)]
+        for p in self.procs:
+            p.start()
+        time.sleep(1.0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.join()
+
+    @staticmethod
+    def runnable() -> int:
+        """Tasks runnable right now (the 4th field of /proc/loadavg), 0 where unknown."""
+        try:
+            with open("/proc/loadavg") as f:
+                return int(f.read().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+
+LATE_KINDS = ("sleep", "subprocess", "lock", "file", "compute")
+
+
+def _pool(timeout: float, window: float = DEADLOCK_WINDOW) -> RankPool:
+    return RankPool(RANKS, start_method="forkserver", timeout=timeout, deadlock_window=window)
+
+
+def _programs() -> tuple[list[tuple[str, object, tuple]], list[tuple[str, object, tuple]]]:
+    from tests.distributed import test_hangs as h
+    from tests.distributed import test_torch_apis as apis
+
+    hangs = [
+        ("skipped collective", skip_collective_on, (3,)),
+        ("different collectives", h.mismatched_operations, ()),
+        ("different sizes", h.mismatched_sizes, ()),
+        ("gone while others wait in Work.wait()", h.gone_while_others_wait_in_work_wait, ()),
+        ("gone while others wait in DDP's backward", h.gone_while_others_wait_in_ddp_backward, ()),
+        ("blocking receives from each other", h.receive_from_each_other, ()),
+        ("opposite orders on two groups", h.opposite_orders_on_two_groups, ()),
+    ]
+    late = DEADLOCK_WINDOW + 0.5
+    correct = [
+        ("long all_reduce", h.collective_longer_than, (2 * DEADLOCK_WINDOW, 1 << 26)),
+        *[(f"late rank: {how}", h.late_rank, (how, late)) for how in LATE_KINDS],
+        ("late in many collectives", h.late_between_many_collectives, (late,)),
+        ("async waited late", h.async_waited_late, (late,)),
+        ("async never waited", h.async_never_waited, ()),
+        ("isend received late", h.isend_received_late, (late,)),
+        ("batch_isend_irecv halo", apis.halo_ring_with_batch_isend_irecv, ()),
+        ("DDP step", apis.ddp_step, ()),
+    ]
+    return hangs, correct
+
+
+def detection(pool: RankPool, hangs: list, timeout: float) -> dict[str, tuple[str, float]]:
+    out = {}
+    for name, fn, args in hangs:
+        pool.run(collectives, 1)  # the pool restarted after the last hang: not timed
+        t0 = time.perf_counter()
+        try:
+            pool.run(fn, *args, timeout=timeout)  # type: ignore[operator]
+            kind = "passed?!"
+        except RankFailure as failure:
+            kind = type(failure).__name__
+        out[name] = (kind, time.perf_counter() - t0)
+    return out
+
+
+def sweep(pool: RankPool, correct: list, runs: int) -> Counter[str]:
+    import warnings
+
+    outcomes: Counter[str] = Counter()
+    for name, fn, args in correct:
+        for _ in range(runs):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # UnwaitedWork: expected for two of them
+                    pool.run(fn, *args, timeout=300)  # type: ignore[operator]
+                outcomes["passed"] += 1
+            except RankFailure as failure:
+                outcomes[f"{type(failure).__name__} ({name})"] += 1
+    return outcomes
 
 
 def one_hang(pool: RankPool, timeout: float) -> float:
@@ -172,40 +283,74 @@ def debug_costs() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
+    parser.add_argument("--runs", type=int, default=10, help="runs of each correct program")
+    parser.add_argument("--burners", type=int, default=10 * (os.cpu_count() or 1))
     parser.add_argument(
         "--skip-baseline", action="store_true", help="do not wait out the timeout without detection"
     )
+    parser.add_argument("--only", choices=["hangs", "shrink", "debug"], default=None)
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, {RANKS} ranks, timeout {args.timeout:g} s, "
-        f"deadlock window {DEADLOCK_WINDOW:g} s\n"
+        f"deadlock window {DEADLOCK_WINDOW:g} s, {os.cpu_count()} cores\n"
     )
-    print("1. a rank skips a collective")
-    with RankPool(RANKS, start_method="forkserver", timeout=args.timeout) as pool:
-        pool.run(collectives, 1)
-        detected = one_hang(pool, args.timeout)
-    if not args.skip_baseline:
-        with RankPool(
-            RANKS, start_method="forkserver", timeout=args.timeout, deadlock_window=0
-        ) as pool:
-            pool.run(collectives, 1)
-            waited = one_hang(pool, args.timeout)
-        print(f"  detection is {waited / detected:.0f}x sooner than the timeout")
+    hangs, correct = _programs()
+    if args.only in (None, "hangs"):
+        print("1. each kind of hang: seconds to the failure, quiet / with "
+              f"{args.burners} CPU burners")  # fmt: skip
+        results = {}
+        for label, burners in (("quiet", 0), ("loaded", args.burners)):
+            with Load(burners), _pool(args.timeout) as pool:
+                pool.run(collectives, 1)
+                load = Load.runnable()
+                results[label] = (detection(pool, hangs, args.timeout), load)
+        quiet, loaded = results["quiet"][0], results["loaded"][0]
+        print(f"  (runnable tasks: quiet {results['quiet'][1]}, loaded {results['loaded'][1]})")
+        for name, _, _ in hangs:
+            print(
+                f"  {name:<42} {quiet[name][0]:<12} {quiet[name][1]:5.1f} s   "
+                f"loaded {loaded[name][0]:<12} {loaded[name][1]:5.1f} s"
+            )
+        worst = max(t for _, t in loaded.values())
+        print(
+            f"  slowest loaded detection {worst:.1f} s: {args.timeout / worst:.0f}x sooner "
+            "than the timeout"
+        )
+        if not args.skip_baseline:
+            with _pool(args.timeout, window=0) as pool:
+                pool.run(collectives, 1)
+                waited = one_hang(pool, args.timeout)
+            print(f"  without detection a skipped collective waits {waited:.0f} s")
 
-    print("\n2. Hypothesis shrinking an empty-rank hang (bounds over 4 ranks)")
-    with RankPool(RANKS, start_method="forkserver", timeout=args.timeout) as pool:
-        took, tried, hung, minimal = shrink(pool, args.timeout)
-    print(
-        f"  with detection: {took:.1f} s for {tried} examples ({hung} hung); minimal "
-        f"bounds {minimal}"
-    )
-    print(
-        f"  without detection each hanging example waits {args.timeout:g} s: "
-        f">= {hung * args.timeout / 60:.0f} min ({hung * args.timeout / took:.0f}x longer)"
-    )
+        print(
+            f"\n1b. false-alarm sweep: {args.runs} runs of each of {len(correct)} correct programs"
+        )
+        for label, burners in (("quiet", 0), ("loaded", args.burners)):
+            with Load(burners), _pool(args.timeout) as pool:
+                t0 = time.perf_counter()
+                outcomes = sweep(pool, correct, args.runs)
+                took = time.perf_counter() - t0
+            total = sum(outcomes.values())
+            bad = {k: v for k, v in outcomes.items() if k != "passed"}
+            print(f"  {label}: {outcomes['passed']}/{total} passed in {took:.0f} s; "
+                  f"false alarms: {sum(bad.values())} {dict(bad) if bad else ''}")  # fmt: skip
 
-    print("\n3. torch.distributed's own checks on a clean run")
-    debug_costs()
+    if args.only in (None, "shrink"):
+        print("\n2. Hypothesis shrinking an empty-rank hang (bounds over 4 ranks)")
+        with RankPool(RANKS, start_method="forkserver", timeout=args.timeout) as pool:
+            took, tried, hung, minimal = shrink(pool, args.timeout)
+        print(
+            f"  with detection: {took:.1f} s for {tried} examples ({hung} hung); minimal "
+            f"bounds {minimal}"
+        )
+        print(
+            f"  without detection each hanging example waits {args.timeout:g} s: "
+            f">= {hung * args.timeout / 60:.0f} min ({hung * args.timeout / took:.0f}x longer)"
+        )
+
+    if args.only in (None, "debug"):
+        print("\n3. torch.distributed's own checks on a clean run")
+        debug_costs()
 
 
 if __name__ == "__main__":

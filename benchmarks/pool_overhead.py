@@ -1,17 +1,31 @@
-"""Per-job overhead: a warm rank pool against spawning ranks for every job.
+"""Per-job overhead: a warm rank pool against spawning ranks for every job, and the cost
+of a trivial test through the plugin.
 
     python benchmarks/pool_overhead.py [--ranks 2 4 8] [--jobs 50] [--cold 3]
+                                       [--tests 200] [--burners 2]
 
 For each world size, K trivial jobs (one all-reduce) run through one warm pool, and a few run
 the way torch's MultiProcessTestCase does it: fresh spawned processes per job (start, init
 the process group, run, exit). Both are measured in this one run and printed as ratios.
+
+Then one pytest session of ``--tests`` trivial 4-rank tests (``spatial.run`` of one
+all-reduce) and one of as many plain tests, each timed from test to test inside the session
+(start-up excluded): the per-test cost through the plugin, quiet and with ``--burners``
+CPU-burning processes beside it (a loaded CI runner).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -62,17 +76,85 @@ def measure(ranks: int, jobs: int, cold: int) -> dict[str, float]:
     return {"warm": statistics.median(warm), "spawn": statistics.median(spawn), "ratio": ratio}
 
 
+TIMING = """
+import statistics, time
+T = []
+def pytest_runtest_logfinish(nodeid, location):
+    T.append(time.perf_counter())
+def pytest_sessionfinish(session):
+    d = [b - a for a, b in zip(T[1:], T[2:])]  # from the end of one test to the next
+    print(f"PER-TEST {statistics.median(d) * 1e3:.3f}")
+"""
+
+SPATIAL = """
+import torch, torch.distributed as dist
+
+def trivial():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+"""
+
+
+def _burn() -> None:
+    while True:
+        pass
+
+
+def _session(folder: Path, name: str) -> float:
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+         "--spatial-ranks", "4", name],
+        cwd=folder, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    found = re.search(r"PER-TEST ([0-9.]+)", out)
+    assert found, out
+    return float(found.group(1))
+
+
+def through_the_plugin(tests: int, burners: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "conftest.py").write_text(TIMING)
+        body = "".join(
+            f"\ndef test_{i}(spatial):\n    assert spatial.run(trivial) == [4.0] * 4\n"
+            for i in range(tests)
+        )
+        (folder / "test_spatial.py").write_text(SPATIAL + body)
+        plain = "".join(f"\ndef test_{i}():\n    assert True\n" for i in range(tests))
+        (folder / "test_plain.py").write_text(plain)
+        for label, n in (("quiet", 0), (f"{burners} CPU burners", burners)):
+            ctx = multiprocessing.get_context("spawn")
+            procs = [ctx.Process(target=_burn, daemon=True) for _ in range(n)]
+            for p in procs:
+                p.start()
+            try:
+                spatial = _session(folder, "test_spatial.py")
+                bare = _session(folder, "test_plain.py")
+            finally:
+                for p in procs:
+                    p.kill()
+            print(
+                f"  {label:<16} trivial 4-rank test {spatial:6.2f} ms, plain test {bare:5.2f} ms"
+                f" ({spatial / bare:.0f}x a plain test)"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--jobs", type=int, default=50)
     parser.add_argument("--cold", type=int, default=3)
+    parser.add_argument("--tests", type=int, default=200, help="tests per plugin session")
+    parser.add_argument("--burners", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     print(f"torch {torch.__version__}; {args.jobs} warm jobs, {args.cold} cold jobs per size\n")
     results = {n: measure(n, args.jobs, args.cold) for n in args.ranks}
     print("\nsummary: ranks, warm median, spawn-per-job median, ratio")
     for n, r in results.items():
         print(f"  {n}: {r['warm'] * 1e3:.1f} ms, {r['spawn']:.2f} s, {r['ratio']:.0f}x")
+    print(f"\nthrough the plugin, {args.tests} tests a session (median, test to test)")
+    through_the_plugin(args.tests, args.burners)
 
 
 if __name__ == "__main__":

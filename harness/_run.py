@@ -112,7 +112,9 @@ class DeadlockWatch:
     that returned: what they did (their reports). From probes, asked only where the board
     cannot say enough: whether a rank that seems to run is in fact idle inside torch (DDP's
     backward waiting in the reducer's all-reduce), and the counts of ranks that wait long.
-    A verdict is reported once it has held, unchanged, for ``window`` seconds.
+    A verdict is reported once it has held, unchanged, for half of ``window`` (the proof is
+    exact; the hold only rides out a board read between two writes); a rank counts as idle
+    inside torch only once its probes showed it so for the whole ``window``.
     """
 
     def __init__(self, window: float) -> None:
@@ -143,7 +145,7 @@ class DeadlockWatch:
         if self.held is None or self.held[0] != key:
             self.held = (key, elapsed)
             return None
-        if elapsed - self.held[1] < self.window:
+        if elapsed - self.held[1] < self.window / 2:
             return None
         self.verdict = verdict
         return verdict
