@@ -608,15 +608,15 @@ def prove_clean(run: Run) -> list[Any]:
             with contextlib.suppress(OSError):
                 send(run.ranks.conns[r], Fence(run.run_id, grace))
         run.await_answers(run.fenced, leftovers, grace + FENCE_MARGIN)
-        for r, ops in sorted(run.fenced.items()):
-            if ops:
+        for r, still in sorted(run.fenced.items()):
+            if still:
                 run.problems.append(
                     RankProblem(
                         r,
                         "pending",
-                        f"{ops[0].describe()} never completed, {grace:.0f}s after every rank "
+                        f"{still[0].describe()} never completed, {grace:.0f}s after every rank "
                         "returned, although its peers did their part",
-                        "\n".join(op.describe() for op in ops),
+                        "\n".join(op.describe() for op in still),
                         seconds=run.returned_at.get(r),
                     )
                 )
