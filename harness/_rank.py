@@ -127,15 +127,20 @@ def _ensure_module(name: str | None, file: str | None) -> None:
 # ---------------------------------------------------------------------- the rank
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, workdir: str) -> None:
     # A rank whose pool owner is gone (SIGKILL, crash) has nobody to serve: exit, even from
-    # inside a collective. This is what keeps rank processes from outliving a session.
+    # inside a collective, and take the pool's directory with it (the owner cannot any
+    # more). This is what keeps rank processes and their files from outliving a session.
     # Under forkserver the direct parent is the fork server, so watch both: the owner by pid,
     # the direct parent by being re-parented.
+    import shutil
+
     direct_parent = os.getppid()
     while True:
         time.sleep(0.5)
         if os.getppid() != direct_parent or not _pid_alive(parent_pid):
+            if not _pid_alive(parent_pid):
+                shutil.rmtree(workdir, ignore_errors=True)
             os._exit(3)
 
 
@@ -171,7 +176,7 @@ def _worker_main(
     stack = open(os.path.join(workdir, f"rank{rank}.stack"), "w")
     faulthandler.enable(file=crash, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent_pid, workdir), daemon=True).start()
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch

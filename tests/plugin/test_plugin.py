@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -456,6 +458,25 @@ def test_next(spatial):
 """
 
 
+#: a run that is never proven deadlocked (rank 0 is only late, for ever): it stays up until
+#: the timeout, so a test can interrupt or kill pytest while its ranks are busy
+LATE_FOREVER = """
+import time
+import pytest
+import torch, torch.distributed as dist
+
+def late():
+    if dist.get_rank() == 0:
+        time.sleep(1000)
+    dist.all_reduce(torch.ones(1))
+    return 0
+
+@pytest.mark.spatial(timeout={timeout})
+def test_hang(spatial):
+    spatial.run(late)
+"""
+
+
 def test_a_deadlock_fails_before_the_timeout_the_next_test_passes_and_no_rank_survives(pytester):
     pytester.makepyfile(test_hang=HANG.format(timeout=60))
     tag = uuid.uuid4().hex
@@ -479,7 +500,7 @@ def test_a_deadlock_fails_before_the_timeout_the_next_test_passes_and_no_rank_su
 
 
 def test_ctrl_c_leaves_no_rank_process_behind(pytester):
-    pytester.makepyfile(test_hang=HANG.format(timeout=100))
+    pytester.makepyfile(test_hang=LATE_FOREVER.format(timeout=100))
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_hang.py"],
@@ -512,12 +533,14 @@ def _exited(pid: int) -> bool:
 
 
 def test_sigkill_of_pytest_leaves_no_rank_and_no_fork_server_behind(pytester):
-    pytester.makepyfile(test_hang=HANG.format(timeout=100))
+    pytester.makepyfile(test_hang=LATE_FOREVER.format(timeout=100))
     tag = uuid.uuid4().hex
+    # where the pool makes its directory; short: the fork server's socket lives there too
+    tmp = Path(tempfile.mkdtemp(prefix="hk-"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_hang.py"],
         cwd=pytester.path,
-        env=_tag_env(tag),
+        env={**_tag_env(tag), "TMPDIR": str(tmp)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -541,6 +564,8 @@ def test_sigkill_of_pytest_leaves_no_rank_and_no_fork_server_behind(pytester):
         time.sleep(0.02)
     assert _exited(server), "the fork server outlived its session"
     assert _wait_gone(tag, seconds=5.0) == []  # ranks poll their owner every 0.5 s
+    assert list(tmp.glob("harness-pool*")) == []  # the ranks took the pool's directory along
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 ERROR_MAPS = """
