@@ -50,7 +50,7 @@ from harness._events import (
     send,
 )
 from harness.board import Board, State, Writer
-from harness.errors import exception_summary
+from harness.errors import exception_summary, user_traceback
 
 #: Deadline of the fence collective that proves a kept group still pairs every rank.
 VERIFY_TIMEOUT = 10.0
@@ -396,7 +396,7 @@ def _run_one(
         _end_group()
         return False, {
             "summary": exception_summary(exc),
-            "detail": traceback.format_exc(),
+            "detail": user_traceback(exc),
             "phase": getattr(exc, "harness_phase", None),
         }
     counts = tracker.counts()

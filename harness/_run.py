@@ -375,6 +375,7 @@ class Run:
 
     def collect(self) -> list[Any]:
         """Wait for every rank's answer, then prove the groups clean; the results or raise."""
+        __tracebackhide__ = True  # pytest: the failure is the rank's, not ours
         deadline = self.t0 + self.timeout
         while self.pending:
             now = time.monotonic()
@@ -400,6 +401,7 @@ class Run:
     # ------------------------------------------------------------------ the fence
 
     def await_answers(self, answers: dict[int, Any], ranks: Iterable[int], seconds: float) -> None:
+        __tracebackhide__ = True
         ranks = set(ranks)
         deadline = time.monotonic() + seconds
         while ranks - set(answers) and time.monotonic() < deadline and not self.crashed:
@@ -455,6 +457,7 @@ class Run:
 def name_the_stuck(run: Run, verdict: Verdict | None) -> NoReturn:
     """A proven deadlock (``verdict``), or ranks still running at the deadline or after
     another rank failed: name everyone, with the evidence."""
+    __tracebackhide__ = True  # pytest: the failure is the rank's, not ours
     if verdict is None and not run.problems and run.watch.window:
         # at the deadline: is a deadlock proven now? Then say so (it is the better report)
         views, slots = run.watch.views(run)
@@ -580,6 +583,7 @@ def prove_clean(run: Run) -> list[Any]:
     whose members issued the same collectives and matched every send are kept, after one
     fence collective with the run id proves them in step; any others are torn down.
     """
+    __tracebackhide__ = True
     everyone = range(run.n)
     reports = [run.reports.get(r) for r in everyone]
     counts: dict[int, Counts] = {

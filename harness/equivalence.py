@@ -166,7 +166,7 @@ def _field_record(case: SpatialCase, name: str, value: Any) -> FieldRecord:
     if isinstance(value, Shard):
         index = value.index
         if not isinstance(index, slice):
-            index = detached(torch.as_tensor(index, dtype=torch.long))
+            index = detached(_shard_index(case, name, value))
         return FieldRecord(detached(value.values), index, value.dim, value.grid_shape, value.unit)
     if isinstance(value, torch.Tensor):
         return FieldRecord(detached(value))
@@ -174,6 +174,71 @@ def _field_record(case: SpatialCase, name: str, value: Any) -> FieldRecord:
         f"{case.label}.forward: Outputs.fields[{name!r}] is a {type(value).__name__}; give a "
         "torch.Tensor (the whole field) or a harness.Shard (this rank's part of it)"
     )
+
+
+def _shard_index(case: SpatialCase, name: str, shard: Shard) -> torch.Tensor:
+    """A shard's index as a 1-D LongTensor of non-negative positions, one per value along
+    ``dim``; anything else is one clear error naming the field (the rank is named by the
+    failure that carries it)."""
+    where = f"{case.label}.forward: Shard of field {name!r}"
+    try:
+        index = torch.as_tensor(shard.index)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(
+            f"{where} has an index of type {type(shard.index).__name__}; give a 1-D "
+            "LongTensor of global positions, or a slice"
+        ) from None
+    if index.dtype == torch.bool:
+        raise ConfigError(
+            f"{where} has a bool index (a mask); give the positions themselves: "
+            "mask.nonzero().flatten() (or torch.arange(n)[mask])"
+        )
+    if index.is_floating_point() or index.is_complex():
+        raise ConfigError(
+            f"{where} has a {str(index.dtype).replace('torch.', '')} index; positions must be "
+            "integers (torch.long): a float index would be truncated, silently moving values"
+        )
+    if index.dim() != 1:
+        raise ConfigError(
+            f"{where} has an index of shape {tuple(index.shape)}; it must be 1-D (positions "
+            "along one dim). For a 2-D block of a lat x lon grid use Shard.grid(values, rows, "
+            "cols, nrows, ncols); for items named by several keys, Shard.keyed"
+        )
+    dim = shard.dim if shard.dim >= 0 else shard.values.dim() + shard.dim
+    if not 0 <= dim < max(shard.values.dim(), 1):
+        raise ConfigError(
+            f"{where}: dim={shard.dim} but its values have {shard.values.dim()} dimension(s)"
+        )
+    if index.numel() != shard.values.shape[dim]:
+        block = shard.values.dim() >= 2 and index.numel() == shard.values.shape[-2:].numel()
+        raise ConfigError(
+            f"{where} has {index.numel()} positions in its index but {shard.values.shape[dim]} "
+            f"values along dim {shard.dim} (values of shape {tuple(shard.values.shape)}); one "
+            "position per value"
+            + (
+                ": its last two dims are a (rows, cols) block, not flattened: use "
+                "Shard.grid(values, rows, cols, nlat, nlon)"
+                if block
+                else ""
+            )
+        )
+    if index.numel() and int(index.min()) < 0:
+        raise ConfigError(
+            f"{where} has a negative position ({int(index.min())}) in its index; positions "
+            "are global and count from 0"
+        )
+    return index.long()
+
+
+def _check_batch(case: SpatialCase, batch: Any, step: int) -> Any:
+    if batch is None or isinstance(batch, (str, bytes)):
+        got = "None" if batch is None else f"a {type(batch).__name__}"
+        raise ConfigError(
+            f"{case.label}.batch returned {got} for step {step}; it must return this rank's "
+            "share of the step's batch (a tensor, or a dict, tuple or dataclass of tensors) "
+            "for forward to use (a missing `return`?)"
+        )
+    return batch
 
 
 def _check_model(case: SpatialCase, model: Any) -> torch.nn.Module:
@@ -307,7 +372,7 @@ def _train_step(
     params = dict(model.named_parameters())
     enter(f"step {step} batch", step)
     _seed(_step_seed(seed, step))
-    batch = case.batch(topo, step)
+    batch = _check_batch(case, case.batch(topo, step), step)
     model.zero_grad(set_to_none=True)
     buffers = {n: (b, b._version, detached(b)) for n, b in model.named_buffers()}
     enter(f"step {step} forward", step)

@@ -134,6 +134,26 @@ class RankPending(RankFailure):
     is not clean, and the next run would inherit it."""
 
 
+#: The harness's own files whose frames are plumbing in a rank's traceback (the library code
+#: a user calls, collectives, steppers, adapters, is kept).
+_PLUMBING = ("_rank.py", "_run.py", "_intercept.py", "pool.py", "equivalence.py", "_compat.py")
+
+
+def user_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback without the harness's plumbing frames (the rank's main loop, the
+    run of a case, the watchers of torch.distributed): what the user's code did."""
+    import os
+    import traceback
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    plumbing = {os.path.join(here, name) for name in _PLUMBING}
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename not in plumbing]
+    lines = ["Traceback (most recent call last):\n"] if frames else []
+    lines += traceback.format_list(frames)
+    lines += traceback.format_exception_only(type(exc), exc)
+    return "".join(lines)
+
+
 def exception_summary(exc: BaseException) -> str:
     """``"ValueError: first line of the message"``."""
     text = str(exc).strip().splitlines()

@@ -99,6 +99,7 @@ class GoldenStore:
 
     def load(self, path: Path) -> dict[str, Any]:
         """Load and validate a golden; a clear ``GoldenError`` if it is not one of ours."""
+        _not_a_directory(path)
         try:
             data = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
@@ -128,7 +129,28 @@ class GoldenStore:
     def write(
         self, path: Path, tensors: Mapping[str, torch.Tensor], provenance: Mapping[str, Any]
     ) -> None:
-        """Write atomically: temporary file in the same directory, fsync, rename."""
+        """Write atomically: temporary file in the same directory, fsync, rename. A write that
+        fails (a full disk, no permission) leaves the old golden as it was and raises one
+        ``GoldenError`` naming the path."""
+        _not_a_directory(path)
+        try:
+            self._write(path, tensors, provenance)
+        except OSError as exc:
+            raise GoldenError(
+                f"golden {path} could not be written ({exception_summary(exc)}); the old one, "
+                "if any, is unchanged. Free space or fix the permissions of "
+                f"{path.parent}, then {UPDATE_HINT}."
+            ) from exc
+        except RuntimeError as exc:  # torch.save's own writer: "unexpected pos ..." on ENOSPC
+            raise GoldenError(
+                f"golden {path} could not be written: torch.save failed "
+                f"({exception_summary(exc)[:160]}), most likely a full disk; the old one, if "
+                f"any, is unchanged. Free space on {path.parent}, then {UPDATE_HINT}."
+            ) from exc
+
+    def _write(
+        self, path: Path, tensors: Mapping[str, torch.Tensor], provenance: Mapping[str, Any]
+    ) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {
             "format": FORMAT,
@@ -289,6 +311,15 @@ def _unravel(flat: int, shape: torch.Size) -> list[int]:
         flat, i = divmod(flat, size)
         out.append(i)
     return out[::-1]
+
+
+def _not_a_directory(path: Path) -> None:
+    if path.is_dir():
+        raise GoldenError(
+            f"golden {path} is a directory, where this test's golden file belongs; remove or "
+            "rename the directory (or give the golden another name), then "
+            f"{UPDATE_HINT}."
+        )
 
 
 def _pid_alive(pid: int) -> bool:

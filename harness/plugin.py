@@ -7,8 +7,10 @@ through the ``pytest11`` entry point. Each hook is thin and hands off to library
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,17 +20,19 @@ import pytest
 
 from harness.compare import Bound, Tolerance, equivalence_table
 from harness.equivalence import SpatialCase, check_equivalence
-from harness.errors import ConfigError
+from harness.errors import ConfigError, GoldenError
 from harness.goldens import GoldenResult, GoldenStore, golden_stem
 from harness.launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch, launcher_env
 from harness.pool import (
     DEADLOCK_WINDOW,
     DEFAULT_TIMEOUT,
+    MIN_TIMEOUT,
     OVERSUBSCRIBE_LIMIT,
     START_METHODS,
     PoolRegistry,
     RankPool,
     check_oversubscription,
+    check_seconds,
 )
 
 DEFAULT_RANKS = 4
@@ -141,34 +145,33 @@ def _parse_ranks(raw: Any) -> int:
     )
 
 
-def _parse_timeout(raw: Any) -> float:
+def _parse_seconds(raw: Any, option: str, default: float, *, allow_zero: bool = False) -> float:
+    """``--spatial-timeout`` and ``--spatial-deadlock-window``: finite seconds, one clear
+    line otherwise."""
     if raw is None:
-        return DEFAULT_TIMEOUT
+        return default
     try:
-        timeout = float(raw)
-    except ValueError:
-        timeout = -1.0
-    if timeout > 0:
-        return timeout
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = math.nan
+    if allow_zero and value == 0:
+        return 0.0
+    low = MIN_TIMEOUT if option == "--spatial-timeout" else 0.05
+    if math.isfinite(value) and value >= low:
+        return value
+    zero = " or 0 (off)" if allow_zero else ""
     raise pytest.UsageError(
-        f"--spatial-timeout must be a positive number of seconds, got {raw!r}; "
-        "e.g. --spatial-timeout 120"
+        f"{option} must be a finite number of seconds >= {low:g}{zero}, got {raw!r}; "
+        f"e.g. {option} {default:g}"
     )
+
+
+def _parse_timeout(raw: Any) -> float:
+    return _parse_seconds(raw, "--spatial-timeout", DEFAULT_TIMEOUT)
 
 
 def _parse_window(raw: Any) -> float:
-    if raw is None:
-        return DEADLOCK_WINDOW
-    try:
-        window = float(raw)
-    except ValueError:
-        window = -1.0
-    if window >= 0:
-        return window
-    raise pytest.UsageError(
-        f"--spatial-deadlock-window must be a number of seconds >= 0 (0: off), got {raw!r}; "
-        f"e.g. --spatial-deadlock-window {DEADLOCK_WINDOW:g}"
-    )
+    return _parse_seconds(raw, "--spatial-deadlock-window", DEADLOCK_WINDOW, allow_zero=True)
 
 
 def _parse_preload(config: pytest.Config) -> list[str]:
@@ -210,6 +213,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     ranks = _parse_ranks(_setting(config, "spatial_ranks"))
     timeout = _parse_timeout(_setting(config, "spatial_timeout"))
+    _interrupt_on_sigterm(config)
     try:
         check_oversubscription(
             ranks,
@@ -252,6 +256,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(session, "harness-session")
     if not hasattr(config, "workerinput"):  # once per session: the controller, not each worker
         session.swept = session.goldens.sweep()
+
+
+def _interrupt_on_sigterm(config: pytest.Config) -> None:
+    """SIGTERM (a cancelled CI job) ends the session as Ctrl-C does: tests stop, the pools
+    close and every temporary directory goes. Only where nobody else handles SIGTERM."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+    try:
+        signal.signal(signal.SIGTERM, _sigterm)
+    except ValueError:  # not the main thread
+        return
+    config.add_cleanup(lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def _launcher_registry(config: pytest.Config, env: dict[str, int], timeout: float) -> Any:
@@ -661,6 +681,45 @@ class SpatialUnusedWarning(pytest.PytestWarning):
     """A test asked for the ``spatial`` fixture but never ran anything on the ranks."""
 
 
+def _marker_options(
+    request: pytest.FixtureRequest, marker: pytest.Mark, ranks: int, timeout: float
+) -> tuple[int, float, bool]:
+    """``@pytest.mark.spatial(ranks=, timeout=, fresh=)``, each checked as the command
+    line's options are (the same oversubscription rule for ranks); one clear line naming
+    the marker otherwise."""
+    __tracebackhide__ = True
+    unknown = set(marker.kwargs) - {"ranks", "timeout", "fresh"}
+    if unknown:
+        pytest.fail(
+            f"@pytest.mark.spatial got unknown option(s) {sorted(unknown)}; it takes ranks=, "
+            "timeout= and fresh=",
+            pytrace=False,
+        )
+    raw = marker.kwargs.get("ranks", marker.args[0] if marker.args else None)
+    if raw is not None:
+        if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
+            pytest.fail(
+                f"@pytest.mark.spatial(ranks={raw!r}): ranks must be an integer >= 1, e.g. ranks=4",
+                pytrace=False,
+            )
+        try:
+            check_oversubscription(
+                raw,
+                allow=request.config.getoption("spatial_oversubscribe"),
+                how="pass --spatial-oversubscribe",
+            )
+        except ConfigError as exc:
+            pytest.fail(f"@pytest.mark.spatial(ranks={raw}): {exc}", pytrace=False)
+        ranks = raw
+    raw_timeout = marker.kwargs.get("timeout")
+    if raw_timeout is not None:
+        try:
+            timeout = check_seconds(raw_timeout, "timeout", minimum=MIN_TIMEOUT)
+        except ConfigError as exc:
+            pytest.fail(f"@pytest.mark.spatial(timeout={raw_timeout!r}): {exc}", pytrace=False)
+    return ranks, timeout, bool(marker.kwargs.get("fresh", False))
+
+
 @pytest.fixture
 def spatial(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -672,19 +731,7 @@ def spatial(
     timeout = registry.timeout
     fresh = False
     if marker is not None:
-        unknown = set(marker.kwargs) - {"ranks", "timeout", "fresh"}
-        if unknown:
-            raise ConfigError(
-                f"@pytest.mark.spatial got unknown option(s) {sorted(unknown)}; it takes "
-                "ranks=, timeout= and fresh="
-            )
-        ranks = marker.kwargs.get("ranks") or (marker.args[0] if marker.args else ranks)
-        timeout = marker.kwargs.get("timeout") or timeout
-        fresh = bool(marker.kwargs.get("fresh", False))
-        if not isinstance(ranks, int) or ranks < 1:
-            raise ConfigError(
-                f"@pytest.mark.spatial(ranks=...) must be an integer >= 1, got {ranks!r}"
-            )
+        ranks, timeout, fresh = _marker_options(request, marker, ranks, timeout)
     if fresh and isinstance(registry, LauncherRegistry):
         pytest.skip(
             "spatial(fresh=True) needs brand-new rank processes; under torchrun/srun "
@@ -751,13 +798,21 @@ class GoldenFixture:
         refuse_update: str | None = None,
         allow_nonfinite: bool = False,
     ) -> GoldenResult:
+        __tracebackhide__ = True
         path = self._store.path_for(self._node.nodeid, name)
         if refuse_update and self._store.update:
             result = self._store.not_updated(path, refuse_update)
         else:
-            result = self._store.check(
-                path, tensors, bound=bound, provenance=provenance, allow_nonfinite=allow_nonfinite
-            )
+            try:
+                result = self._store.check(
+                    path,
+                    tensors,
+                    bound=bound,
+                    provenance=provenance,
+                    allow_nonfinite=allow_nonfinite,
+                )
+            except GoldenError as exc:  # corrupt, foreign, a directory, a full disk
+                pytest.fail(str(exc), pytrace=False)
         self._node.user_properties.append((_GOLDEN_PROP, (str(path), result.status)))
         return result
 

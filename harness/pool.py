@@ -56,6 +56,9 @@ from harness.errors import (
 __all__ = ["PoolRegistry", "RankPool", "Runner", "report_progress", "shared_registry"]
 
 DEFAULT_TIMEOUT = 120.0
+#: Shorter per-run timeouts are refused: starting a run on a loaded machine alone can take
+#: longer, so they could only ever fail correct programs.
+MIN_TIMEOUT = 1.0
 #: How long healthy ranks get to finish after another rank raised, before they are taken to
 #: be stuck in a collective with the failed rank and the pool is restarted.
 ERROR_GRACE = 3.0
@@ -134,7 +137,7 @@ class RankPool:
                 "(plain fork after torch is imported can deadlock the ranks)"
             )
         self.world_size = world_size
-        self.timeout = check_seconds(timeout, "timeout")
+        self.timeout = check_seconds(timeout, "timeout", minimum=MIN_TIMEOUT)
         self.start_method = start_method
         self.backend = backend
         self.error_grace = error_grace
@@ -230,7 +233,11 @@ class RankPool:
         """
         __tracebackhide__ = True
         payload = _dump_call(fn, args, kwargs)
-        timeout = self.timeout if timeout is None else check_seconds(timeout, "timeout")
+        timeout = (
+            self.timeout
+            if timeout is None
+            else check_seconds(timeout, "timeout", minimum=MIN_TIMEOUT)
+        )
         with self._lock:
             for attempt in (1, 2):
                 if not self.alive:
@@ -329,7 +336,7 @@ class RankPool:
         return self._ranks.board
 
 
-def check_seconds(value: Any, what: str, *, minimum: float = 0.01) -> float:
+def check_seconds(value: Any, what: str, *, minimum: float = MIN_TIMEOUT) -> float:
     """A finite number of seconds ``>= minimum``, or one clear error naming ``what``."""
     import math
 
@@ -526,10 +533,22 @@ def _size(path: str) -> int:
 
 
 def _clean_stack(text: str) -> str:
-    """Drop the pool's own threads (watchdog, probe) from a faulthandler dump; keep the rest."""
+    """A faulthandler dump without the pool's own threads (watchdog, probe) and without the
+    frames that are the rank's plumbing (its main loop, multiprocessing's start): the user's
+    frames, torch's, and the line the rank waits on."""
     blocks = text.strip().split("\n\n")
     keep = [b for b in blocks if "_watch_parent" not in b and "_serve_probes" not in b]
-    return "\n\n".join(keep or blocks)
+    here = os.path.dirname(os.path.abspath(__file__))
+    plumbing = tuple(f'File "{os.path.join(here, name)}"' for name in ("_rank.py", "_intercept.py"))
+    lines = [
+        line
+        for block in keep or blocks
+        for line in [*block.splitlines(), ""]
+        if not any(p in line for p in plumbing)
+        and f"multiprocessing{os.sep}" not in line
+        and 'File "<string>"' not in line
+    ]
+    return "\n".join(lines).strip()
 
 
 # ---------------------------------------------------------------------- pickling

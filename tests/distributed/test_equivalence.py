@@ -230,7 +230,10 @@ class OutOfRange(CoupledMLPCase):
 
 @pytest.mark.parametrize(
     ("case", "quantity", "says"),
-    [(ShortShard, "field", "where the reference gives"), (OutOfRange, "coverage", "out of range")],
+    [
+        (ShortShard, "error", "Shard of field 'out' has 1 positions in its index but 2 values"),
+        (OutOfRange, "coverage", "out of range"),
+    ],
     ids=["shape", "range"],
 )
 def test_a_malformed_shard_is_named_with_its_rank(spatial, case, quantity, says):

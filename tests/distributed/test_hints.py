@@ -151,15 +151,18 @@ class PlainBlock(StencilCase):
         )
 
 
-@pytest.mark.parametrize(
-    ("case", "says"),
-    [
-        (Unflattened, "block, not flattened: use Shard.grid(values, rows, cols, nlat, nlon)"),
-        (PlainBlock, SHARD_HINT),
-    ],
-    ids=["unflattened", "plain-tensor"],
-)
-def test_a_shard_of_the_wrong_shape_suggests_shard_grid(spatial, case, says):
-    report = check_equivalence(case(), ranks=4, pool=spatial.pool(4))
-    assert any(says in m.hint for m in report.mismatches), report
+def test_a_plain_tensor_for_a_block_suggests_shard_grid(spatial):
+    report = check_equivalence(PlainBlock(), ranks=4, pool=spatial.pool(4))
+    assert any(SHARD_HINT in m.hint for m in report.mismatches), report
     assert "Shard.grid" in report.likely
+
+
+def test_an_unflattened_block_is_refused_on_its_rank_with_shard_grid_as_the_fix(spatial):
+    report = check_equivalence(Unflattened(), ranks=4, pool=spatial.pool(4))
+    errors = [m for m in report.mismatches if m.quantity == "error"]
+    assert errors  # every rank returns its block this way: whichever raised first is named
+    assert errors[0].where.startswith("ConfigError: stencil.forward: Shard of field 'y' has ")
+    assert (
+        "its last two dims are a (rows, cols) block, not flattened: use "
+        "Shard.grid(values, rows, cols, nlat, nlon)"
+    ) in errors[0].where.splitlines()[0]

@@ -130,11 +130,16 @@ def test_an_unknown_marker_option_is_named(pytester):
     ) in result.stdout.str()
 
 
-@pytest.mark.parametrize("value", ["-1", "soon"])
+@pytest.mark.parametrize("value", ["-1", "soon", "inf", "0.001"])
 def test_a_bad_deadlock_window_is_a_usage_error(pytester, value):
     result = pytester.runpytest(f"--spatial-deadlock-window={value}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--spatial-deadlock-window must be a number of seconds >= 0*"])
+    result.stderr.fnmatch_lines(
+        [
+            f"ERROR: --spatial-deadlock-window must be a finite number of seconds >= 0.05 or 0 "
+            f"(off), got '{value}'; e.g. --spatial-deadlock-window 1"
+        ]
+    )
 
 
 def test_preload_and_deadlock_window_come_from_the_ini_file_and_show_in_the_header(pytester):
@@ -201,10 +206,82 @@ def test_slow_but_correct_ranks_raise_no_false_deadlock_under_xdist(pytester):
     result.assert_outcomes(passed=4)
 
 
-def test_a_bad_timeout_is_a_usage_error(pytester):
-    result = pytester.runpytest("--spatial-timeout=soon")
+@pytest.mark.parametrize("value", ["soon", "inf", "nan", "1e-9", "0", "-1"])
+def test_a_bad_timeout_is_a_usage_error(pytester, value):
+    result = pytester.runpytest(f"--spatial-timeout={value}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--spatial-timeout must be a positive number*"])
+    result.stderr.fnmatch_lines(
+        [
+            f"ERROR: --spatial-timeout must be a finite number of seconds >= 1, got '{value}'; "
+            "e.g. --spatial-timeout 120"
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("marker", "says"),
+    [
+        ("ranks=0", "@pytest.mark.spatial(ranks=0): ranks must be an integer >= 1, e.g. ranks=4"),
+        (
+            "ranks=2.5",
+            "@pytest.mark.spatial(ranks=2.5): ranks must be an integer >= 1, e.g. ranks=4",
+        ),
+        (
+            "ranks=True",
+            "@pytest.mark.spatial(ranks=True): ranks must be an integer >= 1, e.g. ranks=4",
+        ),
+        (
+            "timeout=-1",
+            "@pytest.mark.spatial(timeout=-1): timeout must be a finite number of seconds >= 1, "
+            "got -1; e.g. timeout=120",
+        ),
+        (
+            "timeout='abc'",
+            "@pytest.mark.spatial(timeout='abc'): timeout must be a finite number of seconds >= "
+            "1, got 'abc'; e.g. timeout=120",
+        ),
+        (
+            "timeout=float('inf')",
+            "@pytest.mark.spatial(timeout=inf): timeout must be a finite number of seconds >= "
+            "1, got inf; e.g. timeout=120",
+        ),
+    ],
+    ids=["ranks-0", "ranks-float", "ranks-bool", "timeout-negative", "timeout-str", "timeout-inf"],
+)
+def test_a_bad_marker_option_is_one_clear_line_and_nothing_runs(pytester, marker, says):
+    pytester.makepyfile(
+        f"""
+        import pytest
+
+        @pytest.mark.spatial({marker})
+        def test_marked(spatial):
+            spatial.run(print)
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([says])
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_marker_ranks_obey_the_same_oversubscription_rule_as_the_command_line(pytester):
+    cores = os.cpu_count() or 1
+    too_many = max(8, 4 * cores) + 1
+    pytester.makepyfile(
+        f"""
+        import pytest
+
+        @pytest.mark.spatial(ranks={too_many})
+        def test_marked(spatial):
+            spatial.run(print)
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [f"@pytest.mark.spatial(ranks={too_many}): {too_many} rank processes on a machine *"]
+    )
+    assert "pass --spatial-oversubscribe to insist" in result.stdout.str()
 
 
 def test_the_ini_file_sets_defaults_and_the_header_shows_them(pytester):
@@ -499,13 +576,15 @@ def test_a_deadlock_fails_before_the_timeout_the_next_test_passes_and_no_rank_su
     assert _wait_gone(tag) == []
 
 
-def test_ctrl_c_leaves_no_rank_process_behind(pytester):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_a_cancelled_job_leaves_no_rank_and_no_directory_behind(pytester, sig):
     pytester.makepyfile(test_hang=LATE_FOREVER.format(timeout=100))
     tag = uuid.uuid4().hex
+    tmp = Path(tempfile.mkdtemp(prefix="hk-"))  # short: the fork server's socket lives there
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_hang.py"],
         cwd=pytester.path,
-        env=_tag_env(tag),
+        env={**_tag_env(tag), "TMPDIR": str(tmp)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -514,10 +593,13 @@ def test_ctrl_c_leaves_no_rank_process_behind(pytester):
         time.sleep(0.2)
     assert len(_tagged_pids(tag)) >= 5, "ranks never started"
     time.sleep(1.0)  # let the run enter its collective
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
-    assert b"KeyboardInterrupt" in out
+    assert b"KeyboardInterrupt" in out  # pytest stopped as on Ctrl-C: the session's end ran
     assert _wait_gone(tag) == []
+    ours = [p.name for p in tmp.iterdir() if p.name.startswith(("harness-", "pymp-"))]
+    assert ours == []  # no pool directory, no fork server socket directory
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _parent(pid: int) -> int:
@@ -610,3 +692,26 @@ def test_the_summary_table_fits_the_terminal_shortening_a_long_partition(pyteste
     ][:4]
     assert len(table) == 4 and max(map(len, table)) <= 100, table
     assert "xxx..." in table[3]
+
+
+def test_a_rank_failure_is_reported_without_the_harness_own_frames(pytester):
+    pytester.makepyfile(
+        test_fails="""
+        import torch, torch.distributed as dist
+
+        def check_halo():
+            if dist.get_rank() == 2:
+                raise ValueError("halo of the wrong width")
+            dist.all_reduce(torch.ones(1))
+
+        def test_halo(spatial):
+            spatial.run(check_halo)
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "rank 2/4 raised ValueError: halo of the wrong width" in out
+    assert 'raise ValueError("halo of the wrong width")' in out  # the rank's own line
+    for plumbing in ("_run.py", "_rank.py", "pool.py", "_intercept.py", "plugin.py"):
+        assert f"harness/{plumbing}" not in out, plumbing

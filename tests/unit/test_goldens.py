@@ -364,3 +364,50 @@ def test_provenance_is_stored_as_plain_values(tmp_path):
     created = datetime.datetime.fromisoformat(stored["created"])
     assert created.utcoffset() == datetime.timedelta(0)  # UTC, and says so
     assert abs(datetime.datetime.now(datetime.timezone.utc) - created).total_seconds() < 600
+
+
+@pytest.mark.parametrize("update", [False, True], ids=["check", "update"])
+def test_a_directory_where_the_golden_belongs_is_one_clear_error(tmp_path, update):
+    path = tmp_path / "a.pt"
+    path.mkdir()
+    with pytest.raises(GoldenError) as info:
+        GoldenStore(tmp_path, update=update).check(path, tensors(), bound=EXACT)
+    assert str(info.value) == (
+        f"golden {path} is a directory, where this test's golden file belongs; remove or "
+        "rename the directory (or give the golden another name), then run pytest with "
+        "--update-goldens, review the diff and commit the goldens."
+    )
+
+
+def test_a_full_disk_leaves_the_old_golden_and_says_so(tmp_path, monkeypatch):
+    path = tmp_path / "a.pt"
+    store = GoldenStore(tmp_path, update=True)
+    store.check(path, tensors(), bound=EXACT)
+    before = path.read_bytes()
+
+    def full(data, f):  # what torch.save raises when the disk fills mid-write
+        f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 960 vs 854")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(GoldenError) as info:
+        store.check(path, tensors(2.0), bound=EXACT)
+    assert str(info.value) == (
+        f"golden {path} could not be written: torch.save failed (RuntimeError: [enforce fail "
+        "at inline_container.cc:672] . unexpected pos 960 vs 854), most likely a full disk; "
+        f"the old one, if any, is unchanged. Free space on {tmp_path}, then run pytest with "
+        "--update-goldens, review the diff and commit the goldens."
+    )
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["a.pt"]  # no temporary file left
+
+
+def test_a_golden_that_cannot_be_written_names_the_path(tmp_path, monkeypatch):
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", denied)
+    path = tmp_path / "b.pt"
+    with pytest.raises(GoldenError, match=r"could not be written \(PermissionError: \[Errno 13\]"):
+        GoldenStore(tmp_path, update=True).check(path, tensors(), bound=EXACT)
+    assert list(tmp_path.iterdir()) == []

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness import ConfigError, Outputs, SpatialCase, Topology
+from harness import ConfigError, Outputs, Shard, SpatialCase, Topology
 from harness.equivalence import _step_seed, run_case
 from harness.steppers.mlp import CoupledMLPCase
 
@@ -29,6 +29,8 @@ class Configurable(SpatialCase):
         return torch.nn.Linear(2, 1)
 
     def batch(self, topo, step):
+        if "batch" in self.overrides:
+            return self.overrides["batch"]
         return torch.randn(3, 2)
 
     def forward(self, model, batch, topo):
@@ -100,6 +102,86 @@ def test_a_bad_answer_from_the_case_is_one_clear_error(overrides, says):
         run_case(Configurable(**overrides), SINGLE, steps=1, lr=0.1, seed=0)
     assert says in str(info.value)
     assert str(info.value).startswith("Configurable")
+
+
+def _shard(index, dim=0):
+    return {"fields": {"y": Shard(torch.zeros(3, 1), index, dim)}}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (
+            {"batch": None},
+            "Configurable.batch returned None for step 0; it must return this rank's share of "
+            "the step's batch (a tensor, or a dict, tuple or dataclass of tensors) for forward "
+            "to use (a missing `return`?)",
+        ),
+        (
+            {"batch": "samples.nc"},
+            "Configurable.batch returned a str for step 0; it must return this rank's share of "
+            "the step's batch (a tensor, or a dict, tuple or dataclass of tensors) for forward "
+            "to use (a missing `return`?)",
+        ),
+        (
+            _shard(torch.tensor([[0, 1, 2]])),
+            "Configurable.forward: Shard of field 'y' has an index of shape (1, 3); it must be "
+            "1-D (positions along one dim). For a 2-D block of a lat x lon grid use "
+            "Shard.grid(values, rows, cols, nrows, ncols); for items named by several keys, "
+            "Shard.keyed",
+        ),
+        (
+            _shard(torch.tensor([0.0, 1.5, 2.0])),
+            "Configurable.forward: Shard of field 'y' has a float32 index; positions must be "
+            "integers (torch.long): a float index would be truncated, silently moving values",
+        ),
+        (
+            _shard(torch.tensor([True, False, True])),
+            "Configurable.forward: Shard of field 'y' has a bool index (a mask); give the "
+            "positions themselves: mask.nonzero().flatten() (or torch.arange(n)[mask])",
+        ),
+        (
+            _shard(torch.tensor([0, 1])),
+            "Configurable.forward: Shard of field 'y' has 2 positions in its index but 3 values "
+            "along dim 0 (values of shape (3, 1)); one position per value",
+        ),
+        (
+            _shard(torch.tensor([0, -1, 2])),
+            "Configurable.forward: Shard of field 'y' has a negative position (-1) in its "
+            "index; positions are global and count from 0",
+        ),
+        (
+            _shard([0, 1, 2], dim=5),
+            "Configurable.forward: Shard of field 'y': dim=5 but its values have 2 dimension(s)",
+        ),
+        (
+            _shard("0:3"),
+            "Configurable.forward: Shard of field 'y' has an index of type str; give a 1-D "
+            "LongTensor of global positions, or a slice",
+        ),
+    ],
+    ids=[
+        "batch-none",
+        "batch-str",
+        "index-2d",
+        "index-float",
+        "index-bool",
+        "index-length",
+        "index-negative",
+        "dim",
+        "index-str",
+    ],  # fmt: skip
+)
+def test_a_bad_batch_or_shard_index_is_one_clear_error_naming_it(overrides, says):
+    with pytest.raises(ConfigError) as info:
+        run_case(Configurable(**overrides), SINGLE, steps=1, lr=0.1, seed=0)
+    assert str(info.value) == says
+
+
+def test_a_shard_index_given_as_a_list_of_ints_is_taken_as_positions():
+    record = run_case(Configurable(**_shard([2, 0, 1])), SINGLE, steps=1, lr=0.1, seed=0)
+    assert record.steps[0].fields["y"].index.tolist() == [2, 0, 1]
+    assert record.steps[0].fields["y"].index.dtype == torch.long
 
 
 def test_a_model_without_parameters_is_compared_on_loss_and_fields():
