@@ -267,7 +267,11 @@ def _interrupt_on_sigterm(config: pytest.Config) -> None:
         signal.signal(signal.SIGTERM, _sigterm)
     except ValueError:  # not the main thread
         return
-    config.add_cleanup(lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    config.add_cleanup(_default_sigterm)
+
+
+def _default_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _sigterm(signum: int, frame: Any) -> None:
