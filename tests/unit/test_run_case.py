@@ -170,7 +170,7 @@ def _shard(index, dim=0):
         "index-negative",
         "dim",
         "index-str",
-    ],  # fmt: skip
+    ],
 )
 def test_a_bad_batch_or_shard_index_is_one_clear_error_naming_it(overrides, says):
     with pytest.raises(ConfigError) as info:
