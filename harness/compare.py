@@ -25,7 +25,7 @@ import torch
 NUMERIC = ("loss", "grad", "field", "param")
 #: Quantities that say a run failed (a rank raised, died, hung or left work in flight),
 #: where ``Mismatch.where`` is the rank's own summary rather than a position.
-FAILURES = ("crash", "error", "timeout", "deadlock", "pending")
+FAILURES = ("crash", "error", "timeout", "deadlock", "pending", "vacuous")
 
 _REAL_OF = {
     torch.complex128: torch.float64,
@@ -376,18 +376,23 @@ REMEDIES = {
     "crash": "A rank process died: its exit code or signal and last output are above.",
     "error": "A rank raised: its traceback is above (listed first: the rank that failed "
     "first; ranks that lost a peer in a collective follow).",
-    "timeout": "A rank did not finish in time: most often a rank with an empty domain skipped "
-    "a collective that the others entered (a rank listed as 'returned' is the likely "
-    "culprit). Every rank's stack is above.",
-    "deadlock": "The run could no longer finish: a rank returned or waits in a collective "
-    "that the others never enter. The rank that returned is the likely culprit; every "
-    "waiting rank's stack is above.",
+    "timeout": "A rank did not finish in time, and nothing proved a deadlock: it computes or "
+    "waits on something the harness cannot see (a spin loop, a lock, a file), or the work is "
+    "slower than the timeout. Every rank's stack is above.",
+    "deadlock": "The run can never finish: each waiting rank says what it waits in (operation, "
+    "group, number, size, line) and which rank never did its part, by skipping a collective, "
+    "a send or a receive, or by calling a different one (an empty domain that skips a "
+    "reduction or a gather?). Every waiting rank's stack is above.",
     "batch": "The reference's batch is not the data groups' batches together: size the "
     "global batch without topo.data_size (the reference always has data_size 1) and give "
     "each data group its share with data_share(n, topo).",
-    "pending": "A rank returned with a collective or a send still pending (an async_op work "
-    "never waited on, an isend without its recv): wait on every work before returning, and "
-    "match every send with a receive on its peer.",
+    "pending": "A rank returned with an operation that can never complete: a collective "
+    "some member never entered, or an isend nobody receives. Match every collective on every "
+    "member and every send with a receive before returning.",
+    "vacuous": "The check proves nothing about the parallel code: give each rank only its part "
+    "of the domain, return its part of each field as a Shard, and communicate what the model "
+    "needs from the others; if the case is meant to be replicated, say why with vacuous_ok = "
+    '"reason" on the case.',
 }
 
 

@@ -66,6 +66,9 @@ class RunRecord:
     spatial_size: int = 1
     data_size: int = 1
     describe: str = ""
+    #: torch.distributed operations the rank issued during the run (``None``: not known,
+    #: e.g. under torchrun, where the harness does not watch them)
+    communicated: int | None = None
 
     def flat(self) -> dict[str, torch.Tensor]:
         """The run's results as one flat ``{name: tensor}`` map (what goldens store)."""

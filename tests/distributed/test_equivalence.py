@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import harness
-from harness import Outputs, Shard, SpatialCase, Tolerance, Topology, check_equivalence
+from harness import ConfigError, Outputs, Shard, SpatialCase, Tolerance, Topology, check_equivalence
 from harness.collectives import reduce_loss, sync_gradients
 from harness.steppers.mlp import CoupledMLPCase, position_range
 
@@ -440,3 +440,72 @@ def test_a_case_defined_in_a_scripts_main_module_runs_on_the_ranks(tmp_path):
         [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
     )
     assert proc.stdout.strip() == "OK", proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- checks that prove nothing
+
+
+class EveryRankTheWholeGlobe(CoupledMLPCase):
+    """Each rank computes the whole globe alone and returns whole tensors: 'equivalent',
+    but nothing was partitioned or communicated (ACE's parallel test once did this)."""
+
+    def batch(self, topo, step):  # type: ignore[no-untyped-def]
+        return super().batch(Topology.single(), step)
+
+    def forward(self, model, batch, topo):  # type: ignore[no-untyped-def]
+        return super().forward(model, batch, Topology.single())
+
+    def build(self, topo):  # type: ignore[no-untyped-def]
+        return super().build(Topology.single())
+
+
+class WholeShards(EveryRankTheWholeGlobe):
+    """Every rank returns a Shard that covers every position."""
+
+    def forward(self, model, batch, topo):  # type: ignore[no-untyped-def]
+        out = super().forward(model, batch, topo)
+        if topo.spatial_group is None:
+            return out
+        y = out.fields["out"]
+        return Outputs(out.loss, {"out": Shard(y, torch.arange(y.shape[1]), dim=1)})
+
+
+class ReplicatedOnPurpose(EveryRankTheWholeGlobe):
+    vacuous_ok = "a test of the replicated fallback path: every rank runs the whole model"
+
+
+def test_a_check_that_partitions_and_communicates_nothing_fails_as_vacuous(spatial):
+    report = check_equivalence(EveryRankTheWholeGlobe(), ranks=4, pool=spatial.pool(4))
+    assert report.quantities == {"vacuous"}
+    (m,) = report.mismatches
+    assert m.where == (
+        "no rank issued any torch.distributed operation and every field is a whole tensor (no "
+        "Shard): each rank computed the whole problem alone"
+    )
+    assert "vacuous" in str(report) and 'vacuous_ok = "reason"' in str(report)
+
+
+def test_shards_that_each_cover_the_whole_domain_are_vacuous(spatial):
+    report = check_equivalence(WholeShards(), ranks=4, pool=spatial.pool(4))
+    assert "vacuous" in report.quantities
+    (m,) = [m for m in report.mismatches if m.quantity == "vacuous"]
+    assert m.where == "every rank's Shard of 'out' covers the whole domain: the ranks split nothing"
+
+
+def test_a_case_that_says_why_it_is_replicated_is_not_vacuous(spatial):
+    assert check_equivalence(ReplicatedOnPurpose(), ranks=4, pool=spatial.pool(4)).ok
+
+
+def test_a_vacuous_opt_out_without_a_reason_is_refused():
+    class NoReason(EveryRankTheWholeGlobe):
+        vacuous_ok = True  # type: ignore[assignment]
+
+    with pytest.raises(ConfigError, match=r"vacuous_ok = True: give the reason as a sentence"):
+        check_equivalence(NoReason(), ranks=2)
+
+
+def test_one_spatial_rank_per_group_is_data_parallel_not_vacuous(spatial):
+    # spatial groups of one: nothing to partition spatially; the data groups are the point
+    case = CoupledMLPCase(batch_size=4)
+    report = check_equivalence(case, ranks=4, spatial_size=1, pool=spatial.pool(4))
+    assert report.ok, report
