@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from harness.deadlock import Counts, Op
+from harness.mutants import Mutant, SiteStats
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class Report:
     leftovers: list[Op] = field(default_factory=list)  # issued, not completed
     #: collectives torch counted that were not seen one by one (issued from C++); -1: unknown
     unseen: int = -1
+    #: a recording run (--spatial-mutants): every call site reached, with what was seen there
+    sites: dict[str, SiteStats] = field(default_factory=dict)
     unwaited: list[Op] = field(default_factory=list)  # issued, never waited on
 
 
@@ -48,6 +51,8 @@ class RunCall:
     sys_path: list[str]
     timeout: float
     reuse: bool
+    record: bool = False  # record every call site reached (--spatial-mutants, first run)
+    mutant: Mutant | None = None  # inject this mutant at its call site
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness._compat import group_name, group_sequence_numbers, sequence_number
+from harness._mutate import install_ddp, perform, record
 from harness.board import State, Writer, members_bits
 from harness.deadlock import ANY_SOURCE, Counts, Kind, Op
+from harness.mutants import Mutant, SiteStats
 
 #: ProcessGroup method -> (the torch.distributed name users know, kind, which argument holds
 #: the tensors whose size must match across ranks: an index into the positional arguments)
@@ -116,6 +118,13 @@ class Tracker:
     live: dict[int, Issued] = field(default_factory=dict)  # id(work) -> not yet waited on
     groups: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     members: dict[str, int] = field(default_factory=dict)  # group -> board.members_bits
+    #: --spatial-mutants: record every call site reached (a recording run), or inject one
+    #: mutant (a mutant run); see harness._mutate
+    recording: bool = False
+    mutant: Mutant | None = None
+    sites: dict[str, SiteStats] = field(default_factory=dict)
+    after: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # id(work) -> effect
+    stale: dict[str, Any] = field(default_factory=dict)  # site -> the last received data
     _sites: dict[tuple[Any, int], str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ a run
@@ -129,6 +138,10 @@ class Tracker:
         self.live.clear()
         self.groups.clear()
         self.members.clear()
+        self.sites.clear()
+        self.after.clear()
+        self.stale.clear()
+        self.recording, self.mutant = False, None
         self.reliable = True
         self.base = {name: seq for name, (seq, _) in group_sequence_numbers().items()}
         self.active = True
@@ -222,6 +235,8 @@ class Tracker:
         group, members = self._group(pg)
         numel, dtype = _size(args[sized] if sized is not None and len(args) > sized else None)
         site = self._site()
+        if self.recording:
+            record(self, site, method, name, members, args)
         if kind == Kind.COLLECTIVE:
             index = sequence_number(pg) - self.base.get(group, 0) - self.p2p[group]
             op = Op(kind, group, name, index, numel=numel, dtype=dtype, site=site)
@@ -305,6 +320,12 @@ class Tracker:
         if _completed(issued.work):
             self.live.pop(id(issued.work), None)
 
+    def run_after(self, work: Any) -> None:
+        """The mutant's effect on an operation whose work has now been waited on."""
+        entry = self.after.pop(id(work), None)
+        if entry is not None:
+            entry[1]()
+
     def claim(self, work: Any) -> None:
         issued = self.live.get(id(work)) if self.active else None
         if issued is not None:
@@ -373,12 +394,21 @@ def install() -> Tracker:
             original = Work.__dict__.get(method)
             if original is not None:
                 setattr(Work, method, _claim(original))
+        install_ddp(TRACKER)
         _DONE = True
     return TRACKER
 
 
 def _operation(method: str, original: Any) -> Any:
     def operation(pg: Any, *args: Any, **kwargs: Any) -> Any:
+        mutant = TRACKER.mutant
+        if mutant is not None and TRACKER.active and TRACKER._site() == mutant.site:
+            work, used = perform(TRACKER, mutant, method, original, pg, args, kwargs)
+            if used is not None:
+                caller = sys._getframe(1).f_code
+                name = caller.co_name if caller.co_filename == _C10D else ""
+                TRACKER.note(used, method, args, kwargs, work, name)
+            return work
         work = original(pg, *args, **kwargs)
         if TRACKER.active:
             # the torch.distributed function that called us names the operation as the user
@@ -399,11 +429,15 @@ def _wait(original: Any) -> Any:
         timeout = args[0] if args else kwargs.get("timeout")
         issued = TRACKER.waiting(work, bounded=bool(timeout)) if TRACKER.active else None
         if issued is None:
-            return original(work, *args, **kwargs)
-        try:
-            return original(work, *args, **kwargs)
-        finally:
-            TRACKER.waited(issued)
+            done = original(work, *args, **kwargs)
+        else:
+            try:
+                done = original(work, *args, **kwargs)
+            finally:
+                TRACKER.waited(issued)
+        if TRACKER.after:
+            TRACKER.run_after(work)
+        return done
 
     wait.__doc__ = getattr(original, "__doc__", None)
     wait.__wrapped__ = original  # type: ignore[attr-defined]
@@ -415,6 +449,8 @@ def _is_completed(original: Any) -> Any:
         done = bool(original(work))
         if done and TRACKER.active:
             TRACKER.claim(work)  # the caller saw it complete: that is a wait
+            if TRACKER.after:
+                TRACKER.run_after(work)
         return done
 
     is_completed.__doc__ = getattr(original, "__doc__", None)

@@ -387,6 +387,7 @@ def _run_one(
             _end_group()
             return False, {"summary": exception_summary(exc), "detail": traceback.format_exc()}
     tracker.begin()
+    tracker.recording, tracker.mutant = call.record, call.mutant
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - a rank's SystemExit is a failure too
@@ -406,6 +407,7 @@ def _run_one(
         groups={name: ranks for name, (_, ranks) in group_sequence_numbers().items()},
         leftovers=tracker.leftovers(),
         unwaited=tracker.unwaited(),
+        sites=dict(tracker.sites),
     )
     try:
         data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)

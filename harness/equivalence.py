@@ -23,6 +23,7 @@ from harness.compare import EquivalenceReport, Mismatch, Tolerance
 from harness.errors import ConfigError, RankFailure
 from harness.records import FieldRecord, RunRecord, StepRecord, detached
 from harness.topology import Topology, validate_sizes
+from harness.vacuous import check_vacuous
 
 if TYPE_CHECKING:
     from harness.pool import Runner
@@ -99,6 +100,9 @@ class SpatialCase:
     #: The case's own tolerance, used when ``check_equivalence`` is given none (a model with a
     #: known float32 step in a float64 run, say). ``None``: ``Tolerance.for_dtype``.
     tolerance: Tolerance | None = None
+    #: Why this case may partition and communicate nothing (a test of replicated code):
+    #: without a reason such a check fails as ``vacuous``, since it proves nothing.
+    vacuous_ok: str | None = None
 
     def build(self, topo: Topology) -> torch.nn.Module:
         raise NotImplementedError
@@ -337,12 +341,14 @@ def run_case(
     model: torch.nn.Module | None = None
     try:
         enter("build")
-        _seed(seed)
+        mutation = _case_mutation(case)
+        _seed(seed + (7919 * (topo.rank + 1) if mutation.get("build") == "rng-per-rank" else 0))
         model = _check_model(case, case.build(topo))
+        _note_buffers(case, model)
         params = dict(model.named_parameters())
         record = RunRecord(init={_strip(n): detached(p) for n, p in params.items()})
         for step in range(steps):
-            record.steps.append(_train_step(case, model, topo, step, lr, seed, enter))
+            record.steps.append(_train_step(case, model, topo, step, lr, seed, enter, mutation))
         enter("teardown")
         case.teardown(model, topo)
         return record
@@ -367,15 +373,20 @@ def _train_step(
     lr: float,
     seed: int,
     enter: Callable[[str, int], None],
+    mutation: dict[str, str] | None = None,
 ) -> StepRecord:
     """One step: batch, forward, backward, plain SGD; what it recorded."""
+    mutation = mutation or {}
     params = dict(model.named_parameters())
     enter(f"step {step} batch", step)
-    _seed(_step_seed(seed, step))
+    per_rank = topo.rank + 1 if mutation.get("batch") == "rng-per-rank" else 0
+    _seed(_step_seed(seed, step) + per_rank)
     batch = _check_batch(case, case.batch(topo, step), step)
     model.zero_grad(set_to_none=True)
     buffers = {n: (b, b._version, detached(b)) for n, b in model.named_buffers()}
     enter(f"step {step} forward", step)
+    if mutation.get("build") == "buffers-broadcast":
+        _broadcast_buffers(model, topo)
     out = case.forward(model, batch, topo)
     loss = _check_loss(case, out, any(p.requires_grad for p in params.values()))
     fields = {k: _field_record(case, k, v) for k, v in out.fields.items()}
@@ -406,6 +417,40 @@ def _train_step(
     )
 
 
+def _case_mutation(case: SpatialCase) -> dict[str, str]:
+    """On a rank of a ``--spatial-mutants`` run: the case-level mutant to inject at
+    ``build`` or ``batch`` (``{}`` for the reference and every other run)."""
+    from harness import _mutate
+    from harness._intercept import TRACKER
+
+    if not TRACKER.active:
+        return {}
+    kinds = {m: _mutate.case_mutant(TRACKER, case, m) for m in ("build", "batch")}
+    return {m: k for m, k in kinds.items() if k}
+
+
+def _note_buffers(case: SpatialCase, model: torch.nn.Module) -> None:
+    from harness import _mutate
+    from harness._intercept import TRACKER
+
+    if TRACKER.active and TRACKER.recording:
+        stats = TRACKER.sites.get(_mutate.case_site(case, "build"))
+        if stats is not None:
+            stats.buffers |= any(True for _ in model.buffers())
+
+
+def _broadcast_buffers(model: torch.nn.Module, topo: Topology) -> None:
+    """The ``buffers-broadcast`` mutant: DDP's broadcast_buffers, in place, from the spatial
+    group's first rank."""
+    import torch.distributed as dist
+
+    if topo.spatial_group is None:
+        return
+    with torch.no_grad():
+        for b in model.buffers():
+            dist.broadcast(b, src=topo.spatial_ranks[0], group=topo.spatial_group)
+
+
 def _mark_phase(exc: BaseException, phase: str) -> None:
     """Say on the exception where in the run it was raised (once: the innermost wins)."""
     if getattr(exc, "harness_phase", None) is None:
@@ -428,7 +473,23 @@ def _rank_entry(
     record.spatial_rank, record.data_rank = topo.spatial_rank, topo.data_rank
     record.spatial_size, record.data_size = topo.spatial_size, topo.data_size
     record.describe = case.describe(topo)
+    record.communicated = _operations_issued()
     return record
+
+
+def _operations_issued() -> int | None:
+    """How many torch.distributed operations this rank issued in the run (collectives from
+    Python or C++, sends and receives), as the pool's watcher counted them."""
+    from harness._intercept import TRACKER
+
+    if TRACKER.board is None:  # not in a pool's rank (under torchrun): not watched
+        return None
+    counts = TRACKER.counts()
+    if counts is None:
+        return None
+    return (
+        sum(counts.collectives.values()) + sum(counts.sends.values()) + sum(counts.recvs.values())
+    )
 
 
 # ---------------------------------------------------------------------- check
@@ -463,6 +524,13 @@ def check_equivalence(
     s = validate_sizes(ranks, spatial_size)
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
+    if case.vacuous_ok is not None and not (
+        isinstance(case.vacuous_ok, str) and case.vacuous_ok.strip()
+    ):
+        raise ConfigError(
+            f"{case.label}.vacuous_ok = {case.vacuous_ok!r}: give the reason as a sentence "
+            '(vacuous_ok = "the model is replicated by design: ..."), or leave it None'
+        )
     allow = case.expect_nonfinite if allow_nonfinite is None else allow_nonfinite
     t0 = time.perf_counter()
     if pool is None:
@@ -496,6 +564,8 @@ def check_equivalence(
         report.partition = _layout(records[0].describe, s, ranks // s)
         found = compare_runs(reference, records, tol, spatial_size=s, allow_nonfinite=allow)
         report.mismatches, report.stats = found.mismatches, found.stats
+        if not case.vacuous_ok:
+            report.mismatches[:0] = check_vacuous(case.label, reference, records, s)
         report.field_errors, report.likely = found.field_errors, found.likely
     report.seconds = time.perf_counter() - t0
     return report

@@ -23,6 +23,7 @@ from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError, GoldenError
 from harness.goldens import GoldenResult, GoldenStore, golden_stem
 from harness.launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch, launcher_env
+from harness.plugin_mutants import collect_sites
 from harness.pool import (
     DEADLOCK_WINDOW,
     DEFAULT_TIMEOUT,
@@ -99,6 +100,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         dest="spatial_oversubscribe",
         help=f"allow more than {OVERSUBSCRIBE_LIMIT} rank processes per CPU core",
+    )
+    group.addoption(
+        "--spatial-mutants",
+        action="store_true",
+        dest="spatial_mutants",
+        help="after the tests pass, rerun them with bugs injected at each torch.distributed "
+        "call site they reach in your code; print which tests kill which mutant, and the score",
+    )
+    group.addoption(
+        "--spatial-mutants-min-score",
+        dest="spatial_mutants_min_score",
+        default=None,
+        metavar="PERCENT",
+        help="with --spatial-mutants: fail the session when fewer than PERCENT %% of the "
+        "mutants are killed",
     )
     group.addoption(
         "--goldens-unused",
@@ -247,6 +263,7 @@ def pytest_configure(config: pytest.Config) -> None:
             deadlock_window=_parse_window(_setting(config, "spatial_deadlock_window")),
             preload=_parse_preload(config),
         )
+    _register_mutants(config)
     root = config.inipath.parent if config.inipath else config.rootpath
     session = HarnessSession(
         GoldenStore(root / config.getini("golden_dir"), update=config.getoption("update_goldens")),
@@ -256,6 +273,37 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(session, "harness-session")
     if not hasattr(config, "workerinput"):  # once per session: the controller, not each worker
         session.swept = session.goldens.sweep()
+
+
+def _register_mutants(config: pytest.Config) -> None:
+    """``--spatial-mutants``: the mutation run's plugin object, only when asked for."""
+    raw = config.getoption("spatial_mutants_min_score")
+    if not config.getoption("spatial_mutants"):
+        if raw is not None:
+            raise pytest.UsageError(
+                "--spatial-mutants-min-score needs --spatial-mutants; add it, or drop the score"
+            )
+        return
+    registry = config.stash[_registry_key]
+    if isinstance(registry, LauncherRegistry):
+        raise pytest.UsageError(
+            "--spatial-mutants injects bugs on the harness's own rank pool, which torchrun/srun "
+            "mode does not use; run it without the launcher"
+        )
+    score = None
+    if raw is not None:
+        try:
+            score = float(raw)
+        except ValueError:
+            score = math.nan
+        if not 0 <= score <= 100:
+            raise pytest.UsageError(
+                f"--spatial-mutants-min-score must be a percentage from 0 to 100, got {raw!r}; "
+                "e.g. --spatial-mutants-min-score 90"
+            )
+    from harness.plugin_mutants import MutantSession
+
+    config.pluginmanager.register(MutantSession(config, registry, score), "harness-mutants")
 
 
 def _interrupt_on_sigterm(config: pytest.Config) -> None:
@@ -551,10 +599,11 @@ class SpatialFixture:
         __tracebackhide__ = True
         pool = self._pool(ranks)
         try:
-            results: list[Any] = pool.run(fn, *args, timeout=timeout or self.timeout, **kwargs)
+            results: list[Any] = pool.run(fn, *args, timeout=self._timeout(timeout), **kwargs)
             return results
         finally:
             self._attach_output(pool.last_outputs)
+            collect_sites(self._node, pool)
 
     def check(
         self,
@@ -575,10 +624,11 @@ class SpatialFixture:
         pool = self._pool(ranks)
         try:
             report = check_equivalence(
-                case, ranks=ranks, pool=pool, timeout=timeout or self.timeout, **kwargs
+                case, ranks=ranks, pool=pool, timeout=self._timeout(timeout), **kwargs
             )
         finally:
             self._attach_output(pool.last_outputs)
+            collect_sites(self._node, pool)
         row = report.summary_row()
         row["test"] = self._node.nodeid
         if golden:
@@ -613,6 +663,11 @@ class SpatialFixture:
         if golden and not result.ok:
             pytest.fail(str(result), pytrace=False)
         return report
+
+    def _timeout(self, timeout: float | None) -> float:
+        seconds = timeout or self.timeout
+        cap = getattr(self._registry, "timeout_cap", None)  # a mutant rerun
+        return min(seconds, cap) if cap else seconds
 
     def pool(self, ranks: int | None = None) -> Any:
         """The warm ``RankPool`` (or, under torchrun/srun, the in-place runner) for ``ranks``.

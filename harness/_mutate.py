@@ -1,0 +1,279 @@
+"""Rank side of ``--spatial-mutants``: recording call sites, and injecting one mutant.
+
+``harness._intercept``'s watchers of ``ProcessGroup`` call ``perform`` before an operation
+when a mutant is set for the run: at the mutant's call site it does the wrong thing on
+purpose (see ``harness.mutants.KINDS``) and returns the work; elsewhere nothing changes.
+Post-wait effects (the AVG division, a rotation, a zeroed or stale receive, the extra
+all-reduce) run when the operation's work is waited on, as the data would arrive.
+
+Imported by ``harness._intercept`` only; torch is imported here at first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from harness.mutants import Mutant, SiteStats
+
+if TYPE_CHECKING:
+    from harness._intercept import Tracker
+
+#: the mutant kinds that act on a case (in ``run_case``), not on an operation
+CASE_KINDS = ("rng-per-rank", "buffers-broadcast")
+
+
+class DoneWork:
+    """The work of an operation that was not performed: complete, successful, waited at
+    once. Quacks like ``torch.distributed.Work`` for every caller that only waits."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> None:
+        return None
+
+    def result(self) -> list[Any]:
+        return []
+
+    def synchronize(self) -> None:
+        return None
+
+    def get_future(self) -> Any:
+        import torch
+
+        future: Any = torch.futures.Future()
+        future.set_result([])
+        return future
+
+
+def perform(
+    tracker: Tracker,
+    mutant: Mutant,
+    method: str,
+    original: Callable[..., Any],
+    pg: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, Any]:
+    """Issue the operation as ``mutant`` says: (its work, the group it ran on)."""
+    import torch.distributed as dist
+
+    kind = mutant.kind
+    if kind == "skip":
+        return DoneWork(), None
+    if kind == "world":
+        return original(dist.group.WORLD, *args, **kwargs), dist.group.WORLD
+    if kind == "max":
+        args[1].reduceOp = dist.ReduceOp.MAX
+    if kind == "wrong-source":
+        args[1].rootRank = (args[1].rootRank + 1) % pg.size()
+    work = original(pg, *args, **kwargs)
+    after = _AFTER.get(kind)
+    if after is not None:
+        effect = after(_Call(tracker, mutant, method, original, pg, args, kwargs))
+        if work is None:
+            effect()
+        else:
+            tracker.after[id(work)] = (work, effect)
+    return work, pg
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One mutated operation, as its post-wait effect needs it."""
+
+    tracker: Tracker
+    mutant: Mutant
+    method: str
+    original: Callable[..., Any]
+    pg: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _avg(c: _Call) -> Callable[[], None]:
+    size = c.pg.size()
+
+    def divide() -> None:  # gloo has no AVG: SUM, then the division it would have done
+        for t in _tensors(c.args[0]):
+            t.div_(size) if t.is_floating_point() else t.floor_divide_(size)
+
+    return divide
+
+
+def _double(c: _Call) -> Callable[[], None]:
+    def again() -> None:
+        work = c.original(c.pg, *c.args, **c.kwargs)
+        if work is not None:
+            work.wait()
+
+    return again
+
+
+def _rotate(c: _Call) -> Callable[[], None]:
+    def rotate() -> None:
+        import torch
+
+        out, method, args = c.args[0], c.method, c.args
+        if method in ("allgather", "alltoall"):
+            pieces = out[0] if method == "allgather" else out
+            saved = [p.clone() for p in pieces]
+            for i, p in enumerate(pieces):
+                p.copy_(saved[(i + 1) % len(saved)])
+            return
+        # one tensor of every rank's pieces along dim 0 (all_gather_into_tensor, all_to_all
+        # with split sizes): the pieces in rotated order
+        if method == "alltoall_base" and len(args) > 2 and args[2]:
+            sizes = list(args[2])
+        else:
+            n = c.pg.size()
+            sizes = [out.shape[0] // n] * n
+        chunks = list(torch.split(out.clone(), sizes))
+        out.copy_(torch.cat(chunks[1:] + chunks[:1]))
+
+    return rotate
+
+
+def _zero(c: _Call) -> Callable[[], None]:
+    def zero() -> None:
+        for t in _tensors(c.args[0]):
+            t.zero_()
+
+    return zero
+
+
+def _stale(c: _Call) -> Callable[[], None]:
+    before = [t.clone() for t in _tensors(c.args[0])]  # what it held: never received
+
+    def stale() -> None:
+        previous = c.tracker.stale.get(c.mutant.site)
+        now = [t.clone() for t in _tensors(c.args[0])]
+        for t, old in zip(_tensors(c.args[0]), previous or before):
+            if old.shape == t.shape:
+                t.copy_(old)
+        c.tracker.stale[c.mutant.site] = now
+
+    return stale
+
+
+_AFTER: dict[str, Callable[[_Call], Callable[[], None]]] = {
+    "avg": _avg,
+    "double": _double,
+    "rotate": _rotate,
+    "zero": _zero,
+    "stale": _stale,
+}
+
+
+def _tensors(x: Any) -> list[Any]:
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return [x] if hasattr(x, "copy_") else []
+
+
+# ---------------------------------------------------------------------- recording
+
+
+def record(
+    tracker: Tracker,
+    site: str,
+    method: str,
+    name: str,
+    members: tuple[int, ...],
+    args: tuple[Any, ...],
+) -> None:
+    """Note one call at ``site`` (during a recording run)."""
+    import torch
+    import torch.distributed as dist
+
+    stats = tracker.sites.get(site)
+    if stats is None:
+        reduce = ""
+        if method in ("allreduce", "reduce", "reduce_scatter", "_reduce_scatter_base"):
+            op = getattr(args[1], "reduceOp", args[1]) if len(args) > 1 else dist.ReduceOp.SUM
+            reduce = next(
+                (n.lower() for n in ("SUM", "MAX", "MIN", "PRODUCT", "AVG")
+                 if op == getattr(dist.ReduceOp, n)), "other",
+            )  # fmt: skip
+        stats = SiteStats(
+            name,
+            method,
+            group_size=len(members),
+            whole_world=len(members) == dist.get_world_size(),
+            reduce=reduce,
+        )
+        tracker.sites[site] = stats
+    stats.calls += 1
+    stats.backward |= torch._C._current_graph_task_id() != -1
+    if len(stats.data) < 64 and args:
+        stats.data.append(sum(float(t.detach().double().sum()) for t in _tensors(args[0])))
+
+
+def record_ddp(tracker: Tracker, site: str) -> None:
+    tracker.sites.setdefault(site, SiteStats("DistributedDataParallel", "ddp"))
+    tracker.sites[site].calls += 1
+
+
+def install_ddp(tracker: Tracker) -> None:
+    """Watch DDP's construction: its line is the site of its gradient all-reduce (which
+    runs in C++, out of the harness's sight), and the mutant there drops it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if not tracker.active:
+            return
+        site = tracker._site()
+        if tracker.recording:
+            record_ddp(tracker, site)
+        m = tracker.mutant
+        if m is not None and m.kind == "no-grad-allreduce" and m.site == site:
+            self.register_comm_hook(None, _keep_local)
+
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    DistributedDataParallel.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _keep_local(state: Any, bucket: Any) -> Any:
+    """A DDP comm hook that communicates nothing: each rank keeps its own gradients."""
+    import torch
+
+    future: Any = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+# ---------------------------------------------------------------------- case mutants
+
+
+def case_site(case: Any, method: str) -> str:
+    """The site of a case's ``build`` or ``batch``: its ``def`` line."""
+    fn = getattr(type(case), method)
+    code = fn.__code__
+    return f"{code.co_filename}:{code.co_firstlineno} in {fn.__name__}"
+
+
+def case_mutant(tracker: Tracker, case: Any, method: str, has_buffers: bool = False) -> str:
+    """The case-level mutant kind to apply at ``case.<method>`` this run (``""``: none);
+    records the site during a recording run."""
+    if not tracker.active:
+        return ""
+    site = case_site(case, method)
+    if tracker.recording:
+        stats = tracker.sites.setdefault(
+            site, SiteStats(f"{type(case).__name__}.{method}", f"case-{method}")
+        )
+        stats.calls += 1
+        stats.buffers |= has_buffers
+    m = tracker.mutant
+    return m.kind if m is not None and m.site == site and m.kind in CASE_KINDS else ""

@@ -1,0 +1,137 @@
+"""The mutant catalogue and its verdicts, on hand-made call sites."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.mutants import (
+    Mutant,
+    Outcome,
+    Site,
+    SiteStats,
+    cannot_matter,
+    merge_sites,
+    mutants_for,
+    quantity_of,
+    score_line,
+    table_rows,
+)
+
+WHERE = "/repo/model.py:41 in halo"
+
+
+def site(method: str = "allreduce", **kw: object) -> Site:
+    fields: dict[str, object] = dict(
+        site=WHERE, op="all_reduce", method=method, group_size=4, whole_world=False,
+        reduce="sum", backward=False, calls=2, same_data=False,
+    )  # fmt: skip
+    fields.update(kw)
+    return Site(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("s", "kinds"),
+    [
+        (site(), ["skip", "avg", "max", "world"]),
+        (site(backward=True), ["skip", "avg", "max", "world", "double"]),
+        (site(reduce="max"), ["skip", "world"]),  # AVG/MAX of a MAX: not the bug to look for
+        (site("broadcast", op="broadcast"), ["skip", "wrong-source"]),
+        (site("_allgather_base", op="all_gather_into_tensor"), ["skip", "rotate"]),
+        (site("alltoall_base", op="all_to_all_single"), ["skip", "rotate"]),
+        (site("send", op="isend"), ["skip"]),
+        (site("recv", op="irecv"), ["zero", "stale"]),
+        (site("ddp", op="DistributedDataParallel"), ["no-grad-allreduce"]),
+        (site("case-build", op="Case.build", buffers=True), ["rng-per-rank", "buffers-broadcast"]),
+        (site("case-build", op="Case.build"), ["rng-per-rank"]),
+        (site("case-batch", op="Case.batch"), ["rng-per-rank"]),
+    ],
+    ids=[
+        "all_reduce",
+        "backward",
+        "max-reduce",
+        "broadcast",
+        "gather",
+        "all_to_all",
+        "send",
+        "recv",
+        "ddp",
+        "build-buffers",
+        "build",
+        "batch",
+    ],
+)
+def test_each_kind_of_call_gets_the_bugs_seen_there(s, kinds):
+    assert [m.kind for m in mutants_for(s)] == kinds
+    assert all(m.site == WHERE for m in mutants_for(s))
+
+
+@pytest.mark.parametrize(
+    ("kind", "s", "reason"),
+    [
+        ("skip", site(group_size=1), "one rank in the group: the operation is the identity here"),
+        ("world", site(whole_world=True), "the group is the whole world on every layout"),
+        ("rotate", site("allgather", same_data=True), "every rank passed the same data here"),
+        ("max", site(same_data=True), "every rank passed the same data here"),
+        ("stale", site("recv", calls=1), "called once per run: the previous call's data"),
+    ],
+    ids=["one-rank", "world", "rotate-same", "max-same", "stale-once"],
+)
+def test_a_mutant_that_cannot_change_anything_here_says_why(kind, s, reason):
+    assert cannot_matter(Mutant(WHERE, kind), s).startswith(reason)
+
+
+@pytest.mark.parametrize(
+    ("kind", "s"),
+    [
+        ("skip", site()),
+        ("world", site()),
+        ("avg", site(same_data=True)),  # AVG of equal values is not their SUM
+        ("stale", site("recv", calls=2)),
+        ("rng-per-rank", site("case-build", group_size=1)),
+    ],
+    ids=["skip", "world", "avg-same", "stale-twice", "case"],
+)
+def test_a_mutant_that_can_matter_is_run(kind, s):
+    assert cannot_matter(Mutant(WHERE, kind), s) == ""
+
+
+def test_sites_are_merged_over_ranks_and_layouts():
+    a = SiteStats("all_reduce", "allreduce", 2, False, "sum", calls=2, data=[1.0, 2.0])
+    b = SiteStats(
+        "all_reduce", "allreduce", 4, True, "sum", backward=True, calls=3, data=[1.0, 2.0]
+    )
+    (merged,) = merge_sites([{WHERE: a}, {WHERE: b}]).values()
+    assert merged == Site(WHERE, "all_reduce", "allreduce", 4, False, "sum", True, 3, True)
+    other = SiteStats("all_reduce", "allreduce", 4, True, "sum", calls=2, data=[1.0, 3.0])
+    assert not merge_sites([{WHERE: a}, {WHERE: other}])[WHERE].same_data
+    alone = merge_sites([{WHERE: a}])[WHERE]
+    assert not alone.same_data  # one rank's data proves nothing about the others'
+
+
+def test_the_table_names_killers_and_survivors_and_ends_with_the_score():
+    outcomes = [
+        Outcome(Mutant(WHERE, "zero", "irecv"), "model.py:41", "test_a.py::test_x", "field"),
+        Outcome(Mutant(WHERE, "world", "all_reduce"), "model.py:41", reason="one group"),
+        Outcome(Mutant(WHERE, "skip", "isend"), "model.py:40", "test_a.py::test_y", "deadlock"),
+    ]
+    assert table_rows(outcomes) == [
+        ("skip isend", "model.py:40", "killed by test_a.py::test_y (deadlock)"),
+        ("world all_reduce", "model.py:41", "SURVIVED: one group"),
+        ("zero irecv", "model.py:41", "killed by test_a.py::test_x (field)"),
+    ]
+    assert score_line(outcomes) == "spatial mutation score: 2/3 killed"
+    assert site().location == "model.py:41"
+
+
+@pytest.mark.parametrize(
+    ("text", "quantity"),
+    [
+        ("harness.errors.RankDeadlock: run deadlocked on rank 0/4", "deadlock"),
+        ("RankTimeout: run timed out after 30s", "timeout"),
+        ("harness.errors.RankError: rank 1/4 raised ValueError", "error"),
+        ("AssertionError: assert [1.0] == [4.0]", "assert"),
+        ("Failed: something else", "failed"),
+    ],
+)
+def test_how_a_killing_test_failed_is_named(text, quantity):
+    assert quantity_of(text) == quantity
