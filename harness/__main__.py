@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -141,6 +142,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--oversubscribe", action="store_true", help="allow many more ranks than CPU cores"
     )
+    parser.add_argument(
+        "--mutants",
+        action="store_true",
+        help="instead: inject a bug at each torch.distributed call site the layouts reach "
+        "(the harness's and the model's code) and say which check kills it; prints the score",
+    )
+    parser.add_argument(
+        "--mutants-min-score",
+        type=float,
+        default=None,
+        metavar="PERCENT",
+        help="with --mutants: exit 1 when fewer than PERCENT %% of the mutants are killed",
+    )
     return parser
 
 
@@ -163,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         check_oversubscription(args.ranks, allow=args.oversubscribe, how="pass --oversubscribe")
     except ConfigError as exc:
         parser.error(f"--ranks {args.ranks}: {exc}")
+    if args.mutants_min_score is not None and not (
+        args.mutants and 0 <= args.mutants_min_score <= 100
+    ):
+        parser.error(
+            "--mutants-min-score needs --mutants and a percentage from 0 to 100, got "
+            f"{args.mutants_min_score:g}"
+        )
     only = "layouts" if args.no_faults else args.only
     try:
         source = _source(args.model)
@@ -184,10 +205,13 @@ def main(argv: list[str] | None = None) -> int:
             "against the single-process reference",
             flush=True,
         )
-        if only != "faults":
-            failures += _layouts(args, registry)
-        if only != "layouts":
-            failures += _fault_matrix(args, registry)
+        if args.mutants:
+            failures += _mutants(args, registry, source)
+        else:
+            if only != "faults":
+                failures += _layouts(args, registry)
+            if only != "layouts":
+                failures += _fault_matrix(args, registry)
     finally:
         registry.close()
     took = time.perf_counter() - t0
@@ -283,6 +307,40 @@ def _golden_word(result: GoldenResult | None) -> str:
 def _first_reason(report: EquivalenceReport) -> str:
     first = report.mismatches[0].headline()
     return f"{first} ({report.likely})" if report.likely else first
+
+
+# ---------------------------------------------------------------------- mutants
+
+
+def _mutants(args: argparse.Namespace, registry: PoolRegistry, source: Any) -> list[str]:
+    """The layouts' mutants: a bug at each call site they reach in the harness's code and
+    the model's package (``source.PRELOAD``), each rerun until a layout's check fails."""
+    import harness
+    from harness.mutants import score, score_line, table_rows
+    from harness.mutation import Check, run_mutants
+
+    chosen = [c for c in configs(args.ranks, args.model) if _selected(c.label, args.select)]
+    include = [os.path.dirname(harness.__file__)]
+    for module in getattr(source, "PRELOAD", ()):
+        spec = importlib.util.find_spec(module.split(".")[0])
+        if spec is not None and spec.origin:
+            include.append(os.path.dirname(spec.origin))
+    print(
+        f"\nMutants of the code {len(chosen)} layout(s) reach ({', '.join(include)}): "
+        "each must make a check fail",
+        flush=True,
+    )
+    checks = [Check(c.label, c.case, c.spatial_size) for c in chosen]
+    outcomes = run_mutants(checks, registry.get(args.ranks), include=include, timeout=args.timeout)
+    print()
+    for line in format_table(("mutant", "call site", "verdict"), table_rows(outcomes)):
+        print(line)
+    print(score_line(outcomes))
+    killed, total = score(outcomes)
+    low = args.mutants_min_score
+    if low is not None and total and 100 * killed / total < low:
+        return [f"mutation score {killed}/{total} is below --mutants-min-score {low:g}%"]
+    return []
 
 
 # ---------------------------------------------------------------------- faults

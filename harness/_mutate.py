@@ -213,8 +213,11 @@ def record(
         tracker.sites[site] = stats
     stats.calls += 1
     stats.backward |= torch._C._current_graph_task_id() != -1
-    if len(stats.data) < 64 and args:
-        stats.data.append(sum(float(t.detach().double().sum()) for t in _tensors(args[0])))
+    if args and method not in ("recv", "recv_anysource"):
+        sent = [t.detach() for t in _tensors(args[0])]
+        if len(stats.data) < 64:
+            stats.data.append(sum(float(t.double().sum()) for t in sent))
+        stats.nonzero |= any(bool(t.any()) for t in sent if t.numel())
 
 
 def record_ddp(tracker: Tracker, site: str) -> None:

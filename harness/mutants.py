@@ -75,11 +75,13 @@ class SiteStats:
     backward: bool = False  # reached while autograd ran a backward
     calls: int = 0
     data: list[float] = field(default_factory=list)  # a checksum of each call's input
+    nonzero: bool = False  # some call's input held a value other than zero
     buffers: bool = False  # case-build: the model has buffers
 
     def merge(self, other: SiteStats) -> None:
         self.calls = max(self.calls, other.calls)
         self.group_size = max(self.group_size, other.group_size)
+        self.nonzero |= other.nonzero
         self.backward |= other.backward
         self.buffers |= other.buffers
 
@@ -98,6 +100,7 @@ class Site:
     calls: int  # per run, on the rank that called it most
     same_data: bool  # every call passed the same input on every rank that reached it
     buffers: bool = False
+    zeros: bool = False  # every call's input was all zeros on every rank
 
     @property
     def location(self) -> str:
@@ -139,6 +142,7 @@ def merge_sites(per_rank: Iterable[Mapping[str, SiteStats]]) -> dict[str, Site]:
                     s.backward,
                     s.calls,
                     buffers=s.buffers,
+                    nonzero=s.nonzero,
                 )
             inputs.setdefault(where, []).append(s.data)
     return {
@@ -153,9 +157,14 @@ def merge_sites(per_rank: Iterable[Mapping[str, SiteStats]]) -> dict[str, Site]:
             s.calls,
             same_data=_same(inputs[where]),
             buffers=s.buffers,
+            zeros=not s.nonzero and s.method not in _NO_INPUT and any(inputs[where]),
         )
         for where, s in merged.items()
     }
+
+
+#: methods whose first argument is not data sent (a receive's buffer, a case's method)
+_NO_INPUT = frozenset({"recv", "recv_anysource", "ddp", "case-build", "case-batch", "barrier"})
 
 
 def _same(data: Sequence[Sequence[float]]) -> bool:
@@ -183,12 +192,17 @@ def cannot_matter(mutant: Mutant, site: Site) -> str:
     what the tests' layouts cannot show.)"""
     if site.group_size == 1 and site.method not in ("ddp", "case-build", "case-batch"):
         return "one rank in the group: the operation is the identity here"
+    if site.zeros and mutant.kind in ("skip", "avg", "max", "world", "rotate", "double"):
+        return (
+            "every rank passed zeros here in every run (a guard that only fires on an error?): "
+            "summing, averaging or moving zeros changes nothing"
+        )
     if mutant.kind == "world" and site.whole_world:
         return (
             "the group is the whole world on every layout the tests ran: test a layout with "
             "data groups (spatial_size < ranks)"
         )
-    if mutant.kind in ("rotate", "max") and site.same_data:
+    if mutant.kind in ("rotate", "max") and site.same_data and site.method not in _NO_INPUT:
         return "every rank passed the same data here: rotating or taking the max changes nothing"
     if mutant.kind == "stale" and site.calls <= 1:
         return (
@@ -232,7 +246,9 @@ def table_rows(outcomes: Sequence[Outcome]) -> list[tuple[str, str, str]]:
     rows = []
     for o in sorted(outcomes, key=lambda o: (o.location, o.mutant.kind)):
         if o.killed:
-            verdict = f"killed by {o.killed_by}" + (f" ({o.quantity})" if o.quantity else "")
+            found = o.quantity.split(", ") if o.quantity else []
+            how = found[0] + (f" +{len(found) - 1}" if len(found) > 1 else "") if found else ""
+            verdict = f"killed by {o.killed_by}" + (f" ({how})" if how else "")
         else:
             verdict = "SURVIVED" + (f": {o.reason}" if o.reason else "")
         rows.append((o.mutant.label, o.location, verdict))

@@ -149,3 +149,23 @@ def test_a_real_model_that_is_not_installed_is_a_usage_error_naming_the_extra(tm
         error = proc.stderr.splitlines()[-1]
         assert error.startswith(f"harness-check: error: --model {model}: harness.contrib.{model}")
         assert f'pip install "pytest-spatial-harness[{model}]"' in error
+
+
+def test_the_built_in_steppers_kill_at_least_nine_in_ten_of_their_mutants(tmp_path):
+    proc = _main_job("--ranks", "4", "--mutants", "--mutants-min-score", "90", cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    (score,) = [line for line in out.splitlines() if line.startswith("spatial mutation score:")]
+    killed, total = map(int, score.split(": ")[1].split(" ")[0].split("/"))
+    assert total >= 40 and killed / total >= 0.9, score
+    # every survivor says why it cannot be seen on these layouts
+    survivors = [line for line in out.splitlines() if "  SURVIVED" in line]
+    assert all("SURVIVED: " in line for line in survivors), survivors
+    assert "collectives.py:" in out and "sfno.py:" in out and "healpix.py:" in out
+
+
+def test_a_mutation_score_below_the_minimum_exits_1(tmp_path):
+    proc = _main_job("--ranks", "4", "--mutants", "-k", "healpix", "--mutants-min-score", "100",
+                     cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout
+    assert "is below --mutants-min-score 100%" in proc.stdout

@@ -73,8 +73,9 @@ def test_each_kind_of_call_gets_the_bugs_seen_there(s, kinds):
         ("rotate", site("allgather", same_data=True), "every rank passed the same data here"),
         ("max", site(same_data=True), "every rank passed the same data here"),
         ("stale", site("recv", calls=1), "called once per run: the previous call's data"),
+        ("skip", site(zeros=True), "every rank passed zeros here in every run"),
     ],
-    ids=["one-rank", "world", "rotate-same", "max-same", "stale-once"],
+    ids=["one-rank", "world", "rotate-same", "max-same", "stale-once", "zeros"],
 )
 def test_a_mutant_that_cannot_change_anything_here_says_why(kind, s, reason):
     assert cannot_matter(Mutant(WHERE, kind), s).startswith(reason)
@@ -106,6 +107,12 @@ def test_sites_are_merged_over_ranks_and_layouts():
     assert not merge_sites([{WHERE: a}, {WHERE: other}])[WHERE].same_data
     alone = merge_sites([{WHERE: a}])[WHERE]
     assert not alone.same_data  # one rank's data proves nothing about the others'
+    guard = SiteStats("all_reduce", "allreduce", 4, True, "sum", calls=1, data=[0.0])
+    assert merge_sites([{WHERE: guard}, {WHERE: guard}])[WHERE].zeros
+    some = SiteStats("all_reduce", "allreduce", 4, True, "sum", calls=1, data=[0.0], nonzero=True)
+    assert not merge_sites([{WHERE: guard}, {WHERE: some}])[WHERE].zeros  # +1 - 1 sums to 0
+    recv = SiteStats("irecv", "recv", 4, True, calls=1, data=[0.0])
+    assert not merge_sites([{WHERE: recv}])[WHERE].zeros  # a receive sends nothing
 
 
 def test_the_table_names_killers_and_survivors_and_ends_with_the_score():
