@@ -97,7 +97,9 @@ def test_a_mutant_that_can_matter_is_run(kind, s):
 
 
 def test_sites_are_merged_over_ranks_and_layouts():
-    a = SiteStats("all_reduce", "allreduce", 2, False, "sum", calls=2, data=[1.0, 2.0])
+    a = SiteStats(
+        "all_reduce", "allreduce", 2, False, "sum", calls=2, data=[1.0, 2.0], nonzero=True
+    )
     b = SiteStats(
         "all_reduce", "allreduce", 4, True, "sum", backward=True, calls=3, data=[1.0, 2.0]
     )
