@@ -88,3 +88,22 @@ def test_the_example_fails_with_a_readable_table_when_its_bug_is_on(example, bug
     assert "1 golden: 1 passed." in out, out
     if bug == "halo-backward":
         assert not re.search(r"^(loss|field)\s+\S+\s+0\s", out, re.M), out
+
+
+def test_the_examples_tests_kill_every_mutant_of_its_distributed_calls(example):
+    result = _run(example, "--spatial-mutants", "--spatial-mutants-min-score", "90")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "spatial mutation score: 28/28 killed" in out, out
+    for site in ("parallel.py:68", "parallel.py:72", "parallel.py:141", "parallel.py:148"):
+        assert site in out  # the halo's send and receive, the global mean's two all-reduces
+    assert "parallel.py:171" in out and "parallel.py:173" in out  # its own gradient hooks
+
+
+def test_the_examples_survivors_name_what_its_tests_cannot_see(example):
+    result = _run(example, "--spatial-mutants", "-k", "not data_parallel")
+    out = result.stdout + result.stderr
+    assert "spatial mutation score: 20/23 killed" in out, out
+    survivors = [line for line in out.splitlines() if " SURVIVED" in line]
+    assert len(survivors) == 3 and all(line.startswith("world all_reduce") for line in survivors)
+    assert all("the group is the whole world on every layout the tests ran" in s for s in survivors)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import Outputs, Shard, SpatialCase, Topology, data_share
-from harness.collectives import reduce_loss, sync_gradients
+from harness.collectives import reduce_loss
 
 from tinyclimate import TinyClimate, area_weights, latitude_band
-from tinyclimate.parallel import resolve_bug
+from tinyclimate.parallel import resolve_bug, sum_gradients
 
 
 class TinyClimateCase(SpatialCase):
@@ -29,7 +29,8 @@ class TinyClimateCase(SpatialCase):
         model = TinyClimate(
             self.nlat, self.nlon, self.channels, group=topo.spatial_group, bug=self.bug
         )
-        sync_gradients(model, topo)  # sum parameter gradients over the bands
+        # the model's own hooks: summed over the bands, averaged over data groups
+        sum_gradients(model, topo.spatial_group, topo.data_group)
         return model
 
     def batch(self, topo: Topology, step: int) -> dict[str, torch.Tensor]:

@@ -154,3 +154,22 @@ def global_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return x
     return _GlobalSum.apply(x, group)
+
+
+def sum_gradients(model: torch.nn.Module, group: Any, data_group: Any = None) -> None:
+    """Hook every parameter so its gradient is summed over the bands of ``group`` as it is
+    computed (each band's loss part depends on every replicated parameter), then averaged
+    over ``data_group`` (the copies of this band in the other data-parallel groups)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g: _synced(g, group, data_group))
+
+
+def _synced(grad: torch.Tensor, group: Any, data_group: Any) -> torch.Tensor:
+    grad = grad.clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(grad, group=group)  # now replicated: every band holds the sum
+    if data_group is not None and dist.get_world_size(data_group) > 1:
+        dist.all_reduce(grad, group=data_group)  # the data groups' mean, as DDP takes it
+        grad /= dist.get_world_size(data_group)
+    return grad
