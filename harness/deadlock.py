@@ -311,8 +311,8 @@ def _why_not(other: RankView, wait: Op, rank: int) -> str:
             return f"rank {other.rank} {state} having sent it {n} with tag {wait.tag}"
         n = c.received_from(wait.group, rank, wait.tag)
         return f"rank {other.rank} {state} having received {n} from it with tag {wait.tag}"
-    theirs = other.wait.describe() if other.wait else f"at {other.where}"
-    return f"rank {other.rank} has not done its part and waits itself, in {theirs}"
+    theirs = f"in {other.wait.describe()}" if other.wait else f"at {other.where}"
+    return f"rank {other.rank} has not done its part and waits itself, {theirs}"
 
 
 def _blocked_witnesses(

@@ -308,3 +308,162 @@ def test_groups_are_in_step_only_with_equal_collectives_and_matched_sends():
 )
 def test_two_sides_of_a_collective_are_compatible_only_when_they_can_pair(a, b, same):
     assert compatible(a, b) is same
+
+
+# ---------------------------------------------------------------- every line of the rule
+
+
+@pytest.mark.parametrize(
+    ("op", "text"),
+    [
+        (
+            Op(Kind.SEND, "2", "isend", 3, peer=1, tag=4, numel=2, dtype="float64", site="a:1"),
+            "isend to rank 1 (tag 4, #3) (2 elements float64) at a:1",
+        ),
+        (Op(Kind.RECV, "0", "irecv", 1, peer=0), "irecv from rank 0 (tag 0, #1)"),
+        (Op(Kind.RECV, "0", "recv", 2, peer=ANY_SOURCE), "recv from any rank (tag 0, #2)"),
+        (Op(Kind.COLLECTIVE, "0", "barrier", 5), "barrier #5 on group 0"),
+    ],
+    ids=["isend", "irecv", "any-source", "no-size"],
+)
+def test_an_operation_describes_itself_whole(op, text):
+    assert op.describe() == text
+
+
+def test_a_rank_that_is_not_stuck_has_no_reason():
+    verdict = decide([waiting(0, allreduce(1)), returned(1)], {"0": (0, 1)})
+    assert verdict is not None and verdict.reason(0) and verdict.reason(1) == ""
+
+
+def test_a_waiting_rank_without_a_known_operation_proves_nothing():
+    views = [RankView(0, Status.WAITING, wait=None), returned(1)]
+    assert decide(views, {"0": (0, 1)}) is None
+
+
+def test_a_wait_on_a_group_nobody_described_proves_nothing():
+    assert decide([waiting(0, allreduce(1, group="9")), returned(1)], W) is None
+
+
+def test_an_unseen_peer_is_skipped_and_the_next_one_still_proves_it():
+    # rank 1 is running (no counts: possibly done), rank 2 returned without entering
+    group = {"0": (0, 1, 2)}
+    views = [waiting(0, allreduce(1)), running(1), returned(2)]
+    verdict = decide(views, group)
+    assert verdict is not None and verdict.stuck[0].waits_for == (2,)
+
+
+def test_stuck_ranks_are_released_in_a_chain_when_its_end_can_still_move():
+    # 0 waits on 1, 1 waits on 2 (each seen not done); 2 is running: nobody is proven stuck,
+    # though 0 is only released once 1 is (a second round of the fixed point)
+    group = {"0": (0, 1), "1": (1, 2)}
+    nothing = Counts()
+    views = [
+        waiting(0, Op(Kind.RECV, "0", "recv", 1, peer=1), counts=nothing),
+        waiting(1, Op(Kind.RECV, "1", "recv", 1, peer=2), counts=nothing),
+        running(2),
+    ]
+    assert decide(views, group) is None
+
+
+def test_a_receive_needs_the_send_on_its_own_group_tag_and_peer():
+    recv = Op(Kind.RECV, "0", "recv", 1, peer=1, tag=3)
+    elsewhere = Counts(sends={("1", 0, 3): 1, ("0", 0, 4): 1, ("0", 2, 3): 1})
+    verdict = decide([waiting(0, recv), RankView(1, Status.RETURNED, counts=elsewhere)], W)
+    assert verdict is not None
+    assert verdict.reason(0).endswith("rank 1 returned having sent it 0 with tag 3")
+
+
+def test_a_send_needs_the_receive_from_itself():
+    send = Op(Kind.SEND, "0", "send", 1, peer=1, tag=0)
+    from_others = Counts(recvs={("0", 5, 0): 1, ("1", 0, 0): 1})
+    verdict = decide([waiting(0, send), RankView(1, Status.RETURNED, counts=from_others)], W)
+    assert verdict is not None
+    assert verdict.reason(0).endswith("rank 1 returned having received 0 from it with tag 0")
+
+
+def test_one_collective_is_said_in_the_singular():
+    views = [waiting(0, allreduce(2)), returned(1, collectives={"0": 1})]
+    verdict = decide(views, {"0": (0, 1)})
+    assert verdict is not None
+    assert verdict.reason(0).endswith("it returned after 1 collective on group 0")
+
+
+def test_a_peer_stuck_without_a_known_wait_is_named_by_where_it_is():
+    blocked = RankView(1, Status.BLOCKED, counts=Counts(collectives={"0": 2}), where="ddp.py:9")
+    views = [
+        waiting(0, Op(Kind.RECV, "0", "recv", 1, peer=1)),
+        blocked,
+        returned(2, collectives={"0": 1}),
+    ]
+    verdict = decide(views, {"0": (0, 1, 2)})
+    assert verdict is not None and verdict.ranks == [0, 1]
+    assert verdict.reason(0).endswith("rank 1 has not done its part and waits itself, at ddp.py:9")
+
+
+@pytest.mark.parametrize(
+    ("peer", "says"),
+    [
+        (RankView(1, Status.DEAD, counts=Counts(collectives={"0": 0})), "rank 1 died after 0"),
+        (returned(1, collectives={"0": 0}), "rank 1 returned after 0"),
+    ],
+    ids=["dead", "returned"],
+)
+def test_a_blocked_rank_names_how_its_peer_left(peer, says):
+    blocked = RankView(0, Status.BLOCKED, counts=Counts(collectives={"0": 1}), where="x.py:1")
+    verdict = decide([blocked, peer], {"0": (0, 1)})
+    assert verdict is not None
+    assert verdict.reason(0) == (
+        "is blocked inside torch (x.py:1) having issued 1 collective on group 0 (from Python "
+        f"or C++, e.g. DDP's gradient all-reduce); {says}: the collective #1 can never complete"
+    )
+
+
+@pytest.mark.parametrize(
+    "peer",
+    [
+        RankView(1, Status.RETURNED, counts=None),  # counts not known
+        running(1),  # may still issue it
+        returned(1, collectives={"0": 2}),  # issued as many
+    ],
+    ids=["unknown", "running", "as-many"],
+)
+def test_a_blocked_rank_needs_a_finished_peer_with_fewer_collectives(peer):
+    blocked = RankView(0, Status.BLOCKED, counts=Counts(collectives={"0": 2}), where="x.py:1")
+    assert decide([blocked, peer], {"0": (0, 1)}) is None
+
+
+def test_a_blocked_rank_without_counts_proves_nothing():
+    blocked = RankView(0, Status.BLOCKED, counts=None, where="x.py:1")
+    assert decide([blocked, returned(1)], {"0": (0, 1)}) is None
+
+
+def test_a_mismatch_with_a_returned_rank_whose_line_is_unknown():
+    done = Op(Kind.COLLECTIVE, "0", "all_reduce", 1, numel=3, dtype="float32")  # no site
+    views = [
+        returned(0, collectives={"0": 1}, issued={("0", 1): done}),
+        waiting(1, allreduce(1, numel=4)),
+    ]
+    verdict = decide(views, {"0": (0, 1)})
+    assert verdict is not None
+    assert "rank 0 did that collective as all_reduce 3 elements float32: the ranks" in (
+        verdict.reason(1)
+    )
+
+
+def test_point_to_point_waits_and_absent_peers_make_no_mismatch():
+    send = Op(Kind.SEND, "0", "send", 1, peer=1)
+    assert decide([waiting(0, send), waiting(1, Op(Kind.RECV, "0", "recv", 1, peer=0))],
+                  {"0": (0, 1)}) is None  # fmt: skip
+    assert decide([waiting(0, allreduce(1))], {"0": (0, 1)}) is None  # rank 1 never seen
+
+
+def test_leftovers_whose_peer_is_unknown_or_any_are_not_called_unmatched():
+    recv_any = Op(Kind.RECV, "0", "recv", 1, peer=ANY_SOURCE)
+    recv_gone = Op(Kind.RECV, "0", "irecv", 1, peer=7)
+    assert unmatched({0: [recv_any, recv_gone]}, {0: Counts()}, {"0": (0, 1)}) == {}
+
+
+def test_a_receive_matched_by_exactly_as_many_sends_is_matched():
+    irecv = Op(Kind.RECV, "0", "irecv", 2, peer=1)
+    counts = {0: Counts(recvs={("0", 1, 0): 2}), 1: Counts(sends={("0", 0, 0): 2})}
+    assert unmatched({0: [irecv]}, counts, {"0": (0, 1)}) == {}
