@@ -29,7 +29,6 @@ import threading
 import time
 import traceback
 import types
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -49,6 +48,7 @@ from harness._events import (
     receive,
     send,
 )
+from harness._state import RankState
 from harness.board import Board, State, Writer
 from harness.errors import exception_summary, user_traceback
 
@@ -223,7 +223,7 @@ def _warm_up(torch: Any, store_path: str, backend: str) -> None:
     t = torch.ones(1)
     dist.all_reduce(t)
     _end_group()
-    _RankState.save().restore()  # its first call imports for a second too
+    RankState.save().restore()  # its first call imports for a second too
 
 
 def _serve_probes(conn: Connection, main: int, tracker: Any, board: Writer) -> None:
@@ -275,7 +275,7 @@ class _Rank:
         self.rank, self.world, self.conn, self.backend = rank, world, conn, backend
         self.board, self.tracker = board, tracker
         self.run_id: int | None = None
-        self.saved: _RankState | None = None
+        self.saved: RankState | None = None
         self.ok = False
 
     def serve(self) -> None:
@@ -297,7 +297,7 @@ class _Rank:
         for p in call.sys_path:
             if p not in sys.path:
                 sys.path.append(p)
-        self.saved = _RankState.save()
+        self.saved = RankState.save()
         ok, fields = _run_one(self.rank, self.world, call, self.backend, self.tracker)
         self.tracker.end()
         self.ok = ok
@@ -434,66 +434,7 @@ def _end_group() -> None:
     clear_group_cache()
 
 
-def _end_run(saved: _RankState, *, keep_group: bool = False) -> None:
+def _end_run(saved: RankState, *, keep_group: bool = False) -> None:
     if not keep_group:
         _end_group()
     saved.restore()
-
-
-@dataclass
-class _RankState:
-    """Process-wide state a run may change, put back after it."""
-
-    torch_rng: Any
-    np_rng: Any
-    py_rng: Any
-    dtype: Any
-    grad: bool
-    anomaly: bool
-    deterministic: bool
-    threads: int
-    cwd: str
-    environ: dict[str, str]
-
-    @classmethod
-    def save(cls) -> _RankState:
-        import random
-
-        import numpy as np
-        import torch
-
-        return cls(
-            torch_rng=torch.get_rng_state(),
-            np_rng=np.random.get_state(),
-            py_rng=random.getstate(),
-            dtype=torch.get_default_dtype(),
-            grad=torch.is_grad_enabled(),
-            anomaly=torch.is_anomaly_enabled(),
-            deterministic=torch.are_deterministic_algorithms_enabled(),
-            threads=torch.get_num_threads(),
-            cwd=os.getcwd(),
-            environ=dict(os.environ),
-        )
-
-    def restore(self) -> None:
-        import random
-
-        import numpy as np
-        import torch
-
-        from harness._compat import reset_torch_harmonics_groups
-
-        torch.set_rng_state(self.torch_rng)
-        np.random.set_state(self.np_rng)
-        random.setstate(self.py_rng)
-        torch.set_default_dtype(self.dtype)
-        torch.set_grad_enabled(self.grad)
-        torch.autograd.set_detect_anomaly(self.anomaly)
-        torch.use_deterministic_algorithms(self.deterministic)
-        torch.set_num_threads(self.threads)
-        with contextlib.suppress(OSError):
-            os.chdir(self.cwd)
-        if os.environ != self.environ:  # what a run set, unset or changed goes back
-            os.environ.clear()
-            os.environ.update(self.environ)
-        reset_torch_harmonics_groups()

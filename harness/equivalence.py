@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from harness._state import CallerState
 from harness.checks import compare_runs
 from harness.compare import EquivalenceReport, Mismatch, Tolerance
 from harness.errors import ConfigError, RankFailure
@@ -286,31 +287,6 @@ def _check_loss(case: SpatialCase, out: Any, trainable: bool) -> torch.Tensor:
     return loss
 
 
-@dataclass
-class _CallerState:
-    """What ``run_case`` changes in its process and puts back: RNG states, default dtype."""
-
-    torch_rng: torch.Tensor
-    np_rng: Any
-    py_rng: Any
-    dtype: torch.dtype
-
-    @classmethod
-    def save(cls) -> _CallerState:
-        return cls(
-            torch.get_rng_state(),
-            np.random.get_state(),
-            random.getstate(),
-            torch.get_default_dtype(),
-        )
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.torch_rng)
-        np.random.set_state(self.np_rng)
-        random.setstate(self.py_rng)
-        torch.set_default_dtype(self.dtype)
-
-
 def run_case(
     case: SpatialCase,
     topo: Topology,
@@ -335,7 +311,7 @@ def run_case(
         if progress is not None:
             progress(name, step)
 
-    saved = _CallerState.save()
+    saved = CallerState.save()
     if case.dtype is not None:
         torch.set_default_dtype(case.dtype)
     model: torch.nn.Module | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 
@@ -37,11 +38,24 @@ class UnwaitedWork(HarnessWarning):
     ``-W error::harness.UnwaitedWork``."""
 
 
-#: What a ``RankProblem`` can be. ``returned`` and ``stopped`` are context, not causes:
-#: ``returned`` is a rank that finished while others were still waiting (the likely culprit
-#: of a hang: it skipped a collective the others entered); ``stopped`` a healthy rank that
-#: was stopped because another one failed.
-PROBLEM_KINDS = ("crash", "returned", "timeout", "deadlock", "pending", "error", "stopped")
+class ProblemKind(str, Enum):
+    """What a ``RankProblem`` is. ``returned`` and ``stopped`` are context, not causes:
+    ``returned`` is a rank that finished without doing a part others wait for (the culprit
+    of a proven deadlock); ``stopped`` a healthy rank stopped because another failed."""
+
+    CRASH = "crash"
+    RETURNED = "returned"
+    TIMEOUT = "timeout"
+    DEADLOCK = "deadlock"
+    PENDING = "pending"
+    ERROR = "error"
+    STOPPED = "stopped"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PROBLEM_KINDS = tuple(k.value for k in ProblemKind)
 
 
 @dataclass
@@ -56,13 +70,16 @@ class RankProblem:
     """
 
     rank: int
-    kind: str
+    kind: ProblemKind | str  # a ProblemKind once made (a plain string names one too)
     summary: str
     detail: str = ""  # traceback, faulthandler stack or exit description
     output: str = ""  # what the rank printed during the run
     phase: str = ""  # e.g. "build", "step 1 backward" (from the rank's progress reports)
     step: int | None = None  # the step of ``phase``, if any
     seconds: float | None = None  # when the rank answered, seconds into the run
+
+    def __post_init__(self) -> None:
+        self.kind = ProblemKind(self.kind)
 
     def __str__(self) -> str:
         text = f"rank {self.rank}: {self.kind}: {self.summary}"
