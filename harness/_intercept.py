@@ -28,6 +28,7 @@ by one; they show in the sequence numbers. Written for torch 2.4-2.14 (the metho
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -418,10 +419,7 @@ def _operation(method: str, original: Any) -> Any:
             TRACKER.note(pg, method, args, kwargs, work, name)
         return work
 
-    operation.__name__ = operation.__qualname__ = method
-    operation.__doc__ = getattr(original, "__doc__", None)
-    operation.__wrapped__ = original  # type: ignore[attr-defined]
-    return operation
+    return _like(operation, original)
 
 
 def _wait(original: Any) -> Any:
@@ -439,9 +437,7 @@ def _wait(original: Any) -> Any:
             TRACKER.run_after(work)
         return done
 
-    wait.__doc__ = getattr(original, "__doc__", None)
-    wait.__wrapped__ = original  # type: ignore[attr-defined]
-    return wait
+    return _like(wait, original)
 
 
 def _is_completed(original: Any) -> Any:
@@ -453,9 +449,7 @@ def _is_completed(original: Any) -> Any:
                 TRACKER.run_after(work)
         return done
 
-    is_completed.__doc__ = getattr(original, "__doc__", None)
-    is_completed.__wrapped__ = original  # type: ignore[attr-defined]
-    return is_completed
+    return _like(is_completed, original)
 
 
 def _claim(original: Any) -> Any:
@@ -464,7 +458,10 @@ def _claim(original: Any) -> Any:
             TRACKER.claim(work)
         return original(work, *args, **kwargs)
 
-    claimed.__name__ = claimed.__qualname__ = getattr(original, "__name__", "claimed")
-    claimed.__doc__ = getattr(original, "__doc__", None)
-    claimed.__wrapped__ = original  # type: ignore[attr-defined]
-    return claimed
+    return _like(claimed, original)
+
+
+def _like(wrapper: Any, original: Any) -> Any:
+    """``wrapper`` wearing ``original``'s name and doc (``help()`` and tracebacks read as
+    torch's), with ``__wrapped__`` pointing at it."""
+    return functools.wraps(original)(wrapper)

@@ -18,6 +18,7 @@ orchestration the plugin's and ``harness-check``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -133,17 +134,7 @@ def merge_sites(per_rank: Iterable[Mapping[str, SiteStats]]) -> dict[str, Site]:
                 merged[where].merge(s)
                 merged[where].whole_world &= s.whole_world
             else:
-                merged[where] = SiteStats(
-                    s.op,
-                    s.method,
-                    s.group_size,
-                    s.whole_world,
-                    s.reduce,
-                    s.backward,
-                    s.calls,
-                    buffers=s.buffers,
-                    nonzero=s.nonzero,
-                )
+                merged[where] = dataclasses.replace(s, data=[])  # the data is kept per rank
             inputs.setdefault(where, []).append(s.data)
     return {
         where: Site(

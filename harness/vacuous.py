@@ -39,28 +39,15 @@ def check_vacuous(
     steps = [r.steps for r in records]
     fields = [f for st in steps for step in st for f in step.fields.values()]
     if all(n == 0 for n in talked) and not any(f.sharded for f in fields):
-        return [
-            Mismatch(
-                "vacuous",
-                label,
-                None,
-                None,
-                where="no rank issued any torch.distributed operation and every field is a "
-                "whole tensor (no Shard): each rank computed the whole problem alone",
-            )
-        ]
+        why = (
+            "no rank issued any torch.distributed operation and every field is a whole tensor "
+            "(no Shard): each rank computed the whole problem alone"
+        )
+        return [Mismatch("vacuous", label, None, None, where=why)]
     whole = _every_shard_covers_everything(reference, records)
     if whole:
-        return [
-            Mismatch(
-                "vacuous",
-                label,
-                None,
-                None,
-                where=f"every rank's Shard of {whole} covers the whole domain: the ranks "
-                "split nothing",
-            )
-        ]
+        why = f"every rank's Shard of {whole} covers the whole domain: the ranks split nothing"
+        return [Mismatch("vacuous", label, None, None, where=why)]
     return []
 
 
