@@ -200,9 +200,8 @@ class Tracker:
             try:
                 _ORIGINAL_WAIT(issued.work, datetime.timedelta(seconds=seconds))
             except Exception:  # noqa: BLE001 - timed out (or failed): report it
-                pass
-            if not _completed(issued.work):
-                left.append(issued.op)
+                if not _completed(issued.work):
+                    left.append(issued.op)
         return left
 
     # ------------------------------------------------------------------ noting
@@ -315,10 +314,13 @@ class Tracker:
             )
         return issued
 
-    def waited(self, issued: Issued) -> None:
+    def waited(self, issued: Issued, ok: bool) -> None:
+        """Its wait is over: a wait that returned completed the work, whatever the work's
+        ``is_completed()`` says afterwards (some works, such as gloo's emulated
+        reduce_scatter on torch 2.14, never report it)."""
         if self.board is not None:
             self.board.leave(time.monotonic(), State.RUNNING)
-        if _completed(issued.work):
+        if ok or _completed(issued.work):
             self.live.pop(id(issued.work), None)
 
     def run_after(self, work: Any) -> None:
@@ -431,8 +433,10 @@ def _wait(original: Any) -> Any:
         else:
             try:
                 done = original(work, *args, **kwargs)
-            finally:
-                TRACKER.waited(issued)
+            except BaseException:
+                TRACKER.waited(issued, ok=False)
+                raise
+            TRACKER.waited(issued, ok=True)
         if TRACKER.after:
             TRACKER.run_after(work)
         return done

@@ -560,12 +560,12 @@ def _culprit(failure: RankFailure) -> str:
 
 def failure_mismatches(failure: RankFailure, label: str) -> list[Mismatch]:
     """One mismatch per rank of a failed run (healthy ranks stopped after it left out)."""
-    hang = next((p.kind for p in failure.problems if p.kind in ("deadlock", "timeout")), "")
+    hang = next((str(p.kind) for p in failure.problems if p.kind in ("deadlock", "timeout")), "")
     out = []
     for p in failure.problems:
         if p.kind == "stopped":
             continue
-        quantity = hang if p.kind == "returned" else p.kind
+        quantity = hang if p.kind == "returned" else str(p.kind)  # plain text: it travels
         detail = p.detail + (
             f"\n--- rank {p.rank} output ---\n{p.output}" if p.output.strip() else ""
         )
