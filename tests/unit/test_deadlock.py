@@ -467,3 +467,62 @@ def test_a_receive_matched_by_exactly_as_many_sends_is_matched():
     irecv = Op(Kind.RECV, "0", "irecv", 2, peer=1)
     counts = {0: Counts(recvs={("0", 1, 0): 2}), 1: Counts(sends={("0", 0, 0): 2})}
     assert unmatched({0: [irecv]}, counts, {"0": (0, 1)}) == {}
+
+
+def test_a_send_whose_receiver_took_it_is_in_progress():
+    send = Op(Kind.SEND, "0", "send", 1, peer=1, tag=0)
+    took = Counts(recvs={("0", 0, 0): 1})
+    assert decide([waiting(0, send), RankView(1, Status.RETURNED, counts=took)], W) is None
+
+
+def test_the_second_send_is_stuck_when_only_the_first_was_received():
+    send = Op(Kind.SEND, "0", "send", 2, peer=1, tag=0)
+    once = Counts(recvs={("0", 0, 0): 1, ("0", 3, 0): 4})
+    verdict = decide([waiting(0, send), RankView(1, Status.RETURNED, counts=once)], W)
+    assert verdict is not None
+    assert verdict.reason(0).endswith("rank 1 returned having received 1 from it with tag 0")
+
+
+def test_every_missing_peer_is_named():
+    group = {"0": (0, 1, 2)}
+    views = [waiting(0, allreduce(1)), returned(1), returned(2)]
+    verdict = decide(views, group)
+    assert verdict is not None and verdict.stuck[0].waits_for == (1, 2)
+    assert verdict.reason(0).endswith(
+        "rank 1 never entered it: it returned after 0 collectives on group 0; "
+        "rank 2 never entered it: it returned after 0 collectives on group 0"
+    )
+
+
+def test_a_peer_that_waits_on_something_in_progress_is_passed_over_for_the_next():
+    # rank 1 waits in a collective with rank 3 (running): it is not stuck; rank 2 returned
+    groups = {"0": (0, 1, 2), "1": (1, 3)}
+    views = [
+        waiting(0, allreduce(1)),
+        waiting(1, allreduce(1, group="1"), counts=Counts(collectives={"0": 0, "1": 1})),
+        returned(2),
+        running(3),
+    ]
+    verdict = decide(views, groups)
+    assert verdict is not None and verdict.ranks == [0] and verdict.culprits == (2,)
+
+
+def test_a_point_to_point_wait_is_never_a_mismatch_with_a_collective_of_the_same_number():
+    send = Op(Kind.SEND, "0", "send", 1, peer=1)
+    peer = returned(1, recvs={("0", 0, 0): 1}, issued={("0", 1): allreduce(1)})
+    assert decide([waiting(0, send), peer], {"0": (0, 1)}) is None
+
+
+def test_groups_nobody_described_and_ranks_nobody_saw_are_passed_over():
+    blocked = RankView(0, Status.BLOCKED, counts=Counts(collectives={"7": 3}), where="x.py:1")
+    assert decide([blocked, returned(1)], {"0": (0, 1)}) is None  # group 7: no members known
+    lonely = RankView(0, Status.BLOCKED, counts=Counts(collectives={"0": 3}), where="x.py:1")
+    assert decide([lonely], {"0": (0, 5)}) is None  # rank 5 never seen
+    assert unmatched({0: [allreduce(1, group="7")]}, {0: Counts()}, {"0": (0,)}) == {}
+
+
+def test_two_quantities_show_as_the_first_and_one_more():
+    from harness.mutants import Mutant, Outcome, table_rows
+
+    o = Outcome(Mutant("s", "skip"), "m.py:1", "t::a", "grad, loss")
+    assert table_rows([o])[0][2] == "killed by t::a (grad +1)"
