@@ -9,7 +9,7 @@ so every rule can be tested on hand-made records.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +30,7 @@ from harness.compare import (
 )
 from harness.hints import boundary_hint, likely_cause, precision_hint, shard_shape_hint
 from harness.partition import ownership
-from harness.records import FieldRecord, RunRecord, StepRecord
+from harness.records import FieldRecord, ParamShard, RunRecord, StepRecord
 
 SHARD_HINT = (
     "return this rank's part of a field as a Shard: Shard.grid(values, rows, cols, nlat, "
@@ -126,17 +126,22 @@ def compare_runs(
     m = out.mismatches
     if not allow_nonfinite:
         m += check_nonfinite_init(reference, records)
+    found_shards, shards = check_param_shards(reference, records, layout)
+    m += found_shards
     m += check_init(reference, records, tolerance)
+    m += check_sharded_init(reference, records, tolerance, shards)
     for step, ref_step in enumerate(reference.steps):
         steps = [r.steps[step] for r in records]
         if not allow_nonfinite:
             m += check_nonfinite_step(step, ref_step, steps)
         m += check_loss(judge, step, ref_step, steps)
-        m += check_grads(judge, step, ref_step, steps)
+        m += check_grads(judge, step, ref_step, steps, sharded=shards.names)
+        m += check_sharded_grads(judge, step, ref_step, steps, shards)
         found, errors = check_fields(judge, step, ref_step, steps)
         m += found
         out.field_errors += errors
-        m += check_params(judge, step, ref_step, steps)
+        m += check_params(judge, step, ref_step, steps, sharded=shards.names)
+        m += check_sharded_params(judge, step, ref_step, steps, shards)
         m += check_buffers(step, ref_step, steps)
     out.likely = likely_cause(out.mismatches)
     return out
@@ -232,11 +237,15 @@ def _shard_position(f: FieldRecord) -> Callable[[int], str] | None:
 def check_init(
     reference: RunRecord, records: list[RunRecord], tolerance: Tolerance
 ) -> list[Mismatch]:
-    """Parameters right after build: unseeded initialisation shows here first."""
+    """Parameters right after build: unseeded initialisation shows here first. Sharded
+    parameters (``RunRecord.param_shards``) are left to ``check_sharded_init``."""
     found = []
     ref = reference.init
+    sharded = {n for rec in records for n in rec.param_shards}
     for rank, rec in enumerate(records):
         for name, p in rec.init.items():
+            if name in sharded and name in ref:
+                continue
             if name not in ref:
                 found.append(
                     Mismatch(
@@ -257,9 +266,7 @@ def check_init(
                         d.problem or "initial value",
                         d.count,
                         d.total,
-                        hint="differs from the reference right after build: seed the "
-                        "initialisation identically on every rank (the harness seeds torch, "
-                        "numpy and random before build; a generator of your own is not).",
+                        hint=_init_hint(p, ref[name]),
                     )
                 )
         for name in sorted(ref.keys() - rec.init.keys()):
@@ -269,6 +276,24 @@ def check_init(
                 )
             )
     return found
+
+
+SEED_HINT = (
+    "differs from the reference right after build: seed the initialisation identically on "
+    "every rank (the harness seeds torch, numpy and random before build; a generator of your "
+    "own is not)."
+)
+
+
+def _init_hint(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    """A parameter's shape differs when a rank holds part of it, which no seed can cause;
+    its values, when the initialisation is not seeded the same."""
+    if actual.shape != expected.shape:
+        return (
+            "a parameter of another shape than the reference's: if this rank holds only part "
+            f"of it, {PARAM_SHARD_HINT}"
+        )
+    return SEED_HINT
 
 
 # ---------------------------------------------------------------------- loss
@@ -308,38 +333,49 @@ def check_loss(judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord]
 
 
 def check_grads(
-    judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord]
+    judge: Judge,
+    step: int,
+    ref: StepRecord,
+    steps: list[StepRecord],
+    *,
+    sharded: Collection[str] = (),
 ) -> list[Mismatch]:
     """Every named gradient on every rank against the reference's (None only where the
-    reference has None too)."""
+    reference has None too). ``sharded`` parameters are left to ``check_sharded_grads``."""
     found = []
     for rank, st in enumerate(steps):
         for name, g in st.grads.items():
-            if name not in ref.grads:
+            if name not in ref.grads or name in sharded:
                 continue  # reported once, as a parameter missing from the reference
             r = ref.grads[name]
-            if g is None and r is None:
-                continue
             if g is None or r is None:
-                found.append(
-                    Mismatch(
-                        "grad",
-                        name,
-                        step,
-                        rank,
-                        where="no gradient (None) on this rank; the reference has one"
-                        if g is None
-                        else "a gradient where the reference has None",
-                        hint="a rank whose domain is empty must still run every module, giving "
-                        "zeros, not None"
-                        if g is None
-                        else "",
-                    )
-                )
+                found += _grad_presence(name, step, rank, g, r)
                 continue
             m = judge.numeric("grad", name, step, rank, g, r)
             found += [m] if m else []
     return found
+
+
+def _grad_presence(
+    name: str, step: int, rank: int, g: torch.Tensor | None, r: torch.Tensor | None
+) -> list[Mismatch]:
+    """A gradient present on one side only (None on both is no finding)."""
+    if g is None and r is None:
+        return []
+    return [
+        Mismatch(
+            "grad",
+            name,
+            step,
+            rank,
+            where="no gradient (None) on this rank; the reference has one"
+            if g is None
+            else "a gradient where the reference has None",
+            hint="a rank whose domain is empty must still run every module, giving zeros, not None"
+            if g is None
+            else "",
+        )
+    ]
 
 
 # ---------------------------------------------------------------------- fields
@@ -578,16 +614,24 @@ def _compare_assembled(
 
 
 def check_params(
-    judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord]
+    judge: Judge,
+    step: int,
+    ref: StepRecord,
+    steps: list[StepRecord],
+    *,
+    sharded: Collection[str] = (),
 ) -> list[Mismatch]:
     """Parameters after the step: bitwise equal across a spatial group (``sync``: no
-    tolerance, one ulp is a difference), and close to the reference (``param``)."""
+    tolerance, one ulp is a difference), and close to the reference (``param``).
+    ``sharded`` parameters are left to ``check_sharded_params``."""
     layout = judge.layout
     found = []
     for rank, st in enumerate(steps):
         lead_rank = layout.lead(rank)
         lead = steps[lead_rank].params
         for name, p in st.params.items():
+            if name in sharded:
+                continue
             if rank != lead_rank and name in lead and not bitwise_equal(p, lead[name]):
                 same_shape = p.shape == lead[name].shape and p.dtype == lead[name].dtype
                 d = compare_tensors(p, lead[name], judge.tolerance.param, allow_nonfinite=True)
@@ -624,6 +668,305 @@ def check_buffers(step: int, ref: StepRecord, steps: list[StepRecord]) -> list[M
         for rank, st in enumerate(steps)
         for name in sorted(set(st.mutated_buffers) - expected)
     ]
+
+
+# ---------------------------------------------------------------------- sharded parameters
+
+PARAM_SHARD_HINT = (
+    "name it in SpatialCase.parameter_shards as Shard(param, index, dim): the global "
+    "positions along dim of the reference's parameter that this rank's values hold"
+)
+SHARD_INIT_HINT = (
+    "this rank's shard differs from the reference's parameter at the positions it names, "
+    "right after build: take it from the reference's initial value at those positions (the "
+    "same seeded full-size draw, sliced at the index given in parameter_shards); if each "
+    "rank initialises its shard on its own, set load_reference_shards = True on the case"
+)
+
+
+@dataclass
+class ParamShards:
+    """A run's sharded parameters: every name some rank shards (``names``, which the
+    whole-parameter checks leave alone), and the shards that fit the reference's parameter
+    (``fit``: name -> rank -> shard), which the value checks compare."""
+
+    names: frozenset[str] = frozenset()
+    fit: dict[str, dict[int, ParamShard]] = field(default_factory=dict)
+
+
+def check_param_shards(
+    reference: RunRecord, records: list[RunRecord], layout: Layout
+) -> tuple[list[Mismatch], ParamShards]:
+    """Sharded parameters right after build: does each rank's shard fit the reference's
+    parameter, and do the shards of each spatial group cover every position once?
+
+    Ranks holding exactly the same positions hold copies of one shard (a weight sharded over
+    the polar group is copied over the azimuth group): they count as one owner. Positions
+    no rank holds, or that ranks holding different shards both hold, are ``coverage``
+    findings; so is a whole parameter on a rank where others hold shards of it. A shard that
+    does not fit (a dim the reference's parameter lacks, other dims of another size) is a
+    ``param`` finding; its values are then not compared.
+    """
+    names = frozenset(n for rec in records for n in rec.param_shards)
+    found: list[Mismatch] = []
+    fit: dict[str, dict[int, ParamShard]] = {}
+    for name in sorted(names):
+        ref = reference.init.get(name)
+        if ref is None:
+            continue  # check_init names it: not in the reference model
+        held: dict[int, ParamShard] = {}
+        for rank, rec in enumerate(records):
+            if name not in rec.init:
+                continue  # check_init names it: missing on this rank
+            shard = rec.param_shards.get(name)
+            problem = (
+                _whole_among_shards(name, rank, rec.init[name], records)
+                if shard is None
+                else _shard_misfit(name, rank, rec.init[name], shard, ref)
+            )
+            if problem is None and shard is not None:
+                held[rank] = shard
+            found += [problem] if problem else []
+        dims = sorted({s.dim for s in held.values()})
+        if len(dims) > 1:
+            where = f"ranks shard it along different dims {dims}; shard every copy along one"
+            found.append(Mismatch("param", name, None, None, where=where, hint=PARAM_SHARD_HINT))
+            continue
+        for g in range(layout.data_size):
+            group = range(g * layout.spatial_size, (g + 1) * layout.spatial_size)
+            if all(r in held for r in group):
+                found += _shard_coverage(name, ref, {r: held[r] for r in group})
+        fit[name] = held
+    return found, ParamShards(names, fit)
+
+
+def _whole_among_shards(
+    name: str, rank: int, value: torch.Tensor, records: list[RunRecord]
+) -> Mismatch:
+    others = [r for r, rec in enumerate(records) if name in rec.param_shards]
+    return Mismatch(
+        "coverage",
+        name,
+        None,
+        rank,
+        where=f"the whole parameter {tuple(value.shape)} on this rank, where rank "
+        f"{', '.join(map(str, others))} hold(s) shards of it",
+        hint="shard it on every rank: " + PARAM_SHARD_HINT,
+    )
+
+
+def _shard_misfit(
+    name: str, rank: int, value: torch.Tensor, shard: ParamShard, ref: torch.Tensor
+) -> Mismatch | None:
+    """Why ``shard`` cannot be a part of the reference's parameter ``ref``, or ``None``."""
+    shape = tuple(ref.shape)
+    if shard.dim >= ref.dim():
+        where = f"sharded along dim {shard.dim}, but the reference's parameter {shape} has "
+        where += f"{ref.dim()} dimension(s)"
+        return Mismatch("param", name, None, rank, where=where, hint=PARAM_SHARD_HINT)
+    size = int(ref.shape[shard.dim])
+    if shard.index.numel() and int(shard.index.max()) >= size:
+        where = f"{shard.text()}, outside [0, {size}) of the reference's parameter {shape}"
+        return Mismatch(
+            "coverage",
+            name,
+            None,
+            rank,
+            where=where,
+            hint="positions are global positions in the reference's parameter: " + PARAM_SHARD_HINT,
+        )
+    expected = list(ref.shape)
+    expected[shard.dim] = shard.index.numel()
+    if list(value.shape) != expected or value.dtype != ref.dtype:
+        where = (
+            f"a shard {value.dtype} {tuple(value.shape)} for {shard.text()}, where the "
+            f"reference's parameter {ref.dtype} {shape} gives {tuple(expected)}"
+        )
+        return Mismatch(
+            "param",
+            name,
+            None,
+            rank,
+            where=where,
+            hint="a shard has the reference's dtype and sizes except along its dim, where it "
+            "has one value per position: " + PARAM_SHARD_HINT,
+        )
+    return None
+
+
+def _shard_coverage(name: str, ref: torch.Tensor, held: dict[int, ParamShard]) -> list[Mismatch]:
+    """One spatial group's shards of one parameter: every position held by one shard.
+
+    A hole is named with the rank whose shard borders it (below, else above); a position
+    held twice with the two ranks holding it."""
+    dim = next(iter(held.values())).dim
+    size = int(ref.shape[dim])
+    copies: dict[tuple[int, ...], list[int]] = {}
+    for rank, shard in sorted(held.items()):
+        copies.setdefault(tuple(sorted(shard.index.tolist())), []).append(rank)
+    distinct = list(copies.items())
+    own = ownership([np.asarray(k, dtype=np.int64) for k, _ in distinct], size)
+    if own.complete:
+        return []
+    owner = np.full(size, -1)
+    for positions, holding in reversed(distinct):  # the lowest rank holding a position names it
+        owner[list(positions)] = holding[0]
+    ranks = sorted(held)
+    group = f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
+    found = []
+    if len(own.missing):
+        pos = int(own.missing[0])
+        below = [p for p in range(pos - 1, -1, -1) if owner[p] >= 0][:1]
+        above = [p for p in range(pos + 1, size) if owner[p] >= 0][:1]
+        near = int(owner[(below or above)[0]]) if below or above else None
+        beside = "" if near is None else f", next to rank {near}'s {held[near].text()}"
+        found.append(
+            Mismatch(
+                "coverage",
+                name,
+                None,
+                near,
+                count=len(own.missing),
+                total=size,
+                where=f"{len(own.missing)} position(s) along dim {dim} held by no rank of "
+                f"{group} (first: {pos}{beside})",
+                hint=PARAM_SHARD_HINT,
+            )
+        )
+    if len(own.doubled):
+        pos = int(own.doubled[0])
+        holders = [holding[0] for k, holding in distinct if pos in k]
+        if len(holders) == 1:  # one shard repeats a position (the rank refuses that)
+            holders *= 2
+        a, b = holders[0], holders[1]
+        found.append(
+            Mismatch(
+                "coverage",
+                name,
+                None,
+                b,
+                count=len(own.doubled),
+                total=size,
+                where=f"{len(own.doubled)} position(s) along dim {dim} held by ranks of {group} "
+                f"holding different shards (first: {pos}, by rank {a}'s {held[a].text()} and "
+                f"rank {b}'s {held[b].text()})",
+                hint="ranks holding copies of a shard must hold exactly the same positions: "
+                + PARAM_SHARD_HINT,
+            )
+        )
+    return found
+
+
+def _global_where(shard: ParamShard, shape: torch.Size) -> Callable[[int], str]:
+    """Names a flat index into a shard by its index in the reference's parameter."""
+
+    def where(flat: int) -> str:
+        coords = [int(c) for c in np.unravel_index(flat, tuple(shape))]
+        coords[shard.dim] = int(shard.index[coords[shard.dim]])
+        return str(tuple(coords))
+
+    return where
+
+
+def _selected(ref: torch.Tensor, shard: ParamShard) -> torch.Tensor:
+    """The reference's values at the shard's positions."""
+    return ref.index_select(shard.dim, shard.index)
+
+
+def check_sharded_init(
+    reference: RunRecord, records: list[RunRecord], tolerance: Tolerance, shards: ParamShards
+) -> list[Mismatch]:
+    """Each rank's shard right after build against the reference's parameter at its
+    positions: the reassembled parameter, checked position by position on every copy."""
+    found = []
+    for rank, rec in enumerate(records):
+        for name, shard in sorted(
+            (n, held[rank]) for n, held in shards.fit.items() if rank in held
+        ):
+            p, expected = rec.init[name], _selected(reference.init[name], shard)
+            d = compare_tensors(p, expected, tolerance.param, allow_nonfinite=True)
+            if d.ok:
+                continue
+            at = "" if d.worst is None else " at " + _global_where(shard, p.shape)(d.worst)
+            found.append(
+                Mismatch(
+                    "param",
+                    name,
+                    None,
+                    rank,
+                    d.max_abs,
+                    d.max_rel,
+                    d.problem or f"initial value{at} ({shard.text()})",
+                    d.count,
+                    d.total,
+                    hint=SHARD_INIT_HINT,
+                )
+            )
+    return found
+
+
+def check_sharded_grads(
+    judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord], shards: ParamShards
+) -> list[Mismatch]:
+    """Each rank's gradient of each of its shards against the reference's gradient at the
+    shard's positions (every copy: a copy left unsummed is wrong on its own)."""
+    found = []
+    for rank, st in enumerate(steps):
+        for name, shard in sorted(
+            (n, held[rank]) for n, held in shards.fit.items() if rank in held
+        ):
+            if name not in ref.grads or name not in st.grads:
+                continue
+            g, r = st.grads[name], ref.grads[name]
+            if g is None or r is None:
+                found += _grad_presence(name, step, rank, g, r)
+                continue
+            where = _global_where(shard, g.shape)
+            m = judge.numeric("grad", name, step, rank, g, _selected(r, shard), where)
+            found += [m] if m else []
+    return found
+
+
+def check_sharded_params(
+    judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord], shards: ParamShards
+) -> list[Mismatch]:
+    """Each shard after the step: bitwise equal on every rank that holds a copy of it (the
+    same positions, in any spatial or data group: ``sync``), and close to the reference's
+    parameter at its positions (``param``)."""
+    found = []
+    first: dict[tuple[str, int, tuple[int, ...]], int] = {}  # one shard -> its first holder
+    for rank, st in enumerate(steps):
+        for name, shard in sorted(
+            (n, held[rank]) for n, held in shards.fit.items() if rank in held
+        ):
+            if name not in st.params:
+                continue
+            p = st.params[name]
+            lead = first.setdefault((name, shard.dim, tuple(shard.index.tolist())), rank)
+            q = steps[lead].params[name]
+            if lead != rank and not bitwise_equal(p, q):
+                d = compare_tensors(p, q, judge.tolerance.param, allow_nonfinite=True)
+                found.append(
+                    Mismatch(
+                        "sync",
+                        name,
+                        step,
+                        rank,
+                        d.max_abs,
+                        d.max_rel,
+                        d.problem
+                        or f"differs from rank {lead}, which holds the same shard ({shard.text()})",
+                        bits_differ(p, q),
+                        p.numel(),
+                    )
+                )
+            if name in ref.params:
+                where = _global_where(shard, p.shape)
+                m = judge.numeric(
+                    "param", name, step, rank, p, _selected(ref.params[name], shard), where
+                )
+                found += [m] if m else []
+    return found
 
 
 # ---------------------------------------------------------------------- text

@@ -363,7 +363,9 @@ REMEDIES = {
     "coverage": "Some positions are owned by no rank or by several: each global position must "
     "appear in exactly one rank's Shard index.",
     "param": "Parameters after an optimizer step differ from the reference: follow the first "
-    "gradient mismatch, or check initialisation is seeded identically on every rank.",
+    "gradient mismatch, or check initialisation is seeded identically on every rank (a "
+    "parameter a rank holds only part of: name it in parameter_shards, its values taken "
+    "from the reference's positions).",
     "sync": "Ranks of one spatial group hold different parameters after a step: their "
     "gradients were not synchronised (sum over the spatial group before stepping).",
     "buffer": "A buffer was modified in place during a step while the reference's was not: "
@@ -451,6 +453,9 @@ class EquivalenceReport:
     seconds: float = 0.0
     likely: str = ""  # the one line most likely to name the bug, if the evidence says
     latitudes: list[float] | None = None  # the case's, for error maps (SpatialCase.latitudes)
+    #: what the run did that a reader must know to trust the verdict, one line each (e.g.
+    #: shards loaded from the reference); shown under the report's first line
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -496,9 +501,11 @@ class EquivalenceReport:
             worst = ", ".join(
                 f"{q} {self.worst(q):.1e}" for q in NUMERIC if self.worst(q) is not None
             )
-            return head + f"equivalent to the reference (worst relative error: {worst})"
+            verdict = head + f"equivalent to the reference (worst relative error: {worst})"
+            return "\n".join([verdict, *(f"Note: {n}" for n in self.notes)])
         lines = [
             head + f"{len(self.mismatches)} mismatch(es) with the reference",
+            *(f"Note: {n}" for n in self.notes),
             f"First: {self.mismatches[0].headline()}",
             *([f"Likely cause: {self.likely}"] if self.likely else []),
             "",

@@ -8,6 +8,7 @@ each SGD step.
 
 from __future__ import annotations
 
+import difflib
 import random
 import sys
 import time
@@ -22,7 +23,7 @@ from harness._state import CallerState
 from harness.checks import compare_runs
 from harness.compare import EquivalenceReport, Mismatch, Tolerance
 from harness.errors import ConfigError, RankFailure
-from harness.records import FieldRecord, RunRecord, StepRecord, detached
+from harness.records import FieldRecord, ParamShard, RunRecord, StepRecord, detached
 from harness.topology import Topology, validate_sizes
 from harness.vacuous import check_vacuous
 
@@ -104,6 +105,11 @@ class SpatialCase:
     #: Why this case may partition and communicate nothing (a test of replicated code):
     #: without a reason such a check fails as ``vacuous``, since it proves nothing.
     vacuous_ok: str | None = None
+    #: Set to True if the ranks initialise their parameter shards independently (each draws
+    #: its own slice, so no seed can make them the reference's): the reference's initial
+    #: values are then copied into every rank's shard (``parameter_shards``) before the
+    #: first step, and the report says so. Their initial values are then not checked.
+    load_reference_shards: bool = False
 
     def build(self, topo: Topology) -> torch.nn.Module:
         raise NotImplementedError
@@ -117,6 +123,23 @@ class SpatialCase:
     def describe(self, topo: Topology | None = None) -> str:
         """A short description of the partition for reports (override to say more)."""
         return ""
+
+    def parameter_shards(self, model: torch.nn.Module, topo: Topology) -> dict[str, Shard]:
+        """The parameters this rank holds only a part of, each as a ``Shard`` of the
+        reference's parameter: ``{name: Shard(param, index, dim)}``.
+
+        ``name`` as in ``model.named_parameters()`` (a leading ``module.`` may be left out);
+        ``index`` the global positions (a 1-D LongTensor or a ``slice``) along ``dim`` of the
+        reference's parameter that the rank's values hold. ``values`` is the parameter
+        itself: the harness records the parameter (after build, its gradient, after each
+        step), so ``values`` only has to have its shape. Called after ``build``, on every rank
+        and for the reference (whose parameters are whole: return ``{}`` there, or shards
+        covering everything; the reference's are not read). Sharded parameters are compared
+        with the reference's at their positions; the ranks of a spatial group must cover
+        every position once (ranks holding the same positions hold copies, which must stay
+        bitwise equal, as must the same shard in every data group). Default: nothing sharded.
+        """
+        return {}
 
     def teardown(self, model: torch.nn.Module | None, topo: Topology) -> None:
         """Undo what ``build`` changed outside the model (patched libraries, module globals),
@@ -235,6 +258,152 @@ def _shard_index(case: SpatialCase, name: str, shard: Shard) -> torch.Tensor:
     return index.long()
 
 
+# ---------------------------------------------------------------------- sharded parameters
+
+
+def parameter_shards(
+    case: SpatialCase, model: torch.nn.Module, topo: Topology
+) -> dict[str, ParamShard]:
+    """``case.parameter_shards`` checked against the model and recorded as ``ParamShard``s.
+
+    Anything that cannot be a shard of one of the model's parameters is one ``ConfigError``
+    naming the parameter, the rank and the fix; whether the positions fit the reference's
+    parameter is for the comparison to say (only it sees the reference).
+    """
+    given = case.parameter_shards(model, topo)
+    where = f"{case.label}.parameter_shards on rank {topo.rank}"
+    if not isinstance(given, dict):
+        raise ConfigError(
+            f"{where} returned a {type(given).__name__}; return a dict "
+            "{parameter name: Shard(param, index, dim)} ({} when nothing is sharded)"
+        )
+    params = {_strip(n): p for n, p in model.named_parameters()}
+    out: dict[str, ParamShard] = {}
+    for key, shard in given.items():
+        name = _strip(key) if isinstance(key, str) else key
+        if name not in params:
+            close = difflib.get_close_matches(str(name), list(params), n=3)
+            raise ConfigError(
+                f"{where} names {key!r}, which is not a parameter of the model; name "
+                "parameters as model.named_parameters() does"
+                + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
+            )
+        out[name] = _param_shard(f"{where}: parameter {name!r}", params[name], shard)
+    return out
+
+
+def _param_shard(where: str, param: torch.Tensor, shard: Any) -> ParamShard:
+    """One parameter's ``Shard`` as its positions along a non-negative dim, or an error."""
+    if not isinstance(shard, Shard):
+        raise ConfigError(
+            f"{where} is given as a {type(shard).__name__}; give Shard(param, index, dim): "
+            "the global positions along dim of the reference's parameter that it holds"
+        )
+    if tuple(shard.values.shape) != tuple(param.shape):
+        raise ConfigError(
+            f"{where}: Shard.values has shape {tuple(shard.values.shape)} but the parameter "
+            f"is {tuple(param.shape)}; give the parameter itself, Shard(param, index, dim) "
+            "(the harness records the parameter's own values)"
+        )
+    ndim = param.dim()
+    dim = shard.dim + ndim if shard.dim < 0 else shard.dim
+    if not 0 <= dim < ndim:
+        raise ConfigError(
+            f"{where}: dim={shard.dim} but the parameter has {ndim} dimension(s) "
+            f"(shape {tuple(param.shape)}); give the dim along which it is sharded"
+        )
+    n = int(param.shape[dim])
+    if isinstance(shard.index, slice):
+        index = _slice_positions(where, shard.index, n, dim)
+    else:
+        try:
+            index = torch.as_tensor(shard.index)
+        except (TypeError, ValueError, RuntimeError):
+            raise ConfigError(
+                f"{where} has an index of type {type(shard.index).__name__}; give a 1-D "
+                "LongTensor of global positions, or a slice"
+            ) from None
+        if index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
+            raise ConfigError(
+                f"{where} has a {str(index.dtype).replace('torch.', '')} index; give the "
+                "global positions themselves as integers (torch.long)"
+            )
+        if index.dim() > 1 or index.numel() != n:
+            raise ConfigError(
+                f"{where} has {index.numel()} positions in an index of shape "
+                f"{tuple(index.shape)}, but the parameter has {n} values along dim {dim} "
+                f"(shape {tuple(param.shape)}); give one global position per value"
+            )
+        index = index.detach().to("cpu", torch.long).reshape(-1)
+    if index.numel() and int(index.min()) < 0:
+        raise ConfigError(
+            f"{where} has a negative position ({int(index.min())}); positions are global "
+            "positions in the reference's parameter and count from 0"
+        )
+    if int(torch.unique(index).numel()) != index.numel():
+        raise ConfigError(
+            f"{where} repeats a position in its index; each value holds a position of its own"
+        )
+    return ParamShard(index.clone(), dim)
+
+
+def _slice_positions(where: str, index: slice, n: int, dim: int) -> torch.Tensor:
+    """A slice's positions for ``n`` local values: no global length is needed, so the start
+    must be given as a position (>= 0) and the step positive."""
+    start, step = index.start or 0, index.step or 1
+    if start < 0 or step < 1:
+        raise ConfigError(
+            f"{where} has index {index}; give a slice with a non-negative start and a "
+            "positive step (global positions), or a LongTensor"
+        )
+    positions = start + step * torch.arange(n)
+    if index.stop is not None and len(range(start, index.stop, step)) != n:
+        raise ConfigError(
+            f"{where} has index {index}, {len(range(start, index.stop, step))} positions, but "
+            f"the parameter has {n} values along dim {dim}; give one position per value"
+        )
+    return positions
+
+
+def load_shards(
+    case: SpatialCase,
+    model: torch.nn.Module,
+    topo: Topology,
+    shards: dict[str, ParamShard],
+    reference_init: dict[str, torch.Tensor],
+) -> list[str]:
+    """Copy the reference's initial values into each parameter shard (the case's
+    ``load_reference_shards``); the names loaded."""
+    where = f"{case.label}.load_reference_shards on rank {topo.rank}"
+    if not shards:
+        raise ConfigError(
+            f"{where}: parameter_shards returned no shards, so there is nothing to load; "
+            "name the sharded parameters in parameter_shards, or drop load_reference_shards"
+        )
+    params = {_strip(n): p for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, shard in shards.items():
+            ref = reference_init.get(name)
+            param = params[name]
+            expected = list(param.shape)
+            if ref is not None and ref.dim() == param.dim():
+                expected[shard.dim] = int(ref.shape[shard.dim])
+            fits = (
+                ref is not None
+                and list(ref.shape) == expected
+                and (not shard.index.numel() or int(shard.index.max()) < ref.shape[shard.dim])
+            )
+            if not fits:
+                what = "no such parameter" if ref is None else f"shape {tuple(ref.shape)}"
+                raise ConfigError(
+                    f"{where}: the shard of {name!r} ({shard.text()}, "
+                    f"shape {tuple(param.shape)}) does not fit the reference's parameter "
+                    f"({what}); its other dims must match and its positions lie inside"
+                )
+            param.copy_(ref.index_select(shard.dim, shard.index))  # type: ignore[union-attr]
+    return sorted(shards)
+
+
 def _check_batch(case: SpatialCase, batch: Any, step: int) -> Any:
     if batch is None or isinstance(batch, (str, bytes)):
         got = "None" if batch is None else f"a {type(batch).__name__}"
@@ -295,6 +464,7 @@ def run_case(
     seed: int,
     *,
     progress: Progress | None = None,
+    reference_init: dict[str, torch.Tensor] | None = None,
 ) -> RunRecord:
     """Build, then ``steps`` times: batch, forward, backward, record, SGD step.
 
@@ -302,7 +472,9 @@ def run_case(
     the calling process's RNG states and default dtype as it found them. ``progress(phase,
     step)`` is told each phase as it starts ("build", "step 0 batch", "step 0 forward",
     "step 0 backward", "step 0 optimizer step"), so failures can say where they happened; an
-    exception leaves with that phase in ``exc.harness_phase``.
+    exception leaves with that phase in ``exc.harness_phase``. With ``reference_init`` (a
+    rank of a case with ``load_reference_shards``), the reference's initial values are
+    copied into the rank's parameter shards after build.
     """
     phase: list[Any] = ["build", None]
 
@@ -322,7 +494,12 @@ def run_case(
         model = _check_model(case, case.build(topo))
         _note_buffers(case, model)
         params = dict(model.named_parameters())
+        shards = parameter_shards(case, model, topo)
+        loaded = (
+            [] if reference_init is None else load_shards(case, model, topo, shards, reference_init)
+        )
         record = RunRecord(init={_strip(n): detached(p) for n, p in params.items()})
+        record.param_shards, record.loaded_shards = shards, loaded
         for step in range(steps):
             record.steps.append(_train_step(case, model, topo, step, lr, seed, enter, mutation))
         enter("teardown")
@@ -439,13 +616,22 @@ def _mark_phase(exc: BaseException, phase: str) -> None:
 
 
 def _rank_entry(
-    case: SpatialCase, spatial_size: int | None, steps: int, lr: float, seed: int
+    case: SpatialCase,
+    spatial_size: int | None,
+    steps: int,
+    lr: float,
+    seed: int,
+    reference_init: dict[str, torch.Tensor] | None = None,
 ) -> RunRecord:
-    """What every rank of the pool runs (module level, so the pool can pickle it)."""
+    """What every rank of the pool runs (module level, so the pool can pickle it).
+    ``reference_init``: the reference's parameters after build, for a case that loads them
+    into its shards (``SpatialCase.load_reference_shards``)."""
     from harness.pool import report_progress
 
     topo = Topology.create(spatial_size)
-    record = run_case(case, topo, steps, lr, seed, progress=report_progress)
+    record = run_case(
+        case, topo, steps, lr, seed, progress=report_progress, reference_init=reference_init
+    )
     record.spatial_rank, record.data_rank = topo.spatial_rank, topo.data_rank
     record.spatial_size, record.data_size = topo.spatial_size, topo.data_size
     record.describe = case.describe(topo)
@@ -530,14 +716,17 @@ def check_equivalence(
         reference=reference.flat(),
         latitudes=None if case.latitudes is None else [float(v) for v in case.latitudes],
     )
+    # the reference ran first: its initial values can travel to ranks that load them
+    init = reference.init if case.load_reference_shards else None
     try:
-        records = pool.run(_rank_entry, case, spatial_size, steps, lr, seed, timeout=timeout)
+        records = pool.run(_rank_entry, case, spatial_size, steps, lr, seed, init, timeout=timeout)
     except RankFailure as failure:
         report.mismatches = failure_mismatches(failure, case.label)
         report.likely = _culprit(failure)
         report.partition = _layout(case.describe(None), s, ranks // s)
     else:
         report.partition = _layout(records[0].describe, s, ranks // s)
+        report.notes += _loaded_note(records)
         found = compare_runs(reference, records, tol, spatial_size=s, allow_nonfinite=allow)
         report.mismatches, report.stats = found.mismatches, found.stats
         if not case.vacuous_ok:
@@ -545,6 +734,19 @@ def check_equivalence(
         report.field_errors, report.likely = found.field_errors, found.likely
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _loaded_note(records: list[RunRecord]) -> list[str]:
+    """The report's line for shards that started from the reference's values."""
+    loaded = sorted({n for r in records for n in r.loaded_shards})
+    if not loaded:
+        return []
+    names = ", ".join(loaded[:4]) + (f" and {len(loaded) - 4} more" if len(loaded) > 4 else "")
+    return [
+        f"reference shards loaded: the reference's initial values were copied into the "
+        f"shards of {len(loaded)} parameter(s) ({names}) before the first step "
+        "(load_reference_shards), so their initial values are not checked"
+    ]
 
 
 def _culprit(failure: RankFailure) -> str:

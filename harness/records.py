@@ -39,6 +39,31 @@ class FieldRecord:
         return self.index
 
 
+@dataclass(frozen=True)
+class ParamShard:
+    """Where a sharded parameter's local values sit in the reference's parameter.
+
+    ``index`` (a 1-D LongTensor, one global position per local value along ``dim``) and
+    ``dim`` (non-negative) come from ``SpatialCase.parameter_shards``; the values themselves
+    are the ones recorded under the parameter's name (``RunRecord.init``, ``StepRecord``).
+    """
+
+    index: torch.Tensor
+    dim: int
+
+    def text(self) -> str:
+        """``"positions 8..15 along dim 1"`` (first..last; ``"no positions"`` when empty)."""
+        if not self.index.numel():
+            return f"no positions along dim {self.dim}"
+        lo, hi = int(self.index.min()), int(self.index.max())
+        span = (
+            f"positions {lo}..{hi}"
+            if hi - lo + 1 == self.index.numel()
+            else (f"{self.index.numel()} positions in {lo}..{hi}")
+        )
+        return f"{span} along dim {self.dim}"
+
+
 @dataclass
 class StepRecord:
     """One training step: the loss, every named gradient (``None`` where the parameter got
@@ -69,6 +94,12 @@ class RunRecord:
     #: torch.distributed operations the rank issued during the run (``None``: not known,
     #: e.g. under torchrun, where the harness does not watch them)
     communicated: int | None = None
+    #: sharded parameters (``SpatialCase.parameter_shards``): name -> where this rank's
+    #: values sit in the reference's parameter; every other parameter is whole (replicated)
+    param_shards: dict[str, ParamShard] = field(default_factory=dict)
+    #: the parameters whose shards were overwritten with the reference's initial values
+    #: before the first step (``SpatialCase.load_reference_shards``)
+    loaded_shards: list[str] = field(default_factory=list)
 
     def flat(self) -> dict[str, torch.Tensor]:
         """The run's results as one flat ``{name: tensor}`` map (what goldens store)."""

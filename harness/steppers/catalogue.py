@@ -206,6 +206,14 @@ DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
         "loss averaged over all ranks instead of the data-parallel group",
         "wrong loss with data x spatial groups",
     ),
+    ("sfno", "shard-wrong-l"): (
+        "a rank's shard of a sharded spectral weight taken from the wrong l range",
+        "the shard starts as other modes' weights and filters its modes with them",
+    ),
+    ("sfno", "shard-grad-replicated"): (
+        "a sharded weight's gradient all-reduced over the whole spatial group, as if replicated",
+        "other l slices' gradients added into each shard",
+    ),
     ("healpix", "rank-major-gather"): (
         "gathered predictions flattened rank-major instead of sample-major",
         "misaligned predictions with batch >= 2",

@@ -72,7 +72,20 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
     "per-rank-noise": ({"field"}, {"noise": 1, **_H2W2}, None),
     "local-weights": ({"loss", "error"}, _UNEVEN_LAT, None),
     "reduce-over-world": ({"loss"}, {"h": 2, "w": 1}, 2),
+    # sharded spectral weights (makani's layout): a shard from the wrong l range starts
+    # wrong (param at build) and filters the wrong modes (field, grad)
+    "shard-wrong-l": ({"param", "grad", "field"}, {**_H2W2, "shard_weights": True}, None),
+    # even l and m splits (8 + 8): the fault's all-reduce over the whole spatial group sums
+    # the polar ranks' different l slices, which gloo can only do when they are one size
+    "shard-grad-replicated": (
+        {"grad"},
+        {"nlat": 17, "nlon": 30, **_H2W2, "shard_weights": True},
+        None,
+    ),
 }
+#: the faults that live in the sharded spectral weights (``shard_weights=True``)
+SHARD_FAULTS = frozenset({"shard-wrong-l", "shard-grad-replicated"})
+SHARD_INITS = ("sliced", "per-rank")
 SFNO_FAULTS = frozenset(FAULT_CHECKS)
 GRIDS = ("equiangular", "legendre-gauss")
 
@@ -103,9 +116,25 @@ class SFNOConfig:
     noise_seed: int = 1234
     forward_steps: int = 2
     faults: frozenset[str] = field(default_factory=frozenset)
+    #: each rank holds only its l modes of the spectral weights (makani's layout), as the
+    #: parameter; else full-size weights on every rank, sliced in forward
+    shard_weights: bool = False
+    #: how sharded weights start: "sliced" from one seeded full-size draw (the reference's
+    #: values by construction), or "per-rank": each rank draws its own slice from a
+    #: generator of its own, as a model that initialises its shards independently does
+    shard_init: str = "sliced"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "faults", check_faults(self.faults))
+        if self.shard_init not in SHARD_INITS:
+            raise ConfigError(
+                f"shard_init {self.shard_init!r} is not known; choose one of {SHARD_INITS}"
+            )
+        needs = sorted(self.faults & SHARD_FAULTS)
+        if needs and not self.shard_weights:
+            raise ConfigError(
+                f"fault(s) {needs} live in sharded spectral weights; use shard_weights=True"
+            )
         if self.grid not in GRIDS:
             raise ConfigError(f"grid {self.grid!r} is not supported; choose one of {GRIDS}")
         for name in ("nlat", "nlon", "channels", "embed", "blocks", "forward_steps"):
@@ -192,19 +221,42 @@ class Pointwise(nn.Module):
 class SpectralFilter(nn.Module):
     """Multiplies each channel's (l, m) coefficient by a learned complex weight.
 
-    The weight is full size ``(channels, lmax, mmax, 2)`` on every rank, so names and shapes
-    match the reference's; forward uses the rank's modes ``[l_slice, m_slice]``.
+    By default the weight is full size ``(channels, lmax, mmax, 2)`` on every rank, so names
+    and shapes match the reference's; forward uses the rank's modes ``[l_slice, m_slice]``.
+    ``sharded``: the weight is only the rank's l modes ``(channels, l_local, mmax, 2)``, as
+    makani holds it (all m: the azimuth ranks sharing these l modes hold copies), taken
+    from the full-size draw at ``held`` (the rank's ``l_slice`` unless a fault moves it),
+    or drawn alone from ``generator`` (a rank initialising its shard on its own).
     """
 
-    def __init__(self, channels: int, lmax: int, mmax: int, l_slice: slice, m_slice: slice):
+    def __init__(
+        self,
+        channels: int,
+        lmax: int,
+        mmax: int,
+        l_slice: slice,
+        m_slice: slice,
+        *,
+        sharded: bool = False,
+        held: slice | None = None,
+        generator: torch.Generator | None = None,
+    ):
         super().__init__()
-        weight = torch.zeros(channels, lmax, mmax, 2)
+        held = l_slice if held is None else held
+        if generator is not None:  # only this rank's modes: nothing like the reference's
+            n = held.stop - held.start if sharded else lmax
+            draw = torch.randn(channels, n, mmax, 2, generator=generator)
+        else:
+            draw = torch.randn(channels, lmax, mmax, 2)
+            draw = draw[:, held] if sharded else draw
+        weight = torch.zeros(draw.shape)
         weight[..., 0] = 1.0
-        self.weight = nn.Parameter(weight + 0.1 * torch.randn(channels, lmax, mmax, 2))
-        self.l_slice, self.m_slice = l_slice, m_slice
+        self.weight = nn.Parameter((weight + 0.1 * draw).contiguous())
+        self.l_slice, self.m_slice, self.sharded = l_slice, m_slice, sharded
 
     def forward(self, coeffs: torch.Tensor) -> torch.Tensor:
-        local = self.weight[:, self.l_slice, self.m_slice].contiguous()
+        modes = (slice(None), self.m_slice) if self.sharded else (self.l_slice, self.m_slice)
+        local = self.weight[:, modes[0], modes[1]].contiguous()
         return coeffs * torch.view_as_complex(local).to(coeffs.dtype)
 
 
@@ -274,8 +326,22 @@ class SFNOStepper(nn.Module):
         self.area_total = float(self.area_weights.sum()) * cfg.nlon
 
         self.encoder = Pointwise(cfg.channels + cfg.noise, cfg.embed)
+        # a wrong l range: the first l_local modes, whichever the rank owns
+        held = slice(0, l_slice.stop - l_slice.start) if "shard-wrong-l" in self.faults else None
         self.filters = nn.ModuleList(
-            SpectralFilter(cfg.embed, lmax, mmax, l_slice, m_slice) for _ in range(cfg.blocks)
+            SpectralFilter(
+                cfg.embed,
+                lmax,
+                mmax,
+                l_slice,
+                m_slice,
+                sharded=cfg.shard_weights,
+                held=held,
+                generator=torch.Generator().manual_seed(cfg.noise_seed + 7919 * (b + 1) + topo.rank)
+                if cfg.shard_init == "per-rank"
+                else None,
+            )
+            for b in range(cfg.blocks)
         )
         self.mlps = nn.ModuleList(Pointwise(cfg.embed, cfg.embed, 0.5) for _ in range(cfg.blocks))
         # share of the global mean each block adds before its SHT, per channel (about -1/2:
@@ -288,7 +354,11 @@ class SFNOStepper(nn.Module):
 
         if "grad-sync-mean" in self.faults:
             _sync_gradients_mean(self, topo)
-        elif "no-grad-sync" not in self.faults:
+        elif "no-grad-sync" in self.faults:
+            pass
+        elif cfg.shard_weights:
+            _sync_sharded_gradients(self, topo, h, w)
+        else:
             sync_gradients(self, topo)
 
     # ------------------------------------------------------------ model step
@@ -448,6 +518,36 @@ def _triangular(nlat: int, nlon: int) -> int:
     return min(nlat - 1, nlon // 2 + 1)
 
 
+def _sync_sharded_gradients(stepper: SFNOStepper, topo: Topology, h: int, w: int) -> None:
+    """Gradient hooks with sharded spectral weights: a weight's l slice is shared only by the
+    azimuth group (the ranks with the same l modes), so its gradient is summed there; every
+    other parameter is replicated and summed over the whole spatial group. Then the mean
+    over the data groups, as ``sync_gradients`` does."""
+    if topo.spatial_group is None and topo.data_group is None:
+        return
+    _, azimuth = topo.grid(h, w)
+    sliced = (azimuth, w)
+    if "shard-grad-replicated" in stepper.faults:
+        sliced = (topo.spatial_group, topo.spatial_size)  # the bug: summed as if replicated
+    shards = {id(f.weight) for f in stepper.filters}
+    for param in stepper.parameters():
+        group, size = sliced if id(param) in shards else (topo.spatial_group, topo.spatial_size)
+        param.register_hook(_reduce_over(group, size, topo))
+
+
+def _reduce_over(group: Any, size: int, topo: Topology) -> Any:
+    def reduce(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone(memory_format=torch.contiguous_format)  # own it (may be a view)
+        if group is not None and size > 1:
+            dist.all_reduce(grad, group=group)  # summed over the ranks holding this parameter
+        if topo.data_group is not None and topo.data_size > 1:
+            dist.all_reduce(grad, group=topo.data_group)
+            grad.div_(topo.data_size)  # replicated: the mean over data groups
+        return grad
+
+    return reduce
+
+
 def _sync_gradients_mean(module: nn.Module, topo: Topology) -> None:
     """The ``grad-sync-mean`` fault: gradients averaged, not summed, over the spatial group."""
 
@@ -507,6 +607,9 @@ class SFNOCase(SpatialCase):
         rollout: int = 2,
         dtype: torch.dtype = torch.float64,
         faults: Any = (),
+        shard_weights: bool = False,
+        shard_init: str = "sliced",
+        load_reference_shards: bool = False,
     ) -> None:
         self.config = SFNOConfig(
             nlat=nlat,
@@ -519,8 +622,11 @@ class SFNOCase(SpatialCase):
             blocks=blocks,
             noise=noise,
             faults=check_faults(faults),
+            shard_weights=shard_weights,
+            shard_init=shard_init,
         )
         self.batch_size, self.rollout, self.dtype = batch_size, rollout, dtype
+        self.load_reference_shards = load_reference_shards
 
     def build(self, topo: Topology) -> nn.Module:
         return SFNOStepper(self.config, topo)
@@ -544,6 +650,15 @@ class SFNOCase(SpatialCase):
             fields["rollout"] = stepper.shard(rollout)
         return Outputs(out.loss, fields)
 
+    def parameter_shards(self, model: nn.Module, topo: Topology) -> dict[str, Shard]:
+        """With ``shard_weights``: each spectral weight as the rank's l modes (dim 1) of the
+        reference's weight. The reference's weights are whole."""
+        stepper = cast(SFNOStepper, model)
+        if not self.config.shard_weights or topo.spatial_group is None:
+            return {}
+        filters = cast(list[SpectralFilter], list(stepper.filters))
+        return {f"filters.{i}.weight": Shard(f.weight, f.l_slice, 1) for i, f in enumerate(filters)}
+
     def teardown(self, model: nn.Module | None, topo: Topology) -> None:
         restore_transposes()  # the next test's model may bring its own gloo transposes
 
@@ -554,4 +669,5 @@ class SFNOCase(SpatialCase):
             return text
         h, w = cfg.process_grid(topo)
         part = data_partition(cfg, h, w)
-        return f"{text} on {h}x{w} (lat {part.lat_sizes} x lon {part.lon_sizes})"
+        text += f" on {h}x{w} (lat {part.lat_sizes} x lon {part.lon_sizes})"
+        return text + (", spectral weights sharded over l" if cfg.shard_weights else "")

@@ -369,6 +369,11 @@ SEED_HINT = (
     "every rank (the harness seeds torch, numpy and random before build; a generator of your "
     "own is not)."
 )
+SHAPE_HINT = (
+    "a parameter of another shape than the reference's: if this rank holds only part of it, "
+    "name it in SpatialCase.parameter_shards as Shard(param, index, dim): the global positions "
+    "along dim of the reference's parameter that this rank's values hold"
+)
 NONE_HINT = "a rank whose domain is empty must still run every module, giving zeros, not None"
 TWICE = "exactly 2x the reference: a reduction counted 2 times"
 
@@ -429,7 +434,7 @@ def test_initial_parameters_records():
             "rank": 1,
             "where": "shape (3,) where the reference has (2,)",
             "total": 2,
-            "hint": SEED_HINT,
+            "hint": SHAPE_HINT,  # a shape no seed can cause: never the seeding hint
         },
         {
             "quantity": "param",
@@ -914,7 +919,7 @@ def test_initial_parameters_extra_different_or_missing_are_each_a_finding():
             0,
             where="shape (3,) where the reference has (2,)",
             total=2,
-            hint=SEED,
+            hint=SHAPE_HINT,
         ),
         Mismatch("param", "v", None, 1, where="reference parameter missing on this rank"),
     )

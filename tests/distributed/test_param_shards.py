@@ -1,0 +1,74 @@
+"""Sharded parameters: the SFNO stepper with its spectral weights sharded over the polar
+group, as makani holds them (each rank only its l modes), checked against the reference's
+whole weights by ``SpatialCase.parameter_shards``."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import check_equivalence
+from harness.checks import SHARD_INIT_HINT
+from harness.steppers.sfno import SFNOCase
+
+# (ranks, spatial_size, SFNOCase kwargs): l split 8 + 7 over h = 2 with copies over w = 2;
+# uneven l (29 modes: 8, 8, 8, 5) over h = 4; l unsplit (every rank holds every l mode,
+# copies over w = 4); spatial x data, where the same shard sits in both data groups.
+LAYOUTS = [
+    (4, None, {"h": 2, "w": 2}),
+    (4, None, {"nlat": 30, "nlon": 62, "h": 4, "w": 1, "grid": "legendre-gauss", "noise": 1}),
+    (4, None, {"h": 1, "w": 4}),
+    (4, 2, {"h": 2, "w": 1, "batch_size": 4}),
+    (2, None, {"h": 2, "w": 1}),
+]
+IDS = ["h2w2", "h4w1_uneven_l", "h1w4_copies", "h2w1_x_data2", "h2w1"]
+
+
+@pytest.mark.parametrize(("ranks", "spatial_size", "kwargs"), LAYOUTS, ids=IDS)
+def test_sharded_spectral_weights_are_equivalent_to_the_reference_whole_weights(
+    spatial, ranks, spatial_size, kwargs
+):
+    case = SFNOCase(**{"nlat": 16, "nlon": 32, **kwargs}, shard_weights=True)
+    report = check_equivalence(
+        case, ranks=ranks, spatial_size=spatial_size, pool=spatial.pool(ranks)
+    )
+    assert report.ok, str(report)
+    assert "spectral weights sharded over l" in report.partition
+    # float64, as the unsharded stepper: reordered sums only (measured worst ~1e-13)
+    assert max(report.stats[q].max_abs for q in ("loss", "grad", "field", "param")) < 1e-11
+
+
+class Undeclared(SFNOCase):
+    """Sharded weights the case does not declare."""
+
+    def parameter_shards(self, model, topo):
+        return {}
+
+
+def test_undeclared_shards_are_a_shape_difference_that_names_parameter_shards_not_seeding(
+    spatial,
+):
+    report = check_equivalence(
+        Undeclared(h=2, w=2, shard_weights=True), ranks=4, pool=spatial.pool(4)
+    )
+    init = [m for m in report.mismatches if m.step is None]
+    assert {m.name for m in init} == {"filters.0.weight", "filters.1.weight"}, report
+    assert all(m.where.startswith("shape") for m in init)
+    assert all("parameter_shards" in m.hint and "seed" not in m.hint for m in init)
+
+
+def test_shards_initialised_per_rank_differ_from_the_reference_at_build(spatial):
+    case = SFNOCase(h=2, w=2, shard_weights=True, shard_init="per-rank")
+    report = check_equivalence(case, ranks=4, pool=spatial.pool(4))
+    init = [m for m in report.mismatches if m.step is None]
+    assert {(m.quantity, m.rank) for m in init} == {("param", r) for r in range(4)}, report
+    assert all(m.hint == SHARD_INIT_HINT for m in init)
+    assert "initial value at (" in init[0].where
+
+
+def test_shards_initialised_per_rank_pass_once_the_reference_values_are_loaded(spatial):
+    case = SFNOCase(h=2, w=2, shard_weights=True, shard_init="per-rank", load_reference_shards=True)
+    report = check_equivalence(case, ranks=4, pool=spatial.pool(4))
+    assert report.ok, str(report)
+    assert report.notes and report.notes[0].startswith("reference shards loaded")
+    assert "filters.0.weight, filters.1.weight" in report.notes[0]
+    assert "\nNote: reference shards loaded" in str(report)
