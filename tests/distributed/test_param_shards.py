@@ -72,3 +72,30 @@ def test_shards_initialised_per_rank_pass_once_the_reference_values_are_loaded(s
     assert report.notes and report.notes[0].startswith("reference shards loaded")
     assert "filters.0.weight, filters.1.weight" in report.notes[0]
     assert "\nNote: reference shards loaded" in str(report)
+
+
+def test_a_shard_from_the_wrong_l_range_is_caught_at_build_on_the_ranks_it_moved(spatial):
+    # h2w2: l 0..7 on polar rank 0 (ranks 0, 1), 8..14 on polar rank 1 (ranks 2, 3), which
+    # the fault gives l 0..6 instead
+    case = SFNOCase(h=2, w=2, shard_weights=True, faults=("shard-wrong-l",))
+    report = check_equivalence(case, ranks=4, pool=spatial.pool(4))
+    init = [m for m in report.mismatches if m.step is None]
+    assert {(m.quantity, m.name, m.rank) for m in init} == {
+        ("param", f"filters.{b}.weight", r) for b in (0, 1) for r in (2, 3)
+    }, report
+    assert all("(positions 8..14 along dim 1)" in m.where for m in init)
+    assert {"field", "grad"} <= report.quantities
+
+
+def test_a_shard_gradient_summed_over_the_whole_spatial_group_is_caught_as_grad(spatial):
+    case = SFNOCase(nlat=17, nlon=30, h=2, w=2, shard_weights=True)
+    report = check_equivalence(
+        SFNOCase(nlat=17, nlon=30, h=2, w=2, shard_weights=True, faults=("shard-grad-replicated",)),
+        ranks=4,
+        pool=spatial.pool(4),
+    )
+    first = report.mismatches[0]
+    assert (first.quantity, first.name, first.step) == ("grad", "filters.0.weight", 0), report
+    # the copies over the azimuth group got the same wrong sum: no sync, no coverage finding
+    assert not {"sync", "coverage"} & report.quantities
+    assert check_equivalence(case, ranks=4, pool=spatial.pool(4)).ok
