@@ -271,7 +271,7 @@ def parameter_shards(
     parameter is for the comparison to say (only it sees the reference).
     """
     given = case.parameter_shards(model, topo)
-    where = f"{case.label}.parameter_shards on rank {topo.rank}"
+    where = f"{case.label}.parameter_shards {_whose(topo)}"
     if not isinstance(given, dict):
         raise ConfigError(
             f"{where} returned a {type(given).__name__}; return a dict "
@@ -290,6 +290,10 @@ def parameter_shards(
             )
         out[name] = _param_shard(f"{where}: parameter {name!r}", params[name], shard)
     return out
+
+
+def _whose(topo: Topology) -> str:
+    return "for the reference" if topo.is_reference else f"on rank {topo.rank}"
 
 
 def _param_shard(where: str, param: torch.Tensor, shard: Any) -> ParamShard:
@@ -374,7 +378,7 @@ def load_shards(
 ) -> list[str]:
     """Copy the reference's initial values into each parameter shard (the case's
     ``load_reference_shards``); the names loaded."""
-    where = f"{case.label}.load_reference_shards on rank {topo.rank}"
+    where = f"{case.label}.load_reference_shards {_whose(topo)}"
     if not shards:
         raise ConfigError(
             f"{where}: parameter_shards returned no shards, so there is nothing to load; "

@@ -99,3 +99,25 @@ def test_a_shard_gradient_summed_over_the_whole_spatial_group_is_caught_as_grad(
     # the copies over the azimuth group got the same wrong sum: no sync, no coverage finding
     assert not {"sync", "coverage"} & report.quantities
     assert check_equivalence(case, ranks=4, pool=spatial.pool(4)).ok
+
+
+class Misnamed(SFNOCase):
+    """Names a parameter the model does not have, on the ranks only."""
+
+    def parameter_shards(self, model, topo):
+        shards = super().parameter_shards(model, topo)
+        return {k.replace("filters", "filter"): v for k, v in shards.items()}
+
+
+def test_a_shard_of_no_parameter_is_one_error_per_rank_naming_it_the_rank_and_the_fix(spatial):
+    report = check_equivalence(
+        Misnamed(h=2, w=2, shard_weights=True), ranks=4, pool=spatial.pool(4)
+    )
+    errors = [m for m in report.mismatches if m.quantity == "error"]
+    assert sorted(m.rank for m in errors) == [0, 1, 2, 3], report
+    assert all(m.phase == "build" for m in errors)
+    assert (
+        "sfno.parameter_shards on rank 2 names 'filter.0.weight', which is not a parameter "
+        "of the model; name parameters as model.named_parameters() does (did you mean "
+        "'filters.0.weight'"
+    ) in next(m for m in errors if m.rank == 2).detail

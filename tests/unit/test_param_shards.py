@@ -378,7 +378,7 @@ def test_a_shard_that_cannot_be_part_of_the_parameter_is_one_error_naming_it_and
 ):
     with pytest.raises(ConfigError) as info:
         record(shards)
-    assert str(info.value).startswith("Sharded.parameter_shards on rank 0")
+    assert str(info.value).startswith("Sharded.parameter_shards for the reference")
     assert says in str(info.value)
 
 
