@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from harness import ConfigError, Shard, Topology
 from harness.checks import (
     GLOBAL_SAMPLE_HINT,
     KEY_WIDTH_HINT,
@@ -21,9 +22,11 @@ from harness.checks import (
     key_text,
 )
 from harness.compare import Mismatch
+from harness.equivalence import KEYED_FORM, run_case
 from harness.records import FieldRecord, RunRecord
 from harness.vacuous import check_vacuous
 from tests.unit.test_checks import F64, TOL, judge, same, step
+from tests.unit.test_run_case import Configurable
 
 # (sample, cell, token) keys: tokens per (sample, cell) of a 12-cell (nside 1) sphere; two
 # ranks own cells 0:6 and 6:12, cell 1 of sample 0 and cell 7 of sample 1 have no token
@@ -476,3 +479,109 @@ def test_a_rank_holding_every_item_is_vacuous():
 )
 def test_key_text_names_an_item(key, column, text):
     assert key_text(key, column) == text
+
+
+# ---------------------------------------------------------------- what forward returns
+
+
+def _keyed(keys, values=None, **kw):
+    values = torch.zeros(3, 2) if values is None else values
+    return Configurable(fields={"y": Shard.keyed(values, keys, **kw)})
+
+
+WHERE = "Configurable.forward: Shard.keyed of field 'y'"
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        (
+            _keyed(torch.tensor([0.0, 1.0, 2.0])),
+            f"{WHERE} has float32 keys; keys must be integers (torch.long): items are matched "
+            "by exact key, so cast the ids you pack, not values computed from them",
+        ),
+        (
+            _keyed(torch.tensor([True, False, True])),
+            f"{WHERE} has bool keys; keys must be integers (torch.long): items are matched by "
+            "exact key, so cast the ids you pack, not values computed from them",
+        ),
+        (
+            _keyed(torch.zeros(3, 2, 1, dtype=torch.long)),
+            f"{WHERE} has keys of shape (3, 2, 1); give {KEYED_FORM}",
+        ),
+        (
+            _keyed(torch.zeros(3, 0, dtype=torch.long)),
+            f"{WHERE} has keys of shape (3, 0); give {KEYED_FORM}",
+        ),
+        (
+            _keyed("abc"),
+            f"{WHERE} has keys of type str; give {KEYED_FORM}",
+        ),
+        (
+            _keyed(torch.arange(2)),
+            f"{WHERE} has 2 keys but 3 items along dim 0 of its values (shape (3, 2)); one key "
+            "(row) per item: items run along dim 0, so move the item dim first "
+            "(values.movedim(d, 0))",
+        ),
+        (
+            _keyed(torch.arange(3), torch.tensor(1.0)),
+            f"{WHERE} has values that are a 0-d tensor; give {KEYED_FORM}",
+        ),
+        (
+            _keyed(torch.zeros(3, 3, dtype=torch.long), cell_column=3),
+            f"{WHERE} has cell_column=3 but its keys have 3 column(s); give the index of the "
+            "column holding the cell, 0..2",
+        ),
+        (
+            _keyed(torch.tensor([[0, -1], [0, 2], [0, 3]]), cell_column=1),
+            f"{WHERE} has a negative cell (-1) in key column 1; cells are HEALPix NESTED ids "
+            "counting from 0",
+        ),
+        (
+            Configurable(fields={"y": Shard(torch.zeros(3, 1), None)}),
+            "Configurable.forward: Shard of field 'y' has no index (None); give Shard(values, "
+            f"index, dim) for positions, or {KEYED_FORM}",
+        ),
+    ],
+    ids=[
+        "float",
+        "bool",
+        "3d",
+        "no-columns",
+        "str",
+        "length",
+        "scalar-values",
+        "cell-column",
+        "negative-cell",
+        "no-index",
+    ],
+)
+def test_bad_keys_are_one_clear_error_naming_the_field_and_the_fix(case, says):
+    with pytest.raises(ConfigError) as info:
+        run_case(case, Topology.single(), steps=1, lr=0.1, seed=0)
+    assert str(info.value) == says
+
+
+def test_keys_are_recorded_as_long_rows_and_pinned_by_goldens():
+    case = _keyed([[0, 5, 1], [0, 5, 0], [1, 2, 0]], cell_column=1)
+    record = run_case(case, Topology.single(), steps=1, lr=0.1, seed=0)
+    f = record.steps[0].fields["y"]
+    assert (f.keys.tolist(), f.keys.dtype, f.cell_column, f.unit, f.index, f.dim) == (
+        [[0, 5, 1], [0, 5, 0], [1, 2, 0]],
+        torch.long,
+        1,
+        "cell",
+        None,
+        0,
+    )
+    assert record.flat()["step0/keys/y"].tolist() == [[0, 5, 1], [0, 5, 0], [1, 2, 0]]
+    one_d = run_case(_keyed([4, 0, 2]), Topology.single(), steps=1, lr=0.1, seed=0)
+    empty = run_case(
+        _keyed(torch.zeros(0, dtype=torch.long), torch.zeros(0, 2)),
+        Topology.single(),
+        steps=1,
+        lr=0.1,
+        seed=0,
+    )
+    assert one_d.steps[0].fields["y"].keys.tolist() == [[4], [0], [2]]
+    assert tuple(empty.steps[0].fields["y"].keys.shape) == (0, 1)
