@@ -250,6 +250,10 @@ DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
         "ranks of one spatial group read different samples",
         "wrong everything",
     ),
+    ("healpix", "local-sample-key"): (
+        "keyed tokens (sample, cell, token) name their sample by the data group's local index",
+        "data groups' tokens share keys: items held by several ranks, others by none",
+    ),
 }
 
 
