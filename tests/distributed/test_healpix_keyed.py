@@ -104,7 +104,7 @@ def test_a_duplicated_token_is_a_coverage_finding_naming_its_key_and_rank(spatia
     ]
 
 
-def test_a_corrupted_token_is_a_field_finding_naming_its_key_cell_and_owner(spatial):
+def test_a_corrupted_token_is_a_field_finding_naming_its_key_cell_and_owner(spatial, tmp_path):
     report, firsts = _tampered(spatial, "corrupt")
     keys = [key_text(key, 1) for key, _ in firsts]
     assert report.quantities == {"field"}, str(report)
@@ -124,6 +124,13 @@ def test_a_corrupted_token_is_a_field_finding_naming_its_key_cell_and_owner(spat
         cell,
     )
     assert owners[cell] == 2 and float(first.error[cell]) == pytest.approx(1.0, abs=1e-12)
+    pytest.importorskip("matplotlib")
+    from harness.plugin import write_error_maps
+
+    paths = write_error_maps(report, str(tmp_path), "tests/x.py::test_keyed")
+    assert [p.rsplit("/", 1)[1] for p in paths] == [
+        f"tests.x.py..test_keyed.prediction.step{s}.png" for s in range(2)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -145,3 +152,28 @@ def test_token_keys_name_every_token_of_every_sample_and_cell_once():
     keys = token_keys(counts, lo=10, first_sample=4)
     assert keys.tolist() == [[4, 11, 0], [4, 11, 1], [4, 11, 2], [4, 12, 0], [5, 10, 0], [5, 10, 1]]
     assert token_keys(torch.zeros(2, 0, dtype=torch.long), 5, 0).shape == (0, 3)
+
+
+def test_ranks_pack_sample_major_or_shuffled_and_the_reference_cell_major():
+    from types import SimpleNamespace
+
+    def packed(order, topo, lo):
+        case = HealpixCase(**EVEN_TOKENS, token_order=order)
+        torch.manual_seed(_step_seed(0, 0))
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            batch = case.batch(topo, 0)
+        finally:
+            torch.set_default_dtype(old)
+        full = torch.zeros(2, 48, 2, dtype=torch.float64)
+        return case.token_prediction(full, batch, SimpleNamespace(lo=lo), topo).keys
+
+    rank2 = Topology(RANKS, 2, RANKS, 2, object(), 1, 0, None)
+    keys = packed("packed", rank2, 24)
+    shuffled = packed("shuffled", rank2, 24)
+    assert keys.tolist() == sorted(keys.tolist())  # sample, cell, token
+    assert shuffled.tolist() != keys.tolist() and sorted(shuffled.tolist()) == keys.tolist()
+    ref = packed("packed", Topology.single(), 0)
+    assert ref[:, 1].tolist() == sorted(ref[:, 1].tolist())  # cell by cell
+    assert ref.tolist() != sorted(ref.tolist())
