@@ -129,7 +129,7 @@ def test_a_corrupted_token_is_a_field_finding_naming_its_key_cell_and_owner(spat
 
     paths = write_error_maps(report, str(tmp_path), "tests/x.py::test_keyed")
     assert [p.rsplit("/", 1)[1] for p in paths] == [
-        f"tests.x.py..test_keyed.prediction.step{s}.png" for s in range(2)
+        f"tests.x.test_keyed.prediction.step{s}.png" for s in range(2)
     ]
 
 
