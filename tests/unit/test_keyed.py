@@ -324,6 +324,21 @@ def test_with_data_groups_items_are_matched_across_all_groups_by_global_sample()
     assert errors == []
 
 
+def test_samples_keyed_locally_in_data_groups_are_the_likely_cause():
+    parts = [
+        items((0,), range(6)),
+        items((0,), range(6, 12)),
+        *[(torch.cat([k[:, :1] - 1, k[:, 1:]], 1), v) for k, v in (items((1,), range(6)),)],
+        *[(torch.cat([k[:, :1] - 1, k[:, 1:]], 1), v) for k, v in (items((1,), range(6, 12)),)],
+    ]
+    ref = RunRecord(init={}, steps=[reference()])
+    recs = [
+        RunRecord(init={}, steps=[s], spatial_rank=r % 2, spatial_size=2)
+        for r, s in enumerate(ranks(*parts))
+    ]
+    assert compare_runs(ref, recs, TOL, spatial_size=2).likely == GLOBAL_SAMPLE_HINT
+
+
 def test_data_groups_error_maps_are_per_group():
     parts = [
         items((0,), range(6)),
