@@ -98,6 +98,7 @@ def main_configs(ranks: int) -> list[Config]:
                 None,
             ),
             ("healpix s×d", _healpix, {"nside": 2, "batch_size": 4}, 2),
+            ("healpix tokens s×d", _healpix, {"nside": 2, "batch_size": 4, "tokens": 3}, 2),
         ]
     else:
         out.append(("sfno", _sfno, {"nlat": 16, "nlon": 32, "h": ranks, "w": 1}, None))
