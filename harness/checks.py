@@ -620,7 +620,7 @@ def check_keyed_field(
         if ref.keyed
         else next((f.cell_column for f in fields if f.cell_column is not None), None)
     )
-    job = _KeyedJob(name, step, judge.layout, ref_keys, column)
+    job = _KeyedJob(name, step, judge.layout, ref_keys, column, ref.keyed)
     held: list[np.ndarray | None] = [job.accept(rank, f) for rank, f in enumerate(fields)]
     ids = job.match(held)
     coverage = job.coverage(ids)
@@ -671,6 +671,7 @@ class _KeyedJob:
     layout: Layout
     ref_keys: np.ndarray
     column: int | None
+    ref_keyed: bool = True  # False: the reference's plain tensor, its rows keyed 0..n-1
     found: list[Mismatch] = field(default_factory=list)
     unique: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), dtype=np.int64))
 
@@ -682,10 +683,10 @@ class _KeyedJob:
         its values are judged in ``_compare_items``."""
         width = self.ref_keys.shape[1]
         if f.keys is None:
+            whose = "the reference's field is" if self.ref_keyed else "other ranks return"
             self.refuse(
                 rank,
-                f"a plain tensor of shape {tuple(f.values.shape)} where the reference's field "
-                "is keyed items",
+                f"a plain tensor of shape {tuple(f.values.shape)} where {whose} keyed items",
                 KEYED_HINT,
             )
             return None

@@ -369,6 +369,12 @@ def test_a_plain_reference_tensor_is_keyed_by_row_for_one_dimensional_keys_only(
     one_d[1].values[1] = 2.5
     found, _ = check_fields(judge(2, 2), 0, ref, [step(fields={"y": f}) for f in one_d])
     same(found, Mismatch("field", "y", 0, None, 0.5, 0.25, "key 2 on rank 1", 1, 4))
+    plain = step(fields={"y": FieldRecord(torch.tensor([1.0, 2.5], dtype=F64))})
+    found, _ = check_fields(judge(2, 2), 0, ref, [step(fields={"y": one_d[0]}), plain])
+    assert [(m.quantity, m.rank, m.where) for m in found] == [
+        ("field", 1, "a plain tensor of shape (2,) where other ranks return keyed items"),
+        ("coverage", None, "2 keys (first: key 1) of the reference held by no rank"),
+    ]
     (k0, v0), (k1, v1) = halves()
     found, _ = check_fields(
         judge(2, 2), 0, step(fields={"y": FieldRecord(v0)}), ranks((k0, v0), (k1, v1))
