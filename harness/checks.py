@@ -703,9 +703,7 @@ class _KeyedJob:
     def match(self, held: list[np.ndarray | None]) -> list[np.ndarray | None]:
         """Number every distinct key; the reference's numbers first, then each rank's."""
         parts = [self.ref_keys, *(h for h in held if h is not None)]
-        allkeys = np.concatenate(parts)
-        self.unique, inverse = np.unique(allkeys, axis=0, return_inverse=True)
-        inverse = inverse.reshape(-1)
+        self.unique, inverse = _number_rows(np.concatenate(parts))
         ends = np.cumsum([len(p) for p in parts])
         pieces = iter(np.split(inverse, ends[:-1]))
         ref_ids = next(pieces)
@@ -802,15 +800,35 @@ class _KeyedJob:
         where no rank or several do."""
         if not len(missing):
             return []
-        charged: list[int | None] = [None] * len(missing)
+        charged = np.full(len(missing), -1, dtype=np.int64)  # -1: no rank, or several
         if self.unique.shape[1] > 1:
-            _, prefix = np.unique(self.unique[:, :-1], axis=0, return_inverse=True)
-            prefix = prefix.reshape(-1)
-            for i, k in enumerate(missing):
-                ranks = np.flatnonzero(counts[:, prefix == prefix[k]].sum(1))
-                charged[i] = int(ranks[0]) if len(ranks) == 1 else None
-        order = sorted(set(charged), key=lambda r: -1 if r is None else r)
-        return [(r, missing[[c == r for c in charged]]) for r in order]
+            _, prefix = _number_rows(self.unique[:, :-1])
+            n_prefixes = int(prefix.max()) + 1
+            # how many items of each prefix each rank holds: (ranks, prefixes)
+            per_rank = np.stack(
+                [np.bincount(prefix, weights=c, minlength=n_prefixes) for c in counts]
+            )
+            holders = per_rank[:, prefix[missing]] > 0  # (ranks, missing)
+            charged = np.where(holders.sum(0) == 1, holders.argmax(0), -1)
+        return [(None if r < 0 else int(r), missing[charged == r]) for r in np.unique(charged)]
+
+
+def _number_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of an ``(n, width)`` integer array in lexicographic order, and each
+    row's number among them: ``np.unique(rows, axis=0, return_inverse=True)``, whose sort of
+    rows as structured values takes ~20x as long for 10**6 keys.
+
+    >>> unique, number = _number_rows(np.array([[1, 2], [0, 5], [1, 2]]))
+    >>> unique.tolist(), number.tolist()
+    ([[0, 5], [1, 2]], [1, 0, 1])
+    """
+    order = np.lexsort(rows.T[::-1])  # by the first column, then the second, ...
+    ordered = rows[order]
+    new = np.ones(len(rows), dtype=bool)
+    new[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    number = np.empty(len(rows), dtype=np.int64)
+    number[order] = np.cumsum(new) - 1
+    return ordered[new], number
 
 
 @dataclass
@@ -835,8 +853,9 @@ def _compare_items(
     ref_ids = ids[0]
     assert ref_ids is not None
     n_keys = len(job.unique)
-    first_row = np.full(n_keys, -1, dtype=np.int64)  # the reference's row of each key
-    first_row[ref_ids[::-1]] = np.arange(len(ref_ids))[::-1]
+    first_row = np.full(n_keys, -1, dtype=np.int64)  # the reference's (first) row of each key
+    present, first = np.unique(ref_ids, return_index=True)
+    first_row[present] = first
     total = np.zeros(n_keys, dtype=np.int64)
     for r_ids in ids[1:]:
         if r_ids is not None:
