@@ -418,7 +418,7 @@ class HealpixCase(SpatialCase):
         0..T tokens per (sample, cell), a keyed field (see the module docstring).
     token_order:
         How a rank packs its tokens: ``"packed"`` (sample, cell, token order) or
-        ``"shuffled"`` (a fixed permutation per rank and step).
+        ``"shuffled"`` (a fixed permutation per rank).
     """
 
     name = "healpix"
@@ -612,10 +612,12 @@ class HealpixCase(SpatialCase):
         elif self.bounds is not None:
             bounds = self.bounds
         else:
-            return text
+            return text + (f", 0..{self.tokens} tokens per cell" if self.tokens else "")
         text += ", cells [" + "|".join(f"{a}:{b}" for a, b in pairwise(bounds)) + "]"
         if self.empty_ranks:
             text += f", nothing observed on ranks {list(self.empty_ranks)}"
+        if self.tokens:
+            text += f", 0..{self.tokens} tokens per cell"
         return text
 
 

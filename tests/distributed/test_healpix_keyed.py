@@ -35,6 +35,7 @@ def test_ragged_tokens_are_equivalent_item_by_item_in_any_packing_order(
         HealpixCase(**kwargs), ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS)
     )
     assert report.ok, str(report)
+    assert "0..3 tokens per cell" in report.partition
     # float64, as the per-cell forecast: only reordered sums (measured a few 1e-13)
     assert report.stats["field"].compared and report.stats["field"].max_abs < 1e-11
 
