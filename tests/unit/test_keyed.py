@@ -10,6 +10,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness import ConfigError, Shard, Topology
 from harness.checks import (
@@ -606,3 +608,27 @@ def test_keys_are_recorded_as_long_rows_and_pinned_by_goldens():
     )
     assert one_d.steps[0].fields["y"].keys.tolist() == [[4], [0], [2]]
     assert tuple(empty.steps[0].fields["y"].keys.shape) == (0, 1)
+
+
+# ---------------------------------------------------------------- any split, any packing
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(
+    owner=st.lists(st.integers(0, 2), min_size=N, max_size=N),
+    seed=st.integers(0, 2**16),
+    dropped=st.sets(st.integers(0, N - 1), max_size=4),
+)
+def test_any_split_in_any_order_passes_and_each_dropped_item_is_counted_once(owner, seed, dropped):
+    k, v = items()
+    g = torch.Generator().manual_seed(seed)
+    owner_t = torch.tensor(owner)
+    parts = []
+    for r in range(3):
+        mine = [i for i in (owner_t == r).nonzero().flatten().tolist() if i not in dropped]
+        order = torch.tensor(mine, dtype=torch.long)[torch.randperm(len(mine), generator=g)]
+        parts.append((k[order], v[order]))
+    found, errors = check(parts)
+    assert errors == []
+    assert all(m.quantity == "coverage" for m in found)
+    assert sum(m.count for m in found) == len(dropped)  # missing, charged or not: once each
