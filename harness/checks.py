@@ -759,17 +759,11 @@ class _KeyedJob:
                 hint="the reference must name each item once",
             )
         missing = np.flatnonzero(in_ref & (counts.sum(0) == 0))
-        for charged, ks in self._charged(missing, counts):
+        for charged, holds, ks in self._charged(missing, counts):
             if charged is None:
                 finding(ks, None, f"{self.keys_text(ks)} of the reference held by no rank")
             else:
-                rest = ", ".join(map(str, self.unique[ks[0]][:-1].tolist()))
-                finding(
-                    ks,
-                    charged,
-                    f"{self.keys_text(ks)} of the reference missing: this rank holds the rest "
-                    f"of ({rest}, *)",
-                )
+                finding(ks, charged, f"{self.keys_text(ks)} of the reference missing: {holds}")
         holders = (counts > 0).sum(0)
         several = np.flatnonzero(in_ref & (holders > 1))
         if len(several):
@@ -794,23 +788,42 @@ class _KeyedJob:
 
     def _charged(
         self, missing: np.ndarray, counts: np.ndarray
-    ) -> list[tuple[int | None, np.ndarray]]:
+    ) -> list[tuple[int | None, str, np.ndarray]]:
         """The missing keys grouped by the one rank that holds the rest of their prefix
-        (all key columns but the last: the other tokens of a (sample, cell)); ``None``
-        where no rank or several do."""
+        (all key columns but the last: the other tokens of a (sample, cell)), else, with a
+        cell column, the one rank that holds the other items of their cell; ``None`` where
+        no rank or several do. Each group comes with what that rank holds, for the report."""
         if not len(missing):
             return []
         charged = np.full(len(missing), -1, dtype=np.int64)  # -1: no rank, or several
+        why = np.zeros(len(missing), dtype=np.int64)  # 0: the prefix's rest, 1: the cell's
+        ways = []
         if self.unique.shape[1] > 1:
-            _, prefix = _number_rows(self.unique[:, :-1])
-            n_prefixes = int(prefix.max()) + 1
-            # how many items of each prefix each rank holds: (ranks, prefixes)
+            ways.append(_number_rows(self.unique[:, :-1])[1])
+        if self.column is not None:
+            ways.append(_number_rows(self.unique[:, self.column : self.column + 1])[1])
+        for way, group in enumerate(ways):
+            open_ = charged < 0
+            # how many items of each group each rank holds: (ranks, groups)
             per_rank = np.stack(
-                [np.bincount(prefix, weights=c, minlength=n_prefixes) for c in counts]
+                [np.bincount(group, weights=c, minlength=int(group.max()) + 1) for c in counts]
             )
-            holders = per_rank[:, prefix[missing]] > 0  # (ranks, missing)
-            charged = np.where(holders.sum(0) == 1, holders.argmax(0), -1)
-        return [(None if r < 0 else int(r), missing[charged == r]) for r in np.unique(charged)]
+            holders = per_rank[:, group[missing]] > 0  # (ranks, missing)
+            one = open_ & (holders.sum(0) == 1)
+            charged = np.where(one, holders.argmax(0), charged)
+            why = np.where(one, way if self.unique.shape[1] > 1 else 1, why)
+        out: list[tuple[int | None, str, np.ndarray]] = []
+        for r, w in sorted({(int(r), int(w)) for r, w in zip(charged, why)}):
+            ks = missing[(charged == r) & (why == w)]
+            if r < 0:
+                out.append((None, "", ks))
+            elif w == 0:
+                rest = ", ".join(map(str, self.unique[ks[0]][:-1].tolist()))
+                out.append((r, f"this rank holds the rest of ({rest}, *)", ks))
+            else:
+                cell = int(self.unique[ks[0], self.column])
+                out.append((r, f"this rank holds the other items of cell {cell}", ks))
+        return out
 
 
 def _number_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -66,15 +66,16 @@ class Tampered(HealpixCase):
         return out
 
 
-def _first_token_of_rank_2(case: HealpixCase, step: int) -> tuple[list[int], int]:
-    """The key rank 2 packs first at ``step`` and the tokens of its (sample, cell), from the
-    rank's batch drawn as the harness draws it."""
+def _first_token_of_rank_2(case: HealpixCase, step: int) -> tuple[list[int], int, int]:
+    """The key rank 2 packs first at ``step``, the tokens of its (sample, cell) and of its
+    cell, from the rank's batch drawn as the harness draws it."""
     topo = Topology(RANKS, 2, RANKS, 2, object(), 1, 0, None)
     torch.manual_seed(_step_seed(0, step))
     batch = case.batch(topo, step)
     lo = case.partition(topo).bounds[2]
     key = token_keys(batch["tokens"], lo, int(batch["first_sample"]))[0].tolist()
-    return key, int(batch["tokens"][key[0], key[1] - lo])
+    cell = batch["tokens"][:, key[1] - lo]
+    return key, int(cell[key[0]]), int(cell.sum())
 
 
 def _tampered(spatial, tamper):
@@ -87,10 +88,12 @@ def test_a_dropped_token_is_a_coverage_finding_naming_its_key_and_rank(spatial):
     report, firsts = _tampered(spatial, "drop")
     assert report.quantities == {"coverage"}, str(report)
     expected = []
-    for s, (key, tokens) in enumerate(firsts):
+    for s, (key, tokens, in_cell) in enumerate(firsts):
+        missing = f"{key_text(key, 1)} of the reference missing: this rank holds the"
         if tokens > 1:  # rank 2 still holds the other tokens of the (sample, cell)
-            rest = f"this rank holds the rest of ({key[0]}, {key[1]}, *)"
-            expected.append((s, 2, f"{key_text(key, 1)} of the reference missing: {rest}"))
+            expected.append((s, 2, f"{missing} rest of ({key[0]}, {key[1]}, *)"))
+        elif in_cell > 1:  # or the other sample's tokens of the cell
+            expected.append((s, 2, f"{missing} other items of cell {key[1]}"))
         else:
             expected.append((s, None, f"{key_text(key, 1)} of the reference held by no rank"))
     assert [(m.step, m.rank, m.where) for m in report.mismatches] == expected
@@ -98,7 +101,7 @@ def test_a_dropped_token_is_a_coverage_finding_naming_its_key_and_rank(spatial):
 
 def test_a_duplicated_token_is_a_coverage_finding_naming_its_key_and_rank(spatial):
     report, firsts = _tampered(spatial, "duplicate")
-    keys = [key_text(key, 1) for key, _ in firsts]
+    keys = [key_text(key, 1) for key, _, _ in firsts]
     assert report.quantities == {"coverage"}, str(report)
     assert [(m.step, m.rank, m.where) for m in report.mismatches] == [
         (s, 2, f"{keys[s]} held 2 times here") for s in range(2)
@@ -107,7 +110,7 @@ def test_a_duplicated_token_is_a_coverage_finding_naming_its_key_and_rank(spatia
 
 def test_a_corrupted_token_is_a_field_finding_naming_its_key_cell_and_owner(spatial, tmp_path):
     report, firsts = _tampered(spatial, "corrupt")
-    keys = [key_text(key, 1) for key, _ in firsts]
+    keys = [key_text(key, 1) for key, _, _ in firsts]
     assert report.quantities == {"field"}, str(report)
     assert [(m.step, m.rank, m.where, m.count) for m in report.mismatches] == [
         (s, None, f"[1] {keys[s]} on rank 2", 1) for s in range(2)

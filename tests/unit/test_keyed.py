@@ -106,9 +106,25 @@ def test_a_dropped_item_is_charged_to_the_rank_holding_the_rest_of_its_sample_an
     assert errors == []
 
 
-def test_items_missing_with_their_whole_sample_and_cell_are_held_by_no_rank():
+def test_items_missing_with_their_whole_sample_and_cell_are_charged_to_the_cell_s_holder():
     (k0, v0), (k1, v1) = halves()
-    found, _ = check([(k0[2:], v0[2:]), (k1, v1)])  # both tokens of (0, 0)
+    found, _ = check([(k0[2:], v0[2:]), (k1, v1)])  # both tokens of (0, 0); (1, 0, 0) stays
+    same(
+        found,
+        Mismatch(
+            "coverage",
+            "y",
+            0,
+            0,
+            where="2 keys (first: key (0, 0, 0) in cell 0) of the reference missing: this rank "
+            "holds the other items of cell 0",
+            count=2,
+            total=N,
+        ),
+    )
+    # the whole of cell 0 gone: no rank holds anything of it
+    gone = k0[:, 1] != 0
+    found, _ = check([(k0[gone], v0[gone]), (k1, v1)])
     same(
         found,
         Mismatch(
@@ -116,8 +132,8 @@ def test_items_missing_with_their_whole_sample_and_cell_are_held_by_no_rank():
             "y",
             0,
             None,
-            where="2 keys (first: key (0, 0, 0) in cell 0) of the reference held by no rank",
-            count=2,
+            where="3 keys (first: key (0, 0, 0) in cell 0) of the reference held by no rank",
+            count=3,
             total=N,
         ),
     )
@@ -278,8 +294,9 @@ def test_with_data_groups_items_are_matched_across_all_groups_by_global_sample()
         items((1,), range(6, 12)),
     ]
     assert check(parts, spatial=2) == ([], [])
-    # group 1 keys its sample locally (0, not 1): sample 1 is held by no rank, the tokens
-    # both samples have are held twice (by groups 0 and 1), the rest are not in the reference
+    # group 1 keys its sample locally (0, not 1): sample 1 is held by no rank (but cell 1,
+    # where sample 0 has no token, by rank 2 alone), the tokens both samples have are held
+    # twice (by groups 0 and 1), the rest are not in the reference
     local = [(torch.cat([k[:, :1] - 1, k[:, 1:]], 1), v) for k, v in parts[2:]]
     found, errors = check([*parts[:2], *local], spatial=2)
     same(
@@ -289,8 +306,18 @@ def test_with_data_groups_items_are_matched_across_all_groups_by_global_sample()
             "y",
             0,
             None,
-            where="15 keys (first: key (1, 0, 0) in cell 0) of the reference held by no rank",
-            count=15,
+            where="13 keys (first: key (1, 0, 0) in cell 0) of the reference held by no rank",
+            count=13,
+            total=N,
+        ),
+        Mismatch(
+            "coverage",
+            "y",
+            0,
+            2,
+            where="2 keys (first: key (1, 1, 0) in cell 1) of the reference missing: this rank "
+            "holds the other items of cell 1",
+            count=2,
             total=N,
         ),
         Mismatch(
