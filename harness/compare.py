@@ -361,7 +361,8 @@ REMEDIES = {
     "split), the order shards are gathered in (sample-major, spatial group only), "
     "neighbour tables in global indices, and noise drawn for the global field.",
     "coverage": "Some positions are owned by no rank or by several: each global position must "
-    "appear in exactly one rank's Shard index.",
+    "appear in exactly one rank's Shard index (for Shard.keyed: each of the reference's keys "
+    "held by exactly one rank, samples keyed by their global index).",
     "param": "Parameters after an optimizer step differ from the reference: follow the first "
     "gradient mismatch, or check initialisation is seeded identically on every rank (a "
     "parameter a rank holds only part of: name it in parameter_shards, its values taken "

@@ -40,14 +40,17 @@ class Shard:
     ``index`` is a 1-D LongTensor (or a ``slice``) of positions along ``dim`` of the global
     field. ``unit`` names a position in reports ("cell" for HEALPix cells). ``grid_shape``
     (rows, cols), set by ``Shard.grid``, says positions are ``row * cols + col`` of the
-    field's last two dimensions flattened, so reports can name (lat, lon).
+    field's last two dimensions flattened, so reports can name (lat, lon). ``Shard.keyed``
+    makes the other kind: a set of items named by integer ``keys`` (``index`` is ``None``).
     """
 
     values: torch.Tensor
-    index: torch.Tensor | slice
+    index: torch.Tensor | slice | None
     dim: int = -1
     grid_shape: tuple[int, int] | None = None
     unit: str = "position"
+    keys: Any = None  # Shard.keyed: one integer key (or key row) per item along dim 0
+    cell_column: int | None = None  # Shard.keyed: the key column that holds a HEALPix cell
 
     @classmethod
     def grid(cls, values: torch.Tensor, rows: slice, cols: slice, nrows: int, ncols: int) -> Shard:
@@ -65,6 +68,23 @@ class Shard:
             )
         index = (r[:, None] * ncols + c[None, :]).reshape(-1)
         return cls(values.reshape(*values.shape[:-2], -1), index, -1, (nrows, ncols))
+
+    @classmethod
+    def keyed(cls, values: torch.Tensor, keys: Any, *, cell_column: int | None = None) -> Shard:
+        """Items named by integer keys, in any packing order: ``values[i]`` is item
+        ``keys[i]``.
+
+        Items run along dim 0 of ``values`` (tokens packed along dim 0, as a decoder emits
+        them); ``keys`` is 1-D (one key per item) or 2-D (one key row per item, e.g.
+        ``(sample, cell, token)``). The reference returns ``Shard.keyed`` of the whole field
+        in its own packing order, and the ranks' items are matched with its items by key:
+        every reference key must be held by exactly one rank, across all data groups (key
+        samples by their global index). ``cell_column``: the key column holding the item's
+        HEALPix cell (NESTED), so reports name the cell and error maps can be drawn.
+        Checked when ``forward`` returns (the error then names the field).
+        """
+        unit = "position" if cell_column is None else "cell"
+        return cls(values, None, 0, None, unit, keys=keys, cell_column=cell_column)
 
 
 @dataclass
@@ -191,6 +211,8 @@ def _strip(name: str) -> str:
 
 
 def _field_record(case: SpatialCase, name: str, value: Any) -> FieldRecord:
+    if isinstance(value, Shard) and (value.keys is not None or value.index is None):
+        return _keyed_record(case, name, value)
     if isinstance(value, Shard):
         index = value.index
         if not isinstance(index, slice):
@@ -202,6 +224,63 @@ def _field_record(case: SpatialCase, name: str, value: Any) -> FieldRecord:
         f"{case.label}.forward: Outputs.fields[{name!r}] is a {type(value).__name__}; give a "
         "torch.Tensor (the whole field) or a harness.Shard (this rank's part of it)"
     )
+
+
+KEYED_FORM = (
+    "Shard.keyed(values, keys): values with one item per row along dim 0, keys a 1-D "
+    "integer tensor (one key per item) or a 2-D one (one key row per item)"
+)
+
+
+def _keyed_record(case: SpatialCase, name: str, shard: Shard) -> FieldRecord:
+    """A keyed shard's record, its keys as an ``(items, width)`` LongTensor; anything else is
+    one clear error naming the field (the rank is named by the failure that carries it)."""
+    if shard.keys is None:
+        raise ConfigError(
+            f"{case.label}.forward: Shard of field {name!r} has no index (None); give "
+            f"Shard(values, index, dim) for positions, or {KEYED_FORM}"
+        )
+    where = f"{case.label}.forward: Shard.keyed of field {name!r}"
+    values = shard.values
+    if not isinstance(values, torch.Tensor) or values.dim() == 0:
+        got = "a 0-d tensor" if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ConfigError(f"{where} has values that are {got}; give {KEYED_FORM}")
+    try:
+        keys = torch.as_tensor(shard.keys)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(
+            f"{where} has keys of type {type(shard.keys).__name__}; give {KEYED_FORM}"
+        ) from None
+    if keys.dtype == torch.bool or keys.is_floating_point() or keys.is_complex():
+        raise ConfigError(
+            f"{where} has {str(keys.dtype).replace('torch.', '')} keys; keys must be integers "
+            "(torch.long): items are matched by exact key, so cast the ids you pack, not "
+            "values computed from them"
+        )
+    if keys.dim() not in (1, 2) or (keys.dim() == 2 and keys.shape[1] == 0):
+        raise ConfigError(f"{where} has keys of shape {tuple(keys.shape)}; give {KEYED_FORM}")
+    if keys.shape[0] != values.shape[0]:
+        raise ConfigError(
+            f"{where} has {keys.shape[0]} keys but {values.shape[0]} items along dim 0 of its "
+            f"values (shape {tuple(values.shape)}); one key (row) per item: items run along "
+            "dim 0, so move the item dim first (values.movedim(d, 0))"
+        )
+    if keys.dim() == 1:
+        keys = keys[:, None]  # one column: every key is a row, also when there are no items
+    column = shard.cell_column
+    if column is not None and not (
+        isinstance(column, int) and not isinstance(column, bool) and 0 <= column < keys.shape[1]
+    ):
+        raise ConfigError(
+            f"{where} has cell_column={column!r} but its keys have {keys.shape[1]} column(s); "
+            f"give the index of the column holding the cell, 0..{keys.shape[1] - 1}"
+        )
+    if column is not None and keys.numel() and int(keys[:, column].min()) < 0:
+        raise ConfigError(
+            f"{where} has a negative cell ({int(keys[:, column].min())}) in key column "
+            f"{column}; cells are HEALPix NESTED ids counting from 0"
+        )
+    return FieldRecord(detached(values), None, 0, None, shard.unit, detached(keys.long()), column)
 
 
 def _shard_index(case: SpatialCase, name: str, shard: Shard) -> torch.Tensor:

@@ -162,7 +162,13 @@ def likely_cause(mismatches: Sequence[Mismatch]) -> str:
         for m in mismatches:
             if m.quantity == quantity and m.hint:
                 return m.hint
-    for words in ("border another rank", "float32 rounding", "Shard.grid", "exactly"):
+    for words in (
+        "border another rank",
+        "float32 rounding",
+        "Shard.grid",
+        "exactly",
+        "global index",
+    ):
         for m in mismatches:
             if words in m.hint:
                 return m.hint

@@ -18,6 +18,9 @@ class FieldRecord:
     ``index`` is ``None`` for a full (replicated, or the reference's) tensor; otherwise the
     global positions along ``dim`` (a LongTensor, or a slice of the global length).
     ``grid`` (rows, cols) says positions are flattened lat x lon; ``unit`` names a position.
+    A keyed field (``Shard.keyed``) has no positions but ``keys``: a ``(items, width)``
+    LongTensor, one row naming each item along dim 0 of ``values`` (1-D keys are stored as
+    width 1); ``cell_column`` is the key column holding the item's HEALPix cell, if any.
     """
 
     values: torch.Tensor
@@ -25,10 +28,16 @@ class FieldRecord:
     dim: int | None = None
     grid: tuple[int, int] | None = None
     unit: str = "position"
+    keys: torch.Tensor | None = None
+    cell_column: int | None = None
 
     @property
     def sharded(self) -> bool:
-        return self.index is not None
+        return self.index is not None or self.keys is not None
+
+    @property
+    def keyed(self) -> bool:
+        return self.keys is not None
 
     def positions(self, size: int) -> torch.Tensor:
         """The global positions as a LongTensor (a slice resolved against ``size``)."""
@@ -111,6 +120,8 @@ class RunRecord:
                     flat[f"step{i}/grad/{n}"] = g
             for n, f in st.fields.items():
                 flat[f"step{i}/field/{n}"] = f.values
+                if f.keys is not None:  # which item is which: a golden pins the keys too
+                    flat[f"step{i}/keys/{n}"] = f.keys
             for n, p in st.params.items():
                 flat[f"step{i}/param/{n}"] = p
         return flat

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from harness.compare import Mismatch
 from harness.records import RunRecord
 
@@ -62,6 +64,11 @@ def _every_shard_covers_everything(reference: RunRecord, records: Sequence[RunRe
             f = record.steps[0].fields.get(name)
             if f is None or not f.sharded:
                 return ""
+            if f.keys is not None:  # keyed items: all of them on this rank?
+                n = ref.shape[0] if ref.dim() else 1
+                if f.keys.shape[0] < n or len(np.unique(f.keys.numpy(), axis=0)) < n:
+                    return ""
+                continue
             dim = f.dim if f.dim is not None else -1
             values = ref.reshape(*ref.shape[:-2], -1) if f.grid is not None else ref
             size = values.shape[dim]

@@ -98,6 +98,7 @@ def main_configs(ranks: int) -> list[Config]:
                 None,
             ),
             ("healpix s×d", _healpix, {"nside": 2, "batch_size": 4}, 2),
+            ("healpix tokens s×d", _healpix, {"nside": 2, "batch_size": 4, "tokens": 3}, 2),
         ]
     else:
         out.append(("sfno", _sfno, {"nlat": 16, "nlon": 32, "h": ranks, "w": 1}, None))
@@ -257,6 +258,10 @@ DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
     ("healpix", "same-batch-violated"): (
         "ranks of one spatial group read different samples",
         "wrong everything",
+    ),
+    ("healpix", "local-sample-key"): (
+        "keyed tokens (sample, cell, token) name their sample by the data group's local index",
+        "data groups' tokens share keys: items held by several ranks, others by none",
     ),
 }
 

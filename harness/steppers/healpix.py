@@ -23,6 +23,13 @@ Spatial rank ``r`` owns the NESTED cells ``bounds[r]:bounds[r+1]`` of a ``CellPa
    masked MSE. Gradients: ``sync_gradients`` (sum over the spatial group, mean over the data
    group).
 
+With ``tokens=T`` the forecast is reported as WeatherGenerator's decoder emits it: a varying
+number of tokens (0..T, drawn per sample and cell with the batch) per (sample, cell), each
+rank packing the tokens of its own cells sample-major in a ragged ``(items, C)`` tensor, as
+``Shard.keyed(values, keys, cell_column=1)`` with ``(sample, cell, token)`` keys; the reference
+packs the whole field cell-major, its own order, and ``token_order="shuffled"`` shuffles
+each rank's packing. Token ``t`` of a cell is the cell's forecast plus ``0.1 * (t + 1)``.
+
 A rank with no cells, no observations or no targets runs every module and every collective
 on empty tensors, so its parameters get zero gradients, never ``None``. Before backward the
 ranks check together that every parameter is in every rank's graph: the gradient hooks need
@@ -68,6 +75,7 @@ HEALPIX_FAULTS = frozenset(
         "grad-scale",  # loss on the gathered (replicated) predictions: grads S times too large
         "rank-local-nan-check",  # the skip-bad-batch check reads this rank's part, not the total
         "same-batch-violated",  # the data loader seeds its draws with the world rank
+        "local-sample-key",  # keyed tokens name their sample by the data group's local index
     }
 )
 
@@ -79,6 +87,7 @@ EVEN: dict[str, Any] = {"nside": 2}
 UNEVEN: dict[str, Any] = {"nside": 2, "bounds": (0, 8, 20, 34, 48)}
 DATA2: dict[str, Any] = {"nside": 2, "batch_size": 4}
 QUIET: dict[str, Any] = {"nside": 2, "bounds": (0, 12, 24, 36, 48), "empty_ranks": (1,)}
+TOKENS2: dict[str, Any] = {**DATA2, "tokens": 3}
 
 #: fault id -> (quantities that catch it, ``HealpixCase`` kwargs, spatial_size) on 4 ranks.
 FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
@@ -95,6 +104,7 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
     "grad-scale": ({"grad"}, EVEN, None),
     "rank-local-nan-check": ({"deadlock", "timeout", "field"}, QUIET, None),
     "same-batch-violated": ({"field", "loss"}, EVEN, None),
+    "local-sample-key": ({"coverage"}, TOKENS2, 2),
 }
 
 # Observation points are sub-cell centres this many levels below nside: strictly inside
@@ -399,9 +409,16 @@ class HealpixCase(SpatialCase):
         ``(n,)``) and ``values`` (``(n, channels)``), e.g. ``strategies.ObservationSet`` s;
         sample ``b`` uses ``observations[b % len(observations)]``.
     empty_ranks:
-        Spatial ranks of ``bounds`` whose cells get no observations and no targets.
+        Spatial ranks of ``bounds`` whose cells get no observations, no targets and no
+        tokens.
     target_density:
         Fraction of cells with a target value, per sample.
+    tokens:
+        ``0``: the forecast is one value per (sample, cell), a ``Shard`` of cells. ``T > 0``:
+        0..T tokens per (sample, cell), a keyed field (see the module docstring).
+    token_order:
+        How a rank packs its tokens: ``"packed"`` (sample, cell, token order) or
+        ``"shuffled"`` (a fixed permutation per rank).
     """
 
     name = "healpix"
@@ -420,8 +437,18 @@ class HealpixCase(SpatialCase):
         target_density: float = 0.7,
         dtype: torch.dtype = torch.float64,
         faults: Any = (),
+        tokens: int = 0,
+        token_order: str = "packed",
     ) -> None:
         self.faults = check_faults(faults)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ConfigError(
+                f"tokens={tokens!r}: give the most tokens per (sample, cell) as an int >= 1, "
+                "or 0 for one value per cell"
+            )
+        if token_order not in ("packed", "shuffled"):
+            raise ConfigError(f"token_order={token_order!r}: use 'packed' or 'shuffled'")
+        self.tokens, self.token_order = tokens, token_order
         self.reference_partition = CellPartition(nside, (0, 12 * nside * nside))
         self.nside, self.npix = self.reference_partition.nside, self.reference_partition.npix
         self.bounds = None if bounds is None else CellPartition(nside, bounds).bounds
@@ -510,6 +537,11 @@ class HealpixCase(SpatialCase):
         target = rng.standard_normal((self.batch_size, self.npix, self.channels))
         mask = rng.random((self.batch_size, self.npix)) < self.target_density
         mask[:, quiet] = False
+        extra: dict[str, torch.Tensor] = {}
+        if self.tokens:  # drawn last: the batches of tokens=0 stay what they were
+            counts = rng.integers(0, self.tokens + 1, size=(self.batch_size, self.npix))
+            counts[:, quiet] = 0
+            extra["tokens"] = torch.as_tensor(counts)  # the whole batch; forward takes its own
 
         part = self.partition(topo)
         cells = part.cells(topo.spatial_rank)
@@ -531,11 +563,15 @@ class HealpixCase(SpatialCase):
             "slot": torch.as_tensor(np.concatenate(slots), dtype=torch.long),
             "target": torch.as_tensor(target[rows.start : rows.stop, own], dtype=dtype),
             "mask": torch.as_tensor(mask[rows.start : rows.stop, own], dtype=dtype),
+            **{k: v[rows.start : rows.stop, own] for k, v in extra.items()},
+            **({"first_sample": torch.tensor(rows.start)} if extra else {}),
         }
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], topo: Topology) -> Outputs:
         assert isinstance(model, HealpixStepper), type(model)
         loss, full = model(batch)
+        if self.tokens:
+            return Outputs(loss, {"prediction": self.token_prediction(full, batch, model, topo)})
         if topo.spatial_group is None:
             return Outputs(loss, {"prediction": full})
         # each rank reports its own cells of the replicated forecast
@@ -545,6 +581,30 @@ class HealpixCase(SpatialCase):
             {"prediction": Shard(full[:, model.lo : model.hi], index, dim=1, unit="cell")},
         )
 
+    def token_prediction(
+        self,
+        full: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        model: HealpixStepper,
+        topo: Topology,
+    ) -> Shard:
+        """The forecast as tokens: this rank's cells, a varying number of tokens each."""
+        first = int(batch["first_sample"])
+        if "local-sample-key" in self.faults:
+            first = 0  # the bug: the data group's own sample numbers, 0.. in every group
+        keys = token_keys(batch["tokens"], model.lo, first)
+        local = keys[:, 0] - first
+        token = keys[:, 2:3].to(full.dtype)
+        values = full[local, keys[:, 1]] + 0.1 * (token + 1)
+        if topo.spatial_group is None:  # the reference packs cell by cell: its own order
+            order = torch.argsort(keys[:, 1] * (self.batch_size + 1) + keys[:, 0], stable=True)
+        elif self.token_order == "shuffled":
+            g = torch.Generator().manual_seed(1 + topo.rank)
+            order = torch.randperm(len(keys), generator=g)
+        else:
+            order = torch.arange(len(keys))
+        return Shard.keyed(values[order], keys[order], cell_column=1)
+
     def describe(self, topo: Topology | None = None) -> str:
         text = f"nside {self.nside}"
         if topo is not None and topo.spatial_group is not None:
@@ -552,8 +612,26 @@ class HealpixCase(SpatialCase):
         elif self.bounds is not None:
             bounds = self.bounds
         else:
-            return text
+            return text + (f", 0..{self.tokens} tokens per cell" if self.tokens else "")
         text += ", cells [" + "|".join(f"{a}:{b}" for a, b in pairwise(bounds)) + "]"
         if self.empty_ranks:
             text += f", nothing observed on ranks {list(self.empty_ranks)}"
+        if self.tokens:
+            text += f", 0..{self.tokens} tokens per cell"
         return text
+
+
+def token_keys(counts: torch.Tensor, lo: int, first_sample: int) -> torch.Tensor:
+    """(sample, cell, token) keys of ``counts[b, c]`` tokens per (sample, cell), packed
+    sample-major, then cell, then token; cells count from ``lo``, samples from
+    ``first_sample``.
+
+    >>> token_keys(torch.tensor([[2, 0], [0, 1]]), lo=4, first_sample=2).tolist()
+    [[2, 4, 0], [2, 4, 1], [3, 5, 0]]
+    """
+    b, n = counts.shape
+    flat = counts.reshape(-1).long()
+    slot = torch.repeat_interleave(torch.arange(b * n), flat)
+    starts = torch.cumsum(flat, 0) - flat  # each slot's first item
+    token = torch.arange(len(slot)) - torch.repeat_interleave(starts, flat)
+    return torch.stack([slot // max(n, 1) + first_sample, slot % max(n, 1) + lo, token], dim=1)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 
 from harness import ConfigError, check_equivalence
+from harness.checks import GLOBAL_SAMPLE_HINT
 from harness.steppers.healpix import (
     DATA2,
     EVEN,
     FAULT_CHECKS,
     HEALPIX_FAULTS,
     QUIET,
+    TOKENS2,
     UNEVEN,
     HealpixCase,
 )
@@ -68,8 +70,16 @@ def _every_rank_stuck(report):
     assert any("check_graph" in m.detail for m in waiting)
 
 
+def _tokens_of_two_groups_share_keys(report):
+    several = [m for m in report.mismatches if "held by several ranks" in m.where]
+    assert several and all(m.hint == GLOBAL_SAMPLE_HINT for m in several)
+    assert any("of the reference held by no rank" in m.where for m in report.mismatches)
+    assert all(" in cell " in m.where for m in report.mismatches)  # named by key and cell
+
+
 # what else the measured report must say, beyond the quantity
 EVIDENCE = {
+    "local-sample-key": _tokens_of_two_groups_share_keys,
     "rank-major-gather": _first_at_sample_1_cell,
     "grad-scale": _grads_exactly_4x,
     "empty-skip": _others_wait_in_the_latent_gather,
@@ -89,8 +99,8 @@ def test_the_report_of_each_fault_carries_the_evidence_that_points_at_it(spatial
 
 @pytest.mark.parametrize(
     ("kwargs", "spatial_size"),
-    [(EVEN, None), (UNEVEN, None), (DATA2, 2), (QUIET, None)],
-    ids=["even", "uneven", "data2", "quiet"],
+    [(EVEN, None), (UNEVEN, None), (DATA2, 2), (QUIET, None), (TOKENS2, 2)],
+    ids=["even", "uneven", "data2", "quiet", "tokens2"],
 )
 def test_every_fault_layout_passes_without_the_fault(spatial, kwargs, spatial_size):
     report = _check(kwargs, spatial_size, spatial)
@@ -102,6 +112,7 @@ BLIND = {
     "rank-major-gather": {"nside": 2, "batch_size": 1},  # one sample: both orders agree
     "padding-kept": {"nside": 2},  # even split: nothing padded
     "local-neighbour-index": {"nside": 2, "bounds": (0, 48, 48, 48, 48)},  # local == global
+    "local-sample-key": {"nside": 2, "tokens": 3},  # one data group: local == global
 }
 
 
