@@ -289,7 +289,8 @@ def check_group(
 
     On the ranks this is collective over the world (call it on every rank, in the same
     order): every rank learns every rank's verdict and all raise the same one line, so one
-    rank's mismatch cannot leave the others waiting in the model's first collective. For
+    rank's mismatch cannot leave the others waiting in the model's first collective (that
+    agreement is the harness's talk: the ``vacuous`` rule does not count it). For
     the reference (no process group) ``group`` must be ``None`` or a group of one rank.
     """
     expected_here = _expected(topo, of)  # a wrong ``of`` fails the reference already
@@ -307,7 +308,9 @@ def check_group(
         return
     mine = (group_ranks(group), expected_here)
     verdicts: list[Any] = [None] * topo.world_size
+    before = _operations_so_far()
     dist.all_gather_object(verdicts, mine)  # decided together: every rank sees every rank
+    _CHECK_OPERATIONS[0] += _operations_so_far() - before
     held: dict[int, list[int] | None] = {}
     expected: dict[int, list[int]] = {}
     for rank, (h, e) in enumerate(verdicts):
@@ -315,6 +318,22 @@ def check_group(
             held[rank], expected[rank] = h, e
     if held:
         raise GroupMismatch(_mismatch_line(name, of, held, expected, ordered), name, held, expected)
+
+
+#: operations ``check_group`` issued on this rank: the harness's, not the model's (the
+#: ``vacuous`` rule asks whether the model communicated)
+_CHECK_OPERATIONS = [0]
+
+
+def check_operations() -> int:
+    """How many operations ``check_group`` has issued on this rank so far."""
+    return _CHECK_OPERATIONS[0]
+
+
+def _operations_so_far() -> int:
+    from harness._compat import group_sequence_numbers
+
+    return sum(seq for seq, _ in group_sequence_numbers().values())
 
 
 def _holds(held: list[int] | None, expected: list[int], rank: int, ordered: bool) -> bool:

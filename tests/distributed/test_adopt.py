@@ -291,3 +291,25 @@ def test_a_case_whose_model_group_differs_from_the_topology_gets_that_line_in_th
         "on rank 0, 1, 2, 3: rank 0 holds [0, 2]" in str(report)
     )
     assert spatial.run(model_state) == [CLEAN] * RANKS
+
+
+class ChecksItsGroupButSplitsNothing(SpatialCase):
+    """Every rank computes the whole problem alone; only build's group check talks."""
+
+    dtype = torch.float64
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        check_group(topo.spatial_group, topo, "the model's spatial group")
+        return torch.nn.Linear(3, 2)
+
+    def batch(self, topo: Topology, step: int) -> torch.Tensor:
+        return torch.randn(4, 3)
+
+    def forward(self, model: torch.nn.Module, x: Any, topo: Topology) -> Outputs:
+        y = model(x)
+        return Outputs(y.square().mean(), {"y": y})
+
+
+def test_the_group_checks_own_agreement_does_not_hide_a_vacuous_check(spatial: Any) -> None:
+    report = check_equivalence(ChecksItsGroupButSplitsNothing(), ranks=RANKS, pool=spatial.pool())
+    assert [m.quantity for m in report.mismatches] == ["vacuous"]
