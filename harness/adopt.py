@@ -29,6 +29,7 @@ Nothing here imports physicsnemo until asked to adopt into it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -157,6 +158,8 @@ def adopt_distributed_manager(
             "physicsnemo's DistributedManager (or a class of its design); adopt other "
             "libraries' state with harness.adopt.patch"
         )
+    names = {"spatial": "spatial", "data": "data"} if groups is None else dict(groups)
+    chosen = {name: _topology_group(topo, which) for name, which in names.items()}
     saved = dict(state)
 
     def restore() -> None:
@@ -164,8 +167,6 @@ def adopt_distributed_manager(
         state.update(saved)
 
     on_undo(restore)
-    names = {"spatial": "spatial", "data": "data"} if groups is None else dict(groups)
-    chosen = {name: _topology_group(topo, which) for name, which in names.items()}
     dev = torch.device(device)
     world = not topo.is_reference and dist.is_initialized()
     state.update(
@@ -173,7 +174,8 @@ def adopt_distributed_manager(
         _distributed=world and topo.world_size > 1,
         _rank=topo.rank,
         _world_size=topo.world_size,
-        _local_rank=topo.rank,  # the pool's ranks are one machine's processes
+        # the pool's ranks are one machine's processes; a launcher says which one this is
+        _local_rank=int(os.environ.get("LOCAL_RANK", topo.rank)),
         _device=dev,
         _cuda=dev.type == "cuda",
         _initialization_method="harness",

@@ -144,6 +144,7 @@ def test_named_groups_are_the_topologys_and_a_wrong_name_says_which_exist() -> N
     assert list(FakeManager()._groups) == ["model_parallel"]
     with pytest.raises(ConfigError, match=r"unknown topology group 'h'.*'spatial', 'data'"):
         adopt_distributed_manager(Topology.single(), FakeManager, groups={"h": "h"})
+    assert adopt.pending() == 1  # the refused one left nothing to undo
 
 
 def test_without_physicsnemo_the_adoption_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
