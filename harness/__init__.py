@@ -5,6 +5,7 @@ The downstream contract::
     from harness import Outputs, Shard, SpatialCase, Topology, check_equivalence
 """
 
+from harness.adopt import GroupMismatch, check_group
 from harness.compare import Bound, EquivalenceReport, Mismatch, Tolerance
 from harness.equivalence import Outputs, Shard, SpatialCase, check_equivalence, data_share
 from harness.errors import (
@@ -36,6 +37,7 @@ __all__ = [
     "EquivalenceReport",
     "GoldenError",
     "GoldenStore",
+    "GroupMismatch",
     "HarnessError",
     "HarnessWarning",
     "LatLonPartition",
@@ -60,6 +62,7 @@ __all__ = [
     "__version__",
     "cell_of",
     "check_equivalence",
+    "check_group",
     "data_share",
     "split_sizes",
 ]

@@ -1,7 +1,8 @@
 """Process-wide state a run changes, saved before it and put back after it.
 
 ``CallerState`` is what ``run_case`` changes in whatever process runs it (the reference's
-caller included): RNG states and the default dtype. ``RankState`` adds what a rank of a
+caller included): RNG states, the default dtype and what it adopted through ``harness.adopt``
+(undone down to where the run began). ``RankState`` adds what a rank of a
 pool must also hand the next run unchanged: grad mode, anomaly detection, deterministic
 algorithms, thread count, working directory, environment variables and torch-harmonics'
 process-group globals. torch, numpy and ``random`` are imported at first use: a rank saves
@@ -22,6 +23,7 @@ class CallerState:
     np_rng: Any
     py_rng: Any
     dtype: Any
+    undo_depth: int  # harness.adopt's undo stack when the run began: what the run adopted
 
     @classmethod
     def save(cls) -> CallerState:
@@ -33,10 +35,16 @@ class CallerState:
         import numpy as np
         import torch
 
-        torch.set_rng_state(self.torch_rng)
-        np.random.set_state(self.np_rng)
-        random.setstate(self.py_rng)
-        torch.set_default_dtype(self.dtype)
+        from harness.adopt import undo
+
+        try:
+            # what the run adopted and its teardown left in place, never what its caller had
+            undo(self.undo_depth)
+        finally:
+            torch.set_rng_state(self.torch_rng)
+            np.random.set_state(self.np_rng)
+            random.setstate(self.py_rng)
+            torch.set_default_dtype(self.dtype)
 
 
 @dataclass
@@ -86,9 +94,12 @@ def _rngs() -> dict[str, Any]:
     import numpy as np
     import torch
 
+    from harness.adopt import pending
+
     return {
         "torch_rng": torch.get_rng_state(),
         "np_rng": np.random.get_state(),
         "py_rng": random.getstate(),
         "dtype": torch.get_default_dtype(),
+        "undo_depth": pending(),
     }

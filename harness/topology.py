@@ -137,6 +137,11 @@ class Topology:
         start = self.data_rank * self.spatial_size
         return list(range(start, start + self.spatial_size))
 
+    @property
+    def data_ranks(self) -> list[int]:
+        """Global ranks of this rank's data group, in data-rank order (one per spatial group)."""
+        return list(range(self.spatial_rank, self.world_size, self.spatial_size))
+
     def grid(self, h: int, w: int) -> tuple[ProcessGroup | None, ProcessGroup | None]:
         """Split the spatial group into an ``h`` (polar) x ``w`` (azimuth) process grid.
 

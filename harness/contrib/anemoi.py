@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import torch
 
-from harness.contrib._patches import patch, undo_all
+from harness.adopt import check_group, patch, pending, undo
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.topology import Topology
@@ -197,6 +197,16 @@ class AnemoiCase(SpatialCase):
 
         from harness.contrib._anemoi_graph import build_graph, model_config
 
+        self._adopted_from = pending()  # teardown undoes this build's patches, no older
+        if not topo.is_reference:
+            # the harness's spatial group is anemoi's model_comm_group (see forward): it must
+            # be the model group anemoi-training would give this rank
+            check_group(
+                topo.spatial_group,
+                topo,
+                "anemoi's model_comm_group",
+                of=model_comm_group_ranks(topo.rank, topo.world_size, topo.spatial_size),
+            )
         if not topo.is_reference and self.faults:
             _apply_faults(self.faults)
         data_config = OmegaConf.create({"forcing": ["f"], "diagnostic": ["d"]})
@@ -242,7 +252,19 @@ class AnemoiCase(SpatialCase):
         return Outputs(loss, {"forecast": Shard(out, index, dim=3, unit="grid point")})
 
     def teardown(self, model: torch.nn.Module | None, topo: Topology) -> None:
-        undo_all()
+        undo(getattr(self, "_adopted_from", 0))
+
+
+def model_comm_group_ranks(rank: int, world_size: int, num_gpus_per_model: int) -> list[int]:
+    """The global ranks of ``rank``'s model group as anemoi-training's ``DDPGroupStrategy``
+    lays them out: the world split into ``world_size // num_gpus_per_model`` consecutive
+    blocks (``np.split(np.arange(world_size), ...)``).
+
+    >>> model_comm_group_ranks(5, 8, 4)
+    [4, 5, 6, 7]
+    """
+    first = rank // num_gpus_per_model * num_gpus_per_model
+    return list(range(first, first + num_gpus_per_model))
 
 
 def _core(model: torch.nn.Module) -> Any:

@@ -15,12 +15,15 @@ the model:
 The reference is the same code with fme's ``NonDistributed`` backend. On the ranks fme's
 ``ModelTorchDistributed`` runs inside the harness's process group: fme's vendored
 ``DistributedManager`` wants to create the default group itself (and its ``atexit`` handler
-and ``Distributed.context()`` destroy it), so the case *adopts* the harness's group by filling
-the manager's shared state before fme looks, and puts everything back in ``teardown``: the
-manager's state, fme's ``Distributed`` singleton, fme's ``patch_gloo_alltoall`` of
-``torch.distributed.all_to_all`` and torch-harmonics' groups (0.8.0's ``is_initialized`` is
-always False, so fme calls ``thd.init`` on every build). Gloo's ``all_to_all`` is fme's own
-patch, not the harness's: the harness's transposes are undone first.
+and ``Distributed.context()`` destroy it), so the case *adopts* the harness's world into it
+(``harness.adopt.adopt_distributed_manager``) before fme looks. fme then builds its own
+(data, h, w) ``DeviceMesh`` and groups, which ``harness.adopt.check_group`` holds against the
+topology (a layout fme and the harness disagree on is one clear line, not a wrong verdict).
+``teardown`` puts everything back through ``harness.adopt.undo``: the manager's state, fme's
+``Distributed`` singleton, fme's ``patch_gloo_alltoall`` of ``torch.distributed.all_to_all``,
+the faults' patches and torch-harmonics' groups (0.8.0's ``is_initialized`` is always False,
+so fme calls ``thd.init`` on every build). Gloo's ``all_to_all`` is fme's own patch, not the
+harness's: the harness's transposes are undone first.
 
 float32 only: fme builds its SHTs with ``.float()`` and draws its isotropic noise in
 float32 whatever the default dtype, so a float64 run fails in the reference already.
@@ -38,7 +41,7 @@ from typing import Any
 
 import torch
 
-from harness.contrib._patches import patch, undo_all
+from harness.adopt import adopt_distributed_manager, check_group, on_undo, patch, pending, undo
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.topology import Topology
@@ -69,6 +72,9 @@ FME_FAULTS: dict[str, str] = {
     "all-to-all-peer-order": "fme's gloo all_to_all files each peer's block under the next "
     "peer (a wrong gather order in the SHT's transposes)",
     "no-gloo-alltoall-patch": "ModelTorchDistributed skips patch_gloo_alltoall",
+    "mesh-data-innermost": "fme's manager lays its (data, h, w) mesh out with the data "
+    "dimension innermost: fme's spatial groups are strided, the harness's consecutive (a "
+    "layout the harness must refuse in one line, not judge)",
 }
 
 
@@ -190,9 +196,12 @@ class FmeCase(SpatialCase):
                 f"FmeCase h={cfg.h} x w={cfg.w} needs spatial groups of {cfg.h * cfg.w} "
                 f"ranks, got {topo.spatial_size}: pass spatial_size={cfg.h * cfg.w}"
             )
+        self._adopted_from = pending()  # teardown undoes this build's adoptions, no older
         if topo.spatial_group is not None:
             _patch_faults(self.faults)  # before fme's backend exists: some act in its __init__
         instance = _install_backend(topo, cfg)
+        if topo.spatial_group is not None:
+            _check_groups(instance._distributed, topo, cfg)
         from fme.core.dataset_info import DatasetInfo
 
         # fme's own builder, as its registry calls it (ModuleSelector.build)
@@ -202,7 +211,7 @@ class FmeCase(SpatialCase):
         return _FmeModel(net, instance.wrap_module(net), _area_weights(cfg))
 
     def teardown(self, model: torch.nn.Module | None, topo: Topology) -> None:
-        _uninstall_backend()
+        undo(getattr(self, "_adopted_from", 0))
 
     # ------------------------------------------------------------------ data
 
@@ -278,15 +287,21 @@ class _FmeModel(torch.nn.Module):
 
 def _install_backend(topo: Topology, cfg: FmeConfig) -> Any:
     """fme's ``Distributed`` singleton for this run: ``NonDistributed`` for the reference,
-    ``ModelTorchDistributed(h, w)`` on the harness's group for the ranks."""
-    import torch.distributed as tdist
+    ``ModelTorchDistributed(h, w)`` on the harness's world for the ranks; each change is
+    pushed onto ``harness.adopt``'s undo stack."""
     from fme.core.distributed import distributed as fme_distributed
     from fme.core.distributed.distributed import Distributed
     from fme.core.distributed.external.pnd_manager import DistributedManager
 
     from harness._compat import reset_torch_harmonics_groups, restore_transposes
 
-    _SAVED.append((fme_distributed.singleton, Distributed._entered))
+    saved = (fme_distributed.singleton, Distributed._entered)
+
+    def restore_singleton() -> None:
+        setattr(fme_distributed, "singleton", saved[0])  # noqa: B010
+        Distributed._entered = saved[1]
+
+    on_undo(restore_singleton)
     instance = Distributed.__new__(Distributed)
     instance._seed = 0
     instance._force_non_distributed = topo.spatial_group is None
@@ -299,17 +314,9 @@ def _install_backend(topo: Topology, cfg: FmeConfig) -> Any:
 
         restore_transposes()  # fme brings its own answer to gloo's all_to_all
         reset_torch_harmonics_groups()
-        # Adopt the harness's default group: fme's manager then skips init_process_group.
-        DistributedManager._shared_state.update(
-            _is_initialized=True,
-            _distributed=True,
-            _rank=tdist.get_rank(),
-            _world_size=tdist.get_world_size(),
-            _local_rank=tdist.get_rank(),
-            _device=torch.device("cpu"),
-            _cuda=False,
-            _initialization_method="harness",
-        )
+        # fme's manager then skips init_process_group (and never destroys the harness's)
+        adopt_distributed_manager(topo, DistributedManager)
+        on_undo(_undo_fme_side_effects)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Distributed manager is already initialized")
             instance._distributed = ModelTorchDistributed(h_size=cfg.h, w_size=cfg.w)
@@ -318,33 +325,32 @@ def _install_backend(topo: Topology, cfg: FmeConfig) -> Any:
     return instance
 
 
-_SAVED: list[tuple[Any, bool]] = []
-
-
-def _uninstall_backend() -> None:
-    """Put back fme's singleton, its manager's state, its gloo patch and torch-harmonics'
-    groups as they were before ``build``."""
-    import sys
-
-    fme_distributed = sys.modules.get("fme.core.distributed.distributed")
-    if fme_distributed is None:
-        return
+def _undo_fme_side_effects() -> None:
+    """What ``ModelTorchDistributed.__init__`` changes beyond the manager: its gloo
+    ``all_to_all`` patch and torch-harmonics' groups (``thd.init``)."""
     from fme.core.distributed import _gloo_patch
-    from fme.core.distributed.distributed import Distributed
-    from fme.core.distributed.external.pnd_manager import DistributedManager
 
     from harness._compat import reset_torch_harmonics_groups
 
-    if _SAVED:
-        singleton, Distributed._entered = _SAVED.pop()
-        setattr(fme_distributed, "singleton", singleton)  # noqa: B010
-    # not cleanup(): that destroys the default group, which is the harness's
-    DistributedManager._shared_state.clear()
     if _gloo_patch._original_all_to_all is not None:
         torch.distributed.all_to_all = _gloo_patch._original_all_to_all
         _gloo_patch._original_all_to_all = None
     reset_torch_harmonics_groups()
-    _unpatch_faults()
+
+
+def _check_groups(backend: Any, topo: Topology, cfg: FmeConfig) -> None:
+    """fme built its groups from its own (data, h, w) mesh: they must hold the ranks the
+    harness partitions for (the spatial and data groups, and the rows and columns of the
+    h x w grid as ``Topology.grid`` lays them out). As sets: fme places its blocks by its own
+    group ranks and reports them by global position, so an order of its own is no error."""
+    base = topo.data_rank * topo.spatial_size
+    p, a = divmod(topo.spatial_rank, cfg.w)
+    check_group(backend._spatial_group, topo, "fme's spatial group", of="spatial")
+    check_group(backend._data_group, topo, "fme's data group", of="data")
+    polar = [base + i * cfg.w + a for i in range(cfg.h)]
+    check_group(backend._h_group, topo, "fme's h (polar) group", of=polar)
+    azimuth = [base + p * cfg.w + j for j in range(cfg.w)]
+    check_group(backend._w_group, topo, "fme's w (azimuth) group", of=azimuth)
 
 
 def _area_weights(cfg: FmeConfig) -> torch.Tensor:
@@ -397,6 +403,7 @@ def _patch_faults(faults: tuple[str, ...]) -> None:
     )
 
     cls = ModelTorchDistributed
+    on_undo(_FAULT_GROUPS.clear)
     if "no-spatial-grad-hooks" in faults:
         patch(cls, "_register_spatial_grad_hooks", lambda self, module: None)
     if "reduce-sum-no-allreduce" in faults:
@@ -442,14 +449,22 @@ def _patch_faults(faults: tuple[str, ...]) -> None:
         patch(_gloo_patch, "_gloo_all_to_all", misfiled)
     if "no-gloo-alltoall-patch" in faults:
         patch(model_torch_distributed, "patch_gloo_alltoall", lambda: None)
+    if "mesh-data-innermost" in faults:
+        from fme.core.distributed.external.pnd_manager import DistributedManager
+        from torch.distributed.device_mesh import DeviceMesh
+
+        def data_innermost(self: Any, mesh_shape: Any, mesh_dim_names: Any) -> Any:
+            _, h, w = mesh_shape  # fme asks for (-1, h, w) named ("data", "h", "w")
+            d = self.world_size // (h * w)
+            ranks = torch.arange(self.world_size).reshape(h, w, d).permute(2, 0, 1)
+            self._global_mesh = DeviceMesh("cpu", ranks, mesh_dim_names=mesh_dim_names)
+            self._mesh_dims = dict(zip(mesh_dim_names, (d, h, w), strict=True))
+            return self._global_mesh
+
+        patch(DistributedManager, "initialize_mesh", data_innermost)
 
 
 _FAULT_GROUPS: list[Any] = []
-
-
-def _unpatch_faults() -> None:
-    undo_all()
-    _FAULT_GROUPS.clear()
 
 
 # ---------------------------------------------------------------------- the main job
@@ -528,5 +543,8 @@ def fault_matrix(ranks: int) -> Iterator[tuple[str, Any, dict[str, Any], Any, st
         "all-to-all-peer-order": {"field", "loss"},
         "no-gloo-alltoall-patch": {"error"},
     }
-    for fault in FME_FAULTS:
+    for fault in expected:
         yield "fme", FmeCase, {"h": 2, "w": 2}, None, fault, expected[fault]
+    # harness.adopt.check_group refuses the layout in build, on every rank, in one line
+    data = {"h": 2, "w": 1, "batch_size": 4, "noise_embed_dim": 0}
+    yield "fme", FmeCase, data, 2, "mesh-data-innermost", {"error"}

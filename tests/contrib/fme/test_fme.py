@@ -85,6 +85,7 @@ def fme_state() -> dict[str, Any]:
                 model_torch_distributed._AutogradAllReduce.backward,
                 model_torch_distributed.patch_gloo_alltoall,
                 _gloo_patch._gloo_all_to_all,
+                DistributedManager.initialize_mesh,
             )
         ),
     }
@@ -101,6 +102,7 @@ def test_a_run_leaves_fme_as_it_found_it_on_every_rank(spatial: Any) -> None:
         "all_to_all patched": False,
         "polar group": True,
         "fme functions": [
+            "DistributedManager.initialize_mesh",
             "ModelTorchDistributed._get_local_spatial_shape",
             "ModelTorchDistributed._register_spatial_grad_hooks",
             "ModelTorchDistributed.spatial_reduce_sum",
@@ -117,6 +119,24 @@ def test_a_run_leaves_fme_as_it_found_it_on_every_rank(spatial: Any) -> None:
     assert not check_equivalence(every_fault, ranks=RANKS, pool=spatial.pool(RANKS)).ok
     assert spatial.run(fme_state) == [clean] * RANKS
     assert fme_state() == clean  # the reference's process too
+
+
+@pytest.mark.spatial(ranks=RANKS)
+def test_fme_groups_that_differ_from_the_topology_are_one_line_on_every_rank(spatial: Any) -> None:
+    # fme builds its own groups from its own mesh; harness.adopt.check_group holds them
+    # against the topology, so a layout the two disagree on is refused, never judged
+    case = FmeCase(h=2, w=1, batch_size=4, noise_embed_dim=0, faults=("mesh-data-innermost",))
+    report = check_equivalence(case, ranks=RANKS, spatial_size=2, pool=spatial.pool(RANKS))
+    assert sorted((m.quantity, m.rank, m.phase) for m in report.mismatches) == [
+        ("error", rank, "build") for rank in range(RANKS)
+    ]
+    assert {m.where for m in report.mismatches} == {
+        "GroupMismatch: fme's spatial group does not hold the ranks the topology says on "
+        "rank 0, 1, 2, 3: rank 0 holds [0, 2], the topology's spatial group is [0, 1]; "
+        "rank 1 holds [1, 3], the topology's spatial group is [0, 1] (and 2 more ranks); "
+        "build it from topo.spatial_ranks, or hand the model the harness's own group "
+        "(harness.adopt)"
+    }
 
 
 def test_harness_check_model_fme_prints_the_table_and_passes(tmp_path: Any) -> None:
