@@ -69,6 +69,10 @@ class RunRecord:
     #: torch.distributed operations the rank issued during the run (``None``: not known,
     #: e.g. under torchrun, where the harness does not watch them)
     communicated: int | None = None
+    #: floating dtypes other than the run's default seen on the path: dtype -> where first
+    #: ("an all_reduce at model.py:42 ran in float32", "the output of 'mixer' (Linear) was
+    #: float32"); what a precision hint needs as evidence (``harness._dtypes``)
+    dtypes: dict[str, str] = field(default_factory=dict)
 
     def flat(self) -> dict[str, torch.Tensor]:
         """The run's results as one flat ``{name: tensor}`` map (what goldens store)."""
