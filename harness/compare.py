@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from harness.errors import EquivalenceFailure
+
 NUMERIC = ("loss", "grad", "field", "param")
 #: Quantities that say a run failed (a rank raised, died, hung or left work in flight),
 #: where ``Mismatch.where`` is the rank's own summary rather than a position.
@@ -483,6 +485,19 @@ class EquivalenceReport:
     def __repr__(self) -> str:
         # ``assert report.ok, report`` shows the repr: make it the table, not the fields
         return str(self)
+
+    def raise_if_failed(self) -> None:
+        """Raise ``EquivalenceFailure`` (an ``AssertionError``) with the whole report as its
+        message if anything mismatched.
+
+        ``assert report.ok, report`` works too, but pytest renders an assertion's message
+        object through ``saferepr``, which can cut it to one line of 240 characters
+        (depending on its version and verbosity; inside a Hypothesis test, the falsifying
+        example's report is then lost); a raised message is shown whole.
+        """
+        __tracebackhide__ = True  # pytest: the failure is the report's, not this line's
+        if not self.ok:
+            raise EquivalenceFailure(str(self), self)
 
     def worst(self, quantity: str) -> float | None:
         s = self.stats.get(quantity)

@@ -7,6 +7,7 @@ implements it fails here (the mutation tox env checks that it does).
 from __future__ import annotations
 
 import math
+import pickle
 import re
 
 import pytest
@@ -30,6 +31,7 @@ from harness.compare import (
     nonfinite_text,
     scale_hint,
 )
+from harness.errors import EquivalenceFailure, HarnessError
 
 NAN, INF = math.nan, math.inf
 F64 = torch.float64
@@ -803,3 +805,20 @@ def test_ranks_tied_for_the_worst_keep_the_first_and_a_rank_in_the_position_is_n
     )
     assert rows[2].endswith("(0,) (rank 1)")
     assert rows[3].endswith("(3,) of rank 1")
+
+
+def test_raise_if_failed_raises_an_assertion_error_carrying_the_whole_report():
+    report = _failed_report([Mismatch("loss", "loss", 0, None, 1.0, 0.5)])
+    with pytest.raises(AssertionError) as info:
+        report.raise_if_failed()
+    assert isinstance(info.value, EquivalenceFailure) and isinstance(info.value, HarnessError)
+    assert str(info.value) == str(report) and info.value.report is report
+    assert str(info.value).splitlines()[-1].startswith("  loss: ")  # to its last line
+    # pickled (to an xdist controller) it keeps its text
+    again = pickle.loads(pickle.dumps(info.value))
+    assert str(again) == str(report) and str(again.report) == str(report)
+
+
+def test_raise_if_failed_is_silent_on_a_passing_report():
+    report = _failed_report([])
+    assert report.ok and report.raise_if_failed() is None
