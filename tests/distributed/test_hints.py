@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import Outputs, Shard, SpatialCase, Topology, check_equivalence, data_share
@@ -227,3 +228,31 @@ def test_a_float32_all_reduce_in_the_band_model_is_named_with_its_line(spatial):
 def test_gradient_hooks_registered_twice_are_named_as_an_exact_factor(spatial):
     report = check_equivalence(BandCase("hooks-twice"), ranks=4, lr=LR, pool=spatial.pool(4))
     assert report.likely == "exactly 4x the reference: a reduction counted 4 times", report
+
+
+class ReceivesFirst(SpatialCase):
+    """Each of two ranks receives the other's value before sending its own: they wait for
+    each other, and no rank returned, so no rank is the culprit."""
+
+    name, dtype = "receives-first", torch.float64
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        return torch.nn.Linear(1, 1)
+
+    def batch(self, topo: Topology, step: int) -> torch.Tensor:
+        return torch.ones(1, 1)
+
+    def forward(self, model: torch.nn.Module, batch: torch.Tensor, topo: Topology) -> Outputs:
+        if topo.spatial_group is not None:
+            other = topo.spatial_ranks[1 - topo.spatial_rank]
+            value = torch.zeros(1)
+            dist.recv(value, other, group=topo.spatial_group)  # the bug: both receive first
+            dist.send(value, other, group=topo.spatial_group)
+        return Outputs(model(batch).sum())
+
+
+@pytest.mark.spatial_pool  # a hang stops the ranks, which the pool then replaces
+def test_ranks_waiting_for_each_other_get_no_returned_rank_culprit(spatial):
+    report = check_equivalence(ReceivesFirst(), ranks=2, timeout=60, pool=spatial.pool(2))
+    assert report.quantities == {"deadlock"}, report
+    assert report.likely == "" and "Likely cause" not in str(report)
