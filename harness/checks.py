@@ -445,9 +445,28 @@ def _replicated_field(
                 f"a plain tensor of shape {tuple(f.values.shape)} where the reference's "
                 f"field is {tuple(expected.shape)}"
             )
-            m.hint = SHARD_HINT
+            # a part of the field is what a rank's block looks like; a tensor with more
+            # dims, or larger somewhere, is another bug and gets no Shard hint
+            if _part_shape(f.values.shape, expected.shape):
+                m.hint = SHARD_HINT
         found += [m] if m else []
     return found
+
+
+def _part_shape(part: torch.Size, whole: torch.Size) -> bool:
+    """``part`` could be a block of a tensor of shape ``whole``: as many dims, none larger,
+    one smaller.
+
+    >>> _part_shape(torch.Size([2, 4, 6]), torch.Size([2, 8, 12]))
+    True
+    >>> _part_shape(torch.Size([1, 2, 8, 12]), torch.Size([2, 8, 12]))
+    False
+    """
+    return (
+        len(part) == len(whole)
+        and all(p <= w for p, w in zip(part, whole))
+        and any(p < w for p, w in zip(part, whole))
+    )
 
 
 @dataclass

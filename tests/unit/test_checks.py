@@ -285,6 +285,15 @@ def test_a_plain_tensor_where_a_shard_is_needed_suggests_shard_grid():
     assert found[0].where == "a plain tensor of shape (1, 2) where the reference's field is (1, 4)"
 
 
+def test_a_plain_tensor_of_another_shape_that_is_no_block_gets_no_shard_hint():
+    # an extra leading dim, or more positions than the field has: a bug of its own, not a
+    # block that should have been a Shard
+    for values in ([[[0.0, 1.0, 2.0, 3.0]]], [[0.0, 1.0, 2.0, 3.0, 4.0]]):
+        found, _ = _fields([field(values), field(values)])
+        assert [m.quantity for m in found] == ["field", "field"]
+        assert all(m.hint == "" and m.where.startswith("a plain tensor of shape") for m in found)
+
+
 def test_a_replicated_field_is_compared_on_every_rank():
     ref = step(fields={"y": field([[1.0, 2.0]])})
     steps = [step(fields={"y": field([[1.0, 2.0]])}), step(fields={"y": field([[1.0, 2.5]])})]
