@@ -10,6 +10,7 @@ from harness.compare import Bound, EquivalenceReport, Mismatch, Tolerance
 from harness.equivalence import Outputs, Shard, SpatialCase, check_equivalence, data_share
 from harness.errors import (
     ConfigError,
+    EquivalenceFailure,
     GoldenError,
     HarnessError,
     HarnessWarning,
@@ -34,6 +35,7 @@ __all__ = [
     "Bound",
     "CellPartition",
     "ConfigError",
+    "EquivalenceFailure",
     "EquivalenceReport",
     "GoldenError",
     "GoldenStore",

@@ -88,6 +88,9 @@ _PLUMBING = {
     os.path.join(os.path.dirname(__file__), name)
     for name in ("_intercept.py", "_compat.py", "_rank.py", "board.py")
 }
+#: the harness's package directory, and the file that runs a case (beyond it, no user code)
+_HARNESS = os.path.dirname(__file__) + os.sep
+_RUN_CASE = os.path.join(os.path.dirname(__file__), "equivalence.py")
 #: distributed_c10d.py, whose functions call ProcessGroup's methods (set at install)
 _C10D = "\0"
 #: torch's package directory (set at install): its frames are never the user's call site
@@ -126,6 +129,9 @@ class Tracker:
     sites: dict[str, SiteStats] = field(default_factory=dict)
     after: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # id(work) -> effect
     stale: dict[str, Any] = field(default_factory=dict)  # site -> the last received data
+    #: floating dtypes that went through an operation: dtype -> the first ("an all_reduce at
+    #: model.py:42"), what a precision hint needs as evidence (``RunRecord.dtypes``)
+    dtypes: dict[str, str] = field(default_factory=dict)
     _sites: dict[tuple[Any, int], str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ a run
@@ -142,6 +148,7 @@ class Tracker:
         self.sites.clear()
         self.after.clear()
         self.stale.clear()
+        self.dtypes.clear()
         self.recording, self.mutant = False, None
         self.reliable = True
         self.base = {name: seq for name, (seq, _) in group_sequence_numbers().items()}
@@ -235,6 +242,10 @@ class Tracker:
         group, members = self._group(pg)
         numel, dtype = _size(args[sized] if sized is not None and len(args) > sized else None)
         site = self._site()
+        seen = dtype or _size(args[:2])[1]  # an operation with no sized argument: its tensors
+        if seen not in self.dtypes and seen.startswith(_FLOATING):
+            article = "an" if name[0] in "aeiou" else "a"
+            self.dtypes[seen] = f"{article} {name} at {_user_site() or site} ran in {seen}"
         if self.recording:
             record(self, site, method, name, members, args)
         if kind == Kind.COLLECTIVE:
@@ -333,6 +344,30 @@ class Tracker:
         issued = self.live.get(id(work)) if self.active else None
         if issued is not None:
             issued.claimed = True
+
+
+#: dtype names (as ``_size`` gives them) whose values carry rounding: floating and complex
+_FLOATING = ("float", "complex", "bfloat")
+
+
+def _user_site() -> str:
+    """``"model.py:42"``: the innermost frame outside torch and the harness (so a model's
+    own line, not ``collectives.py`` under it), else outside torch and the plumbing; never
+    beyond the harness's run of the case (``equivalence.py``). Walked only when a dtype is
+    first seen in a run."""
+    frame: Any = sys._getframe(1)
+    first = ""
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path == _RUN_CASE:
+            break
+        if not path.startswith(_TORCH) and path not in _PLUMBING:
+            here = f"{os.path.basename(path)}:{frame.f_lineno}"
+            if not path.startswith(_HARNESS):
+                return here
+            first = first or here
+        frame = frame.f_back
+    return first
 
 
 def _completed(work: Any) -> bool:

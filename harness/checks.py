@@ -28,7 +28,13 @@ from harness.compare import (
     nonfinite_text,
     scale_hint,
 )
-from harness.hints import boundary_hint, likely_cause, precision_hint, shard_shape_hint
+from harness.hints import (
+    boundary_hint,
+    float32_evidence,
+    likely_cause,
+    precision_hint,
+    shard_shape_hint,
+)
 from harness.partition import ownership
 from harness.records import FieldRecord, ParamShard, RunRecord, StepRecord
 
@@ -75,8 +81,17 @@ class Judge:
     twice.
     """
 
-    def __init__(self, tolerance: Tolerance, layout: Layout, stats: dict[str, QuantityStats]):
+    def __init__(
+        self,
+        tolerance: Tolerance,
+        layout: Layout,
+        stats: dict[str, QuantityStats],
+        float32_seen: str = "",
+    ):
         self.tolerance, self.layout, self.stats = tolerance, layout, stats
+        #: where a float32 value was seen on the path (``hints.float32_evidence``): without
+        #: it, errors of float32's size are no evidence of float32 rounding
+        self.float32_seen = float32_seen
 
     def numeric(
         self,
@@ -102,10 +117,13 @@ class Judge:
         else:
             loc = index_text(expected.shape, d.worst)
         hint = ""
+        bound = self.tolerance.bound(quantity)
         if quantity in ("grad", "loss"):
-            hint = scale_hint(actual, expected, self.layout.spatial_size)
-        if not hint and not d.problem:
-            hint = precision_hint(actual, expected, self.tolerance.bound(quantity).atol)
+            hint = scale_hint(actual, expected, self.layout.spatial_size, bound.rtol)
+        # not a parameter after a step: its error is the gradient's scaled by lr and diluted
+        # by the parameter's size, small for any bug; the gradient speaks for it
+        if not hint and not d.problem and quantity != "param":
+            hint = precision_hint(actual, expected, bound.atol, self.float32_seen)
         return Mismatch(
             quantity, name, step, rank, d.max_abs, d.max_rel, loc, d.count, d.total, hint=hint
         )
@@ -122,7 +140,7 @@ def compare_runs(
     """Judge every rank's record against the reference's, quantity by quantity."""
     layout = Layout(len(records), spatial_size or records[0].spatial_size)
     out = Comparison()
-    judge = Judge(tolerance, layout, out.stats)
+    judge = Judge(tolerance, layout, out.stats, float32_evidence(reference, records))
     m = out.mismatches
     if not allow_nonfinite:
         m += check_nonfinite_init(reference, records)
@@ -470,9 +488,28 @@ def _replicated_field(
                 f"a plain tensor of shape {tuple(f.values.shape)} where the reference's "
                 f"field is {tuple(expected.shape)}"
             )
-            m.hint = SHARD_HINT
+            # a part of the field is what a rank's block looks like; a tensor with more
+            # dims, or larger somewhere, is another bug and gets no Shard hint
+            if _part_shape(f.values.shape, expected.shape):
+                m.hint = SHARD_HINT
         found += [m] if m else []
     return found
+
+
+def _part_shape(part: torch.Size, whole: torch.Size) -> bool:
+    """``part`` could be a block of a tensor of shape ``whole``: as many dims, none larger,
+    one smaller.
+
+    >>> _part_shape(torch.Size([2, 4, 6]), torch.Size([2, 8, 12]))
+    True
+    >>> _part_shape(torch.Size([1, 2, 8, 12]), torch.Size([2, 8, 12]))
+    False
+    """
+    return (
+        len(part) == len(whole)
+        and all(p <= w for p, w in zip(part, whole))
+        and any(p < w for p, w in zip(part, whole))
+    )
 
 
 @dataclass
@@ -575,7 +612,11 @@ def _claim(job: _Assembly, rank: int, f: FieldRecord) -> None:
             rank,
             f"shard {f.values.dtype} {tuple(f.values.shape)} where the reference gives "
             f"{job.ref.dtype} {tuple(expected)} for its {idx.numel()} positions",
-            shard_shape_hint(f.values.shape, idx.numel(), job.ref.dim()),
+            # Shard.grid flattens into the last dim: a block is only wanted where that is
+            # the sharded one
+            shard_shape_hint(f.values.shape, idx.numel(), job.ref.dim(), expected, job.grid)
+            if job.dim == job.ref.dim() - 1
+            else "",
         )
         return
     job.placed.append((rank, idx, f.values))

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from harness.errors import EquivalenceFailure
+
 NUMERIC = ("loss", "grad", "field", "param")
 #: Quantities that say a run failed (a rank raised, died, hung or left work in flight),
 #: where ``Mismatch.where`` is the rank's own summary rather than a position.
@@ -319,11 +321,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def scale_hint(actual: torch.Tensor, expected: torch.Tensor, spatial_size: int) -> str:
+def scale_hint(
+    actual: torch.Tensor, expected: torch.Tensor, spatial_size: int, rtol: float | None = None
+) -> str:
     """Name a telltale factor between two tensors: S times, 1/S times, or zero.
 
     Wrong reductions scale gradients by exactly the group size; saying so points straight at
-    the bug (double-counted reduce, mean instead of sum).
+    the bug (double-counted reduce, mean instead of sum). Only an *exact* factor is named:
+    the actual values must be S (or 1/S) times the reference's to within ``rtol`` (default:
+    the gradient tolerance of their dtype), relative, in the factor and in the norm of what
+    is left, since a doubled sum differs from twice the reference only by its summation
+    order, which the tolerance bounds. A logic bug that happens to come out near S is not
+    a factor: left out.
     """
     a = _flat(actual)
     e = _flat(expected)
@@ -339,13 +348,22 @@ def scale_hint(actual: torch.Tensor, expected: torch.Tensor, spatial_size: int) 
             "all zeros on this rank: is the parameter out of the graph, "
             "or its gradient never synchronised?"
         )
+    if rtol is None:
+        rtol = Tolerance.for_dtype(expected.dtype).grad.rtol
+    # a few ulps of the dtype always: the factor itself is computed in floating point
+    eps = (
+        torch.finfo(_REAL_OF.get(expected.dtype, expected.dtype)).eps
+        if e.is_floating_point()
+        else 0.0
+    )
+    limit = max(rtol, 16 * float(eps))
     ratio = float((a * e).sum()) / ee
-    resid = float(((a - ratio * e) ** 2).sum()) / ee
-    if resid > 1e-6 or spatial_size <= 1:
+    left = math.sqrt(max(0.0, float(((a - ratio * e) ** 2).sum()) / ee))
+    if left > limit or spatial_size <= 1:
         return ""
-    if abs(ratio - spatial_size) < 1e-3 * spatial_size:
+    if abs(ratio - spatial_size) <= limit * spatial_size:
         return f"exactly {spatial_size}x the reference: a reduction counted {spatial_size} times"
-    if abs(ratio - 1 / spatial_size) < 1e-3 / spatial_size:
+    if abs(ratio - 1 / spatial_size) <= limit / spatial_size:
         return f"exactly 1/{spatial_size} of the reference: averaged where it should sum"
     return ""
 
@@ -473,6 +491,19 @@ class EquivalenceReport:
     def __repr__(self) -> str:
         # ``assert report.ok, report`` shows the repr: make it the table, not the fields
         return str(self)
+
+    def raise_if_failed(self) -> None:
+        """Raise ``EquivalenceFailure`` (an ``AssertionError``) with the whole report as its
+        message if anything mismatched.
+
+        ``assert report.ok, report`` works too, but pytest renders an assertion's message
+        object through ``saferepr``, which can cut it to one line of 240 characters
+        (depending on its version and verbosity; inside a Hypothesis test, the falsifying
+        example's report is then lost); a raised message is shown whole.
+        """
+        __tracebackhide__ = True  # pytest: the failure is the report's, not this line's
+        if not self.ok:
+            raise EquivalenceFailure(str(self), self)
 
     def worst(self, quantity: str) -> float | None:
         s = self.stats.get(quantity)

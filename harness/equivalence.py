@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from harness._dtypes import OutputDtypes, collective_dtypes
 from harness._state import CallerState
 from harness.checks import compare_runs
 from harness.compare import EquivalenceReport, Mismatch, Tolerance
@@ -583,8 +584,14 @@ def run_case(
         )
         record = RunRecord(init={_strip(n): detached(p) for n, p in params.items()})
         record.param_shards, record.loaded_shards = shards, loaded
-        for step in range(steps):
-            record.steps.append(_train_step(case, model, topo, step, lr, seed, enter, mutation))
+        outputs = OutputDtypes(model)  # evidence for precision hints: what came out of modules
+        try:
+            for step in range(steps):
+                record.steps.append(_train_step(case, model, topo, step, lr, seed, enter, mutation))
+        finally:
+            outputs.close()
+        # a collective's sighting names the line that issued it: it wins over a module's
+        record.dtypes = {**outputs.seen(), **collective_dtypes(torch.get_default_dtype())}
         enter("teardown")
         case.teardown(model, topo)
         return record
@@ -837,14 +844,15 @@ def _loaded_note(records: list[RunRecord]) -> list[str]:
 
 
 def _culprit(failure: RankFailure) -> str:
-    """For a hang: the ranks that returned while the others waited are the likely cause."""
-    if failure.returned:
-        ranks = ", ".join(map(str, failure.returned))
-        return (
-            f"rank {ranks} returned while the others waited in a collective: it skipped "
-            "one they entered (an empty domain that skips a reduction or a gather?)"
-        )
-    return ""
+    """For a proven deadlock: the rank that returned while the others wait for its part, in
+    the words of the proof (which operation kind it skipped, or that it entered one as
+    another). A rank that merely finished first while the others hang for a reason nothing
+    proved (a timeout), or ranks that wait for each other, name no culprit."""
+    proven = any(p.kind == "deadlock" for p in failure.problems)
+    returned = [p for p in failure.problems if p.kind == "returned"]
+    if not proven or not returned:
+        return ""
+    return "; ".join(f"rank {p.rank} {p.summary}" for p in returned)
 
 
 def failure_mismatches(failure: RankFailure, label: str) -> list[Mismatch]:

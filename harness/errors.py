@@ -27,6 +27,16 @@ class PicklingProblem(HarnessError, TypeError):
     """A rank function, its arguments or a rank's result cannot cross a process boundary."""
 
 
+class EquivalenceFailure(HarnessError, AssertionError):
+    """A check found mismatches (``EquivalenceReport.raise_if_failed``): the message is the
+    whole report, and ``report`` the report itself. An ``AssertionError``, so test runners
+    count it as a failure, not an error."""
+
+    def __init__(self, text: str, report: Any = None) -> None:
+        super().__init__(text)
+        self.report = report
+
+
 class HarnessWarning(UserWarning):
     """Base class of the warnings the harness gives: findings that do not fail a run."""
 

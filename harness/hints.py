@@ -3,30 +3,37 @@
 Each function looks at one kind of evidence and returns a sentence, or ``""`` when the
 evidence does not point anywhere in particular (a generic remedy is given anyway):
 
-- ``boundary_hint``: the positions that differ sit on the edges between ranks' blocks, so
-  a halo (or a neighbour table) is off;
-- ``precision_hint``: a float64 run off by about float32 rounding, so something in it is
-  float32 (a cast, a tensor made before the dtype was set, a collective);
+- ``boundary_hint``: the positions that differ sit on the edges between ranks' blocks,
+  more than chance would put there, so a halo (or a neighbour table) is off;
+- ``precision_hint``: a float64 run off by about float32 rounding *and* a float32 value
+  seen on its path (``float32_evidence``: a collective's tensors, a module's output), so
+  that is where the rounding came in;
 - ``shard_shape_hint``: a shard's values are its block unflattened, so ``Shard.grid`` was
   wanted;
 - ``likely_cause``: of all the mismatches of a report, the one line that most likely names
   the bug.
 
 ``compare.scale_hint`` (a gradient exactly S times or 1/S of the reference) is the fourth.
+A hint is a claim about the cause: each is given only on evidence that a logic bug of the
+same size would not also produce (``tests/distributed/test_hints.py`` holds both sides).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from harness.compare import Mismatch
+from harness.records import RunRecord
 
 #: float32's unit roundoff; a float64 run whose errors are a few of these came through
 #: float32 somewhere (float64's is 1.1e-16: reordered sums stay far below 1e-12).
 F32_EPS = float(torch.finfo(torch.float32).eps)
+#: the dtypes whose values carry float32 rounding (a complex64 is two float32s)
+F32_DTYPES = ("float32", "complex64")
 
 
 def boundary_positions(owners: np.ndarray, grid: tuple[int, int] | None, unit: str) -> np.ndarray:
@@ -66,6 +73,35 @@ def boundary_positions(owners: np.ndarray, grid: tuple[int, int] | None, unit: s
     return edge
 
 
+#: The boundary hint is given only where errors at random positions would sit on the
+#: borders as these do with at most this probability: one or two bad positions that happen
+#: to border another rank say nothing about a halo.
+BY_CHANCE = 1e-3
+
+
+def by_chance(hits: int, n: int, share: float) -> float:
+    """An upper bound on the probability that at least ``hits`` of ``n`` positions drawn at
+    random fall where a ``share`` of all positions lie (Chernoff's bound; drawing without
+    replacement only makes it smaller).
+
+    >>> round(by_chance(1, 1, 0.375), 3)  # one position on a border: no evidence
+    0.375
+    >>> by_chance(12, 12, 0.375) < 1e-3  # twelve: a pattern
+    True
+    """
+    if n == 0 or share <= 0:
+        return 1.0 if hits == 0 else 0.0
+    q = hits / n
+    if q <= share:
+        return 1.0
+    if share >= 1:
+        return 1.0
+    if q >= 1:
+        return share**n
+    kl = q * math.log(q / share) + (1 - q) * math.log((1 - q) / (1 - share))
+    return math.exp(-n * kl)
+
+
 def boundary_hint(
     error: torch.Tensor,
     owners: torch.Tensor,
@@ -77,14 +113,18 @@ def boundary_hint(
 
     ``error`` is the largest error at each global position, ``allowed`` what the tolerance
     lets through there. Said when at least 90% of the positions over it border another
-    rank's block while such border positions are at most half of all positions.
+    rank's block, such border positions are at most half of all positions, and errors at
+    random positions would cluster so with a probability under ``BY_CHANCE``.
 
-    >>> owners = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-    >>> error = torch.tensor([0, 0, 0, 1.0, 1.0, 0, 0, 0])
-    >>> boundary_hint(error, owners, 1e-6, None, "position")
-    'the 2 positions that differ all border another rank (2 of 8 positions do): a halo ...'
-    >>> boundary_hint(torch.tensor([0, 0, 0, 1.0, 0, 0, 0, 0]), owners, 1e-6, None, "cell")
-    'the one cell that differs borders another rank (2 of 8 cells do): a halo ...'
+    >>> owners = torch.tensor([0] * 16 + [1] * 16 + [2] * 16 + [3] * 16)
+    >>> error = torch.zeros(64)
+    >>> error[[15, 16, 31, 32, 47, 48]] = 1.0
+    >>> boundary_hint(error, owners, 1e-6, None, "cell")
+    'the 6 cells that differ all border another rank (6 of 64 cells do): a halo ...'
+    >>> error = torch.zeros(64)
+    >>> error[15] = 1.0  # one position: it may border by chance (6 of 64 do)
+    >>> boundary_hint(error, owners, 1e-6, None, "cell")
+    ''
     """
     bad = (error.detach().double() > allowed).numpy()  # NaN is never over: not this hint
     if not bad.any() or len(bad) < 4:
@@ -92,6 +132,8 @@ def boundary_hint(
     edge = boundary_positions(owners.numpy(), grid, unit)
     on_edge = int((bad & edge).sum())
     if edge.mean() > 0.5 or on_edge < 0.9 * bad.sum():
+        return ""
+    if by_chance(on_edge, int(bad.sum()), float(edge.mean())) > BY_CHANCE:
         return ""
     if bad.sum() == 1:
         what = f"the one {unit} that differs borders another rank"
@@ -105,18 +147,43 @@ def boundary_hint(
     )
 
 
-def precision_hint(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> str:
-    """A float64 comparison whose errors look like float32 rounding.
+def float32_evidence(reference: RunRecord, records: Sequence[RunRecord]) -> str:
+    """Where a float32 value was seen on the path of a run (``RunRecord.dtypes``): a rank's
+    collective first, then a module's output; ``""`` if nowhere.
 
-    Said when the relative errors of the entries over ``atol`` are all between 1e-3 and
-    1e+2 float32 epsilons: too large for reordered float64 sums (~1e-16), too small and too
-    uniform for a logic bug.
+    >>> rank = RunRecord(dtypes={"float32": "an all_reduce at model.py:42 ran in float32"})
+    >>> float32_evidence(RunRecord(), [RunRecord(), rank])
+    'an all_reduce at model.py:42 ran in float32 on rank 1'
+    """
+    runs = [
+        *((f"on rank {r}", rec) for r, rec in enumerate(records)),
+        ("in the reference", reference),
+    ]
+    for dtype in F32_DTYPES:
+        for who, rec in runs:
+            if dtype in rec.dtypes:
+                return f"{rec.dtypes[dtype]} {who}"
+    return ""
+
+
+def precision_hint(
+    actual: torch.Tensor, expected: torch.Tensor, atol: float, seen: str = ""
+) -> str:
+    """A float64 comparison whose errors look like float32 rounding, where a float32 value
+    was seen on the path (``seen``, from ``float32_evidence``).
+
+    Both are needed: relative errors of the entries over ``atol`` all between 1e-3 and
+    1e+2 float32 epsilons (too large for reordered float64 sums, ~1e-16) are what a logic
+    bug that moves values only a little also gives (a parameter after one small SGD step);
+    a float32 value alone is harmless where it is exact.
 
     >>> e = torch.linspace(1, 2, 50, dtype=torch.float64)
-    >>> precision_hint(e.float().double(), e, 1e-12)
-    'relative errors of ... to ... (float32 rounding is 1e-07) in a float64 run: ...'
+    >>> precision_hint(e.float().double(), e, 1e-12)  # no float32 seen: no hint
+    ''
+    >>> precision_hint(e.float().double(), e, 1e-12, "an all_reduce at m.py:4 ran in float32")
+    'relative errors of ... to ... (float32 rounding is 1e-07) in a float64 run, and an ...'
     """
-    if expected.dtype != torch.float64 or actual.shape != expected.shape:
+    if not seen or expected.dtype != torch.float64 or actual.shape != expected.shape:
         return ""
     a, e = actual.detach().reshape(-1), expected.detach().reshape(-1)
     if not bool(torch.isfinite(a).all() and torch.isfinite(e).all()):
@@ -132,23 +199,43 @@ def precision_hint(actual: torch.Tensor, expected: torch.Tensor, atol: float) ->
         return ""
     return (
         f"relative errors of {lo:.0e} to {hi:.0e} (float32 rounding is {F32_EPS:.0e}) in a "
-        "float64 run: something here runs in float32 (a .float() cast, a tensor made before "
-        "the dtype was set, a collective on float32 buffers)"
+        f"float64 run, and {seen}: look there for a .float() cast, a tensor made before the "
+        "dtype was set, or a float32 buffer"
     )
 
 
-def shard_shape_hint(values_shape: Sequence[int], positions: int, ref_ndim: int) -> str:
+def shard_shape_hint(
+    values_shape: Sequence[int],
+    positions: int,
+    ref_ndim: int,
+    expected: Sequence[int] | None = None,
+    grid: tuple[int, int] | None = None,
+) -> str:
     """A shard whose values are its lat x lon block, unflattened: ``Shard.grid`` flattens.
+
+    Said when the values have one dimension more than the reference and their last two
+    multiply to the shard's positions; with ``expected`` (the shape the reference gives
+    for these positions, positions last), only if the dimensions before the block are the
+    reference's; with ``grid`` (the field's rows, cols), only if the block fits in it. A
+    shape that only multiplies out by chance is no block.
 
     >>> shard_shape_hint((2, 3, 4, 5), 20, 3)
     "the values are the rank's (4, 5) block, not flattened: use Shard.grid(...)"
+    >>> shard_shape_hint((8, 1, 3), 3, 2, expected=(4, 3))  # twice the samples: no block
+    ''
+    >>> shard_shape_hint((4, 1, 6), 6, 2, expected=(4, 6), grid=(3, 4))  # wider than the grid
+    ''
     """
-    if len(values_shape) == ref_ndim + 1 and values_shape[-1] * values_shape[-2] == positions:
-        return (
-            f"the values are the rank's {tuple(values_shape[-2:])} block, not flattened: use "
-            "Shard.grid(values, rows, cols, nlat, nlon)"
-        )
-    return ""
+    if len(values_shape) != ref_ndim + 1 or values_shape[-1] * values_shape[-2] != positions:
+        return ""
+    if expected is not None and list(values_shape[:-2]) != list(expected[:-1]):
+        return ""
+    if grid is not None and (values_shape[-2] > grid[0] or values_shape[-1] > grid[1]):
+        return ""
+    return (
+        f"the values are the rank's {tuple(values_shape[-2:])} block, not flattened: use "
+        "Shard.grid(values, rows, cols, nlat, nlon)"
+    )
 
 
 #: Which evidence names a bug most surely, first: a failure of the run, a non-finite value,

@@ -631,37 +631,47 @@ class SpatialFixture:
             collect_sites(self._node, pool)
         row = report.summary_row()
         row["test"] = self._node.nodeid
+        golden_failure = ""  # said with the report's own failure, so neither hides the other
         if golden:
             name = golden if isinstance(golden, str) else None
             dtype = next(iter(report.reference.values())).dtype
-            result = self._golden.check_tensors(
-                report.reference,
-                name=name,
-                bound=Tolerance.for_dtype(dtype).field,
-                # a golden is only ever written from a check that passed
-                refuse_update="the equivalence check failed" if not report.ok else None,
-                allow_nonfinite=kwargs.get("allow_nonfinite") or case.expect_nonfinite,
-                provenance={
-                    "case": report.case,
-                    "ranks": report.ranks,
-                    "spatial_size": report.spatial_size,
-                    "partition": report.partition,
-                    "dtype": report.dtype,
-                    "steps": report.steps,
-                    "seed": kwargs.get("seed", 0),
-                },
-            )
-            row["golden"] = result.status
+            try:
+                result = self._golden.check_tensors(
+                    report.reference,
+                    name=name,
+                    bound=Tolerance.for_dtype(dtype).field,
+                    # a golden is only ever written from a check that passed
+                    refuse_update="the equivalence check failed" if not report.ok else None,
+                    allow_nonfinite=kwargs.get("allow_nonfinite") or case.expect_nonfinite,
+                    provenance={
+                        "case": report.case,
+                        "ranks": report.ranks,
+                        "spatial_size": report.spatial_size,
+                        "partition": report.partition,
+                        "dtype": report.dtype,
+                        "steps": report.steps,
+                        "seed": kwargs.get("seed", 0),
+                    },
+                )
+            except pytest.fail.Exception as exc:  # a corrupt or foreign golden
+                golden_failure = str(exc.msg)
+            else:
+                row["golden"] = result.status
+                golden_failure = "" if result.ok else str(result)
         self._node.user_properties.append((_EQUIV_PROP, row))
+        failures = []
         if not report.ok:
             text = str(report)
             plots = self._node.config.getoption("spatial_plots")
             if plots and report.field_errors:
                 maps = write_error_maps(report, plots, self._node.nodeid)
                 text += "\n\nError maps:\n" + "\n".join(f"  {p}" for p in maps)
-            pytest.fail(text, pytrace=False)
-        if golden and not result.ok:
-            pytest.fail(str(result), pytrace=False)
+            failures.append(text)
+        if golden_failure:
+            lead = "The golden check failed too:\n" if failures else ""
+            failures.append(lead + golden_failure)
+        if failures:
+            pytest.fail("\n\n".join(failures), pytrace=False)
         return report
 
     def _timeout(self, timeout: float | None) -> float:

@@ -109,6 +109,10 @@ class RunRecord:
     #: the parameters whose shards were overwritten with the reference's initial values
     #: before the first step (``SpatialCase.load_reference_shards``)
     loaded_shards: list[str] = field(default_factory=list)
+    #: floating dtypes other than the run's default seen on the path: dtype -> where first
+    #: ("an all_reduce at model.py:42 ran in float32", "the output of 'mixer' (Linear) was
+    #: float32"); what a precision hint needs as evidence (``harness._dtypes``)
+    dtypes: dict[str, str] = field(default_factory=dict)
 
     def flat(self) -> dict[str, torch.Tensor]:
         """The run's results as one flat ``{name: tensor}`` map (what goldens store)."""

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
+
+import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import Outputs, Shard, SpatialCase, Topology, check_equivalence, data_share
 from harness.checks import BATCH_HINT, SHARD_HINT
 from harness.collectives import grid_halo_exchange, reduce_loss, spatial_sum, sync_gradients
+from harness.compare import EquivalenceReport
 from harness.partition import LatLonPartition
 from harness.steppers.mlp import CoupledMLP, CoupledMLPCase
+from tests.distributed import band
+from tests.distributed.band import FAULTS, HALO_FAULTS, BandCase
 
 NLAT, NLON, H, W = 16, 24, 2, 2
 
@@ -92,6 +99,10 @@ def test_a_float32_step_in_a_float64_run_is_named_from_the_size_of_its_errors(sp
     assert not report.ok
     hinted = [m for m in report.mismatches if "float32 rounding" in m.hint]
     assert hinted and "(float32 rounding is 1e-07) in a float64 run" in hinted[0].hint
+    # the evidence: the all_reduce under spatial_sum got a float32 tensor, named at the
+    # model's line (not the harness's collectives.py under it)
+    line = inspect.getsourcelines(Float32Sum.forward)[1] + 2
+    assert f"and an all_reduce at test_hints.py:{line} ran in float32 on rank 0" in hinted[0].hint
     assert "float32 rounding" in report.likely
 
 
@@ -165,3 +176,83 @@ def test_an_unflattened_block_is_refused_on_its_rank_with_shard_grid_as_the_fix(
         "its last two dims are a (rows, cols) block, not flattened: use "
         "Shard.grid(values, rows, cols, nlat, nlon)"
     ) in errors[0].where.splitlines()[0]
+
+
+# ---------------------------------------------------------------- no hint without evidence
+
+LOGIC_BUGS = [f for f in FAULTS if f not in ("hooks-twice", "float32-mean")]
+#: a team's learning rate: after one step the parameters of a buggy run are only ~1e-6
+#: (relative) off the reference's, and the next step's values too, which is float32's size
+#: (before the float32 hint needed a float32 value seen, every logic bug below got it)
+LR = 1e-4
+
+
+def _hints(report: EquivalenceReport) -> list[str]:
+    return [m.hint for m in report.mismatches if m.hint] + (
+        [report.likely] if report.likely else []
+    )
+
+
+def test_the_band_model_without_a_bug_is_equivalent(spatial):
+    spatial.check(BandCase(), ranks=4, lr=LR)
+
+
+@pytest.mark.parametrize("fault", LOGIC_BUGS)
+def test_a_logic_bug_of_a_team_s_band_model_fails_without_a_hint_its_evidence_does_not_earn(
+    spatial, fault
+):
+    report = check_equivalence(BandCase(fault), ranks=4, lr=LR, pool=spatial.pool(4))
+    assert not report.ok
+    hints = _hints(report)
+    # parameters move only a little after one SGD step: float32-sized errors, no float32
+    assert not any("float32" in h for h in hints), report
+    assert not any("exactly" in h or "all zeros" in h for h in hints), report  # no factor
+    if fault not in HALO_FAULTS:  # the boundary hint only for a halo bug, if at all
+        assert not any("border another rank" in h for h in hints), report
+
+
+def test_a_float32_all_reduce_in_the_band_model_is_named_with_its_line(spatial):
+    report = check_equivalence(BandCase("float32-mean"), ranks=4, lr=LR, pool=spatial.pool(4))
+    # the line of the team's all_reduce (SumOverRanks.forward), which got the float32 tensor
+    line = next(
+        n
+        for n, text in enumerate(inspect.getsource(band).splitlines(), 1)
+        if "dist.all_reduce(x, group=group)" in text
+    )
+    assert "float32 rounding" in report.likely, report
+    assert f"in a float64 run, and an all_reduce at band.py:{line} ran in float32 on rank 0" in (
+        report.likely
+    )
+
+
+def test_gradient_hooks_registered_twice_are_named_as_an_exact_factor(spatial):
+    report = check_equivalence(BandCase("hooks-twice"), ranks=4, lr=LR, pool=spatial.pool(4))
+    assert report.likely == "exactly 4x the reference: a reduction counted 4 times", report
+
+
+class ReceivesFirst(SpatialCase):
+    """Each of two ranks receives the other's value before sending its own: they wait for
+    each other, and no rank returned, so no rank is the culprit."""
+
+    name, dtype = "receives-first", torch.float64
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        return torch.nn.Linear(1, 1)
+
+    def batch(self, topo: Topology, step: int) -> torch.Tensor:
+        return torch.ones(1, 1)
+
+    def forward(self, model: torch.nn.Module, batch: torch.Tensor, topo: Topology) -> Outputs:
+        if topo.spatial_group is not None:
+            other = topo.spatial_ranks[1 - topo.spatial_rank]
+            value = torch.zeros(1)
+            dist.recv(value, other, group=topo.spatial_group)  # the bug: both receive first
+            dist.send(value, other, group=topo.spatial_group)
+        return Outputs(model(batch).sum())
+
+
+@pytest.mark.spatial_pool  # a hang stops the ranks, which the pool then replaces
+def test_ranks_waiting_for_each_other_get_no_returned_rank_culprit(spatial):
+    report = check_equivalence(ReceivesFirst(), ranks=2, timeout=60, pool=spatial.pool(2))
+    assert report.quantities == {"deadlock"}, report
+    assert report.likely == "" and "Likely cause" not in str(report)

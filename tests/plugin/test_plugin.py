@@ -715,3 +715,109 @@ def test_a_rank_failure_is_reported_without_the_harness_own_frames(pytester):
     assert 'raise ValueError("halo of the wrong width")' in out  # the rank's own line
     for plumbing in ("_run.py", "_rank.py", "pool.py", "_intercept.py", "plugin.py"):
         assert f"harness/{plumbing}" not in out, plumbing
+
+
+TWO_KNOBS = """
+import torch
+from harness import Outputs, Shard, SpatialCase
+from harness.collectives import reduce_loss, sync_gradients
+
+BROKEN, SCALE = {broken}, {scale}
+
+class Scale(SpatialCase):
+    dtype = torch.float64
+
+    def build(self, topo):
+        model = torch.nn.Linear(3, 3)
+        if not BROKEN:
+            sync_gradients(model, topo)
+        return model
+
+    def batch(self, topo, step):
+        x = torch.randn(8, 3) * SCALE
+        n = 8 // topo.spatial_size
+        return x[topo.spatial_rank * n:(topo.spatial_rank + 1) * n]
+
+    def forward(self, model, x, topo):
+        y = model(x)
+        loss = reduce_loss((y ** 2).sum(), topo) / 24
+        if topo.spatial_group is None:
+            return Outputs(loss, {{"y": y}})
+        n = x.shape[0]
+        idx = torch.arange(topo.spatial_rank * n, (topo.spatial_rank + 1) * n)
+        return Outputs(loss, {{"y": Shard(y, idx, dim=0)}})
+
+def test_scale_is_equivalent(spatial):
+    spatial.check(Scale(), golden=True)
+"""
+
+
+def test_a_failing_check_whose_golden_also_fails_says_both(pytester):
+    pytester.makeini("[pytest]\ngolden_dir = goldens\n")
+    pytester.makepyfile(test_down=TWO_KNOBS.format(broken=False, scale=1.0))
+    pytester.runpytest_subprocess("--spatial-ranks=2", "--update-goldens").assert_outcomes(passed=1)
+    # the gradients go unsynchronised (the check fails) and the reference changes (the
+    # golden fails): the failure says both, the report first
+    pytester.makepyfile(test_down=TWO_KNOBS.format(broken=True, scale=2.0))
+    result = pytester.runpytest_subprocess("--spatial-ranks=2")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*Scale on 2 ranks*mismatch(es) with the reference*",
+            "*What to do:*",
+            "*The golden check failed too:*",
+            "*golden *test_scale_is_equivalent.pt: failed*",
+        ]
+    )
+    # a golden that cannot be read is said with the failing check's report too
+    golden = pytester.path / "goldens" / "test_down" / "test_scale_is_equivalent.pt"
+    golden.write_bytes(b"not a golden")
+    result = pytester.runpytest_subprocess("--spatial-ranks=2")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*Scale on 2 ranks*mismatch(es) with the reference*",
+            "*The golden check failed too:*",
+            "*golden *test_scale_is_equivalent.pt cannot be read*",
+        ]
+    )
+
+
+HYPOTHESIS_REPORT = """
+from hypothesis import HealthCheck, given, settings, strategies as st
+from harness import check_equivalence
+from test_down import Scale
+
+@settings(
+    max_examples=2,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(st.integers(0, 1))
+def test_drawn(spatial, n):
+    report = check_equivalence(Scale(), ranks=2, pool=spatial.pool(2))
+    report.raise_if_failed()
+"""
+
+
+def test_raise_if_failed_fails_a_hypothesis_test_with_the_whole_report(pytester):
+    pytester.makepyfile(
+        test_down=TWO_KNOBS.format(broken=True, scale=1.0).split("def test_")[0],
+        test_drawn=HYPOTHESIS_REPORT,
+    )
+    result = pytester.runpytest_subprocess("--spatial-ranks=2")
+    result.assert_outcomes(failed=1)
+    # every part of the report, to its last line, and counted as a failure (an
+    # AssertionError), with the user's line as the last frame, not the harness's
+    result.stdout.fnmatch_lines(
+        [
+            "*report.raise_if_failed()",
+            "E*EquivalenceFailure: Scale on 2 ranks*mismatch(es) with the reference",
+            "E*First: rank 0: grad 'weight' at step 0*",
+            "E*quantity*name*step*rank*max abs*",
+            "E*What to do:*",
+            "E*sync: Ranks of one spatial group hold different parameters*",
+        ]
+    )
+    assert "raise EquivalenceFailure" not in result.stdout.str()

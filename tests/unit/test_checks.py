@@ -285,6 +285,15 @@ def test_a_plain_tensor_where_a_shard_is_needed_suggests_shard_grid():
     assert found[0].where == "a plain tensor of shape (1, 2) where the reference's field is (1, 4)"
 
 
+def test_a_plain_tensor_of_another_shape_that_is_no_block_gets_no_shard_hint():
+    # an extra leading dim, or more positions than the field has: a bug of its own, not a
+    # block that should have been a Shard
+    for values in ([[[0.0, 1.0, 2.0, 3.0]]], [[0.0, 1.0, 2.0, 3.0, 4.0]]):
+        found, _ = _fields([field(values), field(values)])
+        assert [m.quantity for m in found] == ["field", "field"]
+        assert all(m.hint == "" and m.where.startswith("a plain tensor of shape") for m in found)
+
+
 def test_a_replicated_field_is_compared_on_every_rank():
     ref = step(fields={"y": field([[1.0, 2.0]])})
     steps = [step(fields={"y": field([[1.0, 2.0]])}), step(fields={"y": field([[1.0, 2.5]])})]
@@ -1278,22 +1287,45 @@ def test_a_scalar_owned_by_one_rank_is_compared_as_one_value():
     assert check_fields(judge(2, 2), 1, ref, ranks) == ([], [])
 
 
+def _line_of_blocks(got: torch.Tensor, ranks: int) -> list[StepRecord]:
+    n = len(got) // ranks
+    return [
+        step(
+            fields={
+                "y": FieldRecord(
+                    got[r * n : (r + 1) * n].clone(), torch.arange(r * n, (r + 1) * n), -1
+                )
+            }
+        )
+        for r in range(ranks)
+    ]
+
+
 def test_errors_on_the_boundary_between_blocks_point_at_the_halo():
+    ref = torch.arange(1.0, 65.0, dtype=F64)
+    got = ref.clone()
+    got[[15, 16, 31, 32, 47, 48]] += 1.0  # every position next to another rank's block
+    found, _ = check_fields(judge(4, 4), 0, step(fields={"y": field(ref)}), _line_of_blocks(got, 4))
+    hint = (
+        "the 6 positions that differ all border another rank (6 of 64 positions do): a halo "
+        "exchange is off (width, order or which neighbour), or a neighbour table uses local "
+        "indices"
+    )
+    same(
+        found,
+        Mismatch("field", "y", 0, None, 1.0, 1 / 16, "position 15 on rank 0", 6, 64, hint=hint),
+    )
+
+
+def test_two_errors_that_border_another_rank_by_chance_are_no_evidence_of_a_halo():
+    # 2 of 8 positions border another rank: two bad positions land there by chance 1 time
+    # in 16, which a logic bug anywhere does (an off-by-one at the end of one block)
     ref = torch.arange(1.0, 9.0, dtype=F64)
     got = ref.clone()
     got[3] += 1.0
     got[4] += 1.0
-    ranks = [
-        step(fields={"y": FieldRecord(got[:4].clone(), torch.arange(4), -1)}),
-        step(fields={"y": FieldRecord(got[4:].clone(), torch.arange(4, 8), -1)}),
-    ]
-    found, _ = check_fields(judge(2, 2), 0, step(fields={"y": field(ref)}), ranks)
-    hint = (
-        "the 2 positions that differ all border another rank (2 of 8 positions do): a halo "
-        "exchange is off (width, order or which neighbour), or a neighbour table uses local "
-        "indices"
-    )
-    same(found, Mismatch("field", "y", 0, None, 1.0, 0.25, "position 3 on rank 0", 2, 8, hint=hint))
+    found, _ = check_fields(judge(2, 2), 0, step(fields={"y": field(ref)}), _line_of_blocks(got, 2))
+    same(found, Mismatch("field", "y", 0, None, 1.0, 0.25, "position 3 on rank 0", 2, 8))
 
 
 # ---------------------------------------------------------------- parameters, exactly
@@ -1330,12 +1362,44 @@ def test_co_ranks_out_of_sync_are_named_with_how_many_elements_differ():
     )
 
 
-def test_a_float64_parameter_off_by_float32_rounding_says_so():
+SEEN = "an all_reduce at model.py:42 ran in float32"
+
+
+def test_float32_sized_errors_with_a_float32_collective_on_the_path_name_it():
     a = torch.linspace(1, 2, 8, dtype=F64)
-    ref = step(params={"w": a})
-    found = check_params(judge(1, 1), 0, ref, [step(params={"w": a.float().double()})])
-    (m,) = found
-    assert m.hint.startswith("relative errors of ") and "float32 rounding is 1e-07" in m.hint
+    ref = run(step(grad=a))
+    ranks = [run(step(grad=a.float().double())), run(step(grad=a), spatial_rank=1)]
+    ranks[1].dtypes = {"float32": SEEN}
+    out = compare_runs(ref, ranks, TOL, spatial_size=2)
+    (m,) = [m for m in out.mismatches if m.quantity == "grad"]
+    assert m.hint.startswith("relative errors of ") and "(float32 rounding is 1e-07)" in m.hint
+    assert f"in a float64 run, and {SEEN} on rank 1: look there" in m.hint
+    assert out.likely == m.hint
+
+
+def test_float32_sized_errors_without_a_float32_value_seen_are_no_precision_evidence():
+    # a logic bug that moves a gradient by 1e-7 relative looks like float32 rounding: without
+    # a float32 value on the path, no hint
+    a = torch.linspace(1, 2, 8, dtype=F64)
+    out = compare_runs(run(step(grad=a)), [run(step(grad=a * (1 + 1e-7)))], TOL)
+    assert [m.quantity for m in out.mismatches] == ["grad"]
+    assert out.mismatches[0].hint == "" and out.likely == ""
+    # a float32 value that is not float32 (a complex64 is) or seen nowhere: still none
+    other = run(step(grad=a * (1 + 1e-7)))
+    other.dtypes = {"bfloat16": "an all_gather at m.py:3 ran in bfloat16"}
+    assert compare_runs(run(step(grad=a)), [other], TOL).likely == ""
+    other.dtypes = {"complex64": "the output of 'sht' (RealSHT) was complex64"}
+    assert "complex64 on rank 0" in compare_runs(run(step(grad=a)), [other], TOL).likely
+
+
+def test_a_parameter_off_by_float32_rounding_gets_no_precision_hint_even_with_float32_seen():
+    # after a step a parameter moves by lr x its gradient: any bug leaves it close, so its
+    # small relative error is no evidence (the gradient's is)
+    a = torch.linspace(1, 2, 8, dtype=F64)
+    rank = run(step(params={"w": a.float().double()}))
+    rank.dtypes = {"float32": SEEN}
+    out = compare_runs(run(step(params={"w": a})), [rank], TOL)
+    assert [(m.quantity, m.hint) for m in out.mismatches] == [("param", "")]
 
 
 # ---------------------------------------------------------------- text

@@ -7,6 +7,7 @@ implements it fails here (the mutation tox env checks that it does).
 from __future__ import annotations
 
 import math
+import pickle
 import re
 
 import pytest
@@ -30,6 +31,7 @@ from harness.compare import (
     nonfinite_text,
     scale_hint,
 )
+from harness.errors import EquivalenceFailure, HarnessError
 
 NAN, INF = math.nan, math.inf
 F64 = torch.float64
@@ -298,6 +300,15 @@ ZEROS = (
     "all zeros on this rank: is the parameter out of the graph, or its gradient never synchronised?"
 )
 EE = 14.0  # sum of squares of E3: the hint's residual is relative to it
+ORTHO = (2.0, 1.0, 0.0)  # orthogonal to E3
+FOUR = "exactly 4x the reference: a reduction counted 4 times"
+QUARTER = "exactly 1/4 of the reference: averaged where it should sum"
+
+
+def _plus(factor: float, left: float) -> tuple[float, ...]:
+    """``factor`` x E3 plus a part orthogonal to it of norm ``left`` x |E3|."""
+    k = left * (EE / 5.0) ** 0.5  # |ORTHO|^2 = 5
+    return tuple(factor * e + k * o for e, o in zip(E3, ORTHO))
 
 
 @pytest.mark.parametrize(
@@ -306,29 +317,17 @@ EE = 14.0  # sum of squares of E3: the hint's residual is relative to it
         ((4.0, -8.0, 12.0), E3, 4, "exactly 4x the reference: a reduction counted 4 times"),
         ((0.25, -0.5, 0.75), E3, 4, "exactly 1/4 of the reference: averaged where it should sum"),
         ((2.0, -4.0, 6.0), E3, 2, "exactly 2x the reference: a reduction counted 2 times"),
-        # inside the 1e-3 relative window around the factor, and just outside it
-        (
-            (4.0039, -8.0078, 12.0117),
-            E3,
-            4,
-            "exactly 4x the reference: a reduction counted 4 times",
-        ),
-        ((4.0041, -8.0082, 12.0123), E3, 4, ""),
-        (
-            (0.25024, -0.50048, 0.75072),
-            E3,
-            4,
-            "exactly 1/4 of the reference: averaged where it should sum",
-        ),
-        ((0.25026, -0.50052, 0.75078), E3, 4, ""),
-        # a residual of 0.9e-6 of |e|^2 is still a pure factor; 1.1e-6 is not
-        (
-            (4.0 + (0.9e-6 * EE) ** 0.5, -8.0, 12.0),
-            E3,
-            4,
-            "exactly 4x the reference: a reduction counted 4 times",
-        ),
-        ((4.0 + (1.1e-6 * EE) ** 0.5, -8.0, 12.0), E3, 4, ""),
+        # float64's window is its gradient tolerance, rtol 1e-10: inside it, and just outside
+        # (a logic bug that comes out near 4 is no factor)
+        (tuple(4 * (1 + 0.9e-10) * v for v in E3), E3, 4, FOUR),
+        (tuple(4 * (1 + 1.1e-10) * v for v in E3), E3, 4, ""),
+        (tuple(4 * (1 + 1e-3) * v for v in E3), E3, 4, ""),  # the old window: a near miss
+        (tuple(v / 4 * (1 - 0.9e-10) for v in E3), E3, 4, QUARTER),
+        (tuple(v / 4 * (1 - 1.1e-10) for v in E3), E3, 4, ""),
+        # what is left beside the factor, relative to |e|: 0.9e-10 is still a pure factor,
+        # 1.1e-10 is not (ORTHO is orthogonal to E3, so the factor stays exactly 4)
+        (_plus(4, 0.9e-10), E3, 4, FOUR),
+        (_plus(4, 1.1e-10), E3, 4, ""),
         ((3.0, -6.0, 9.0), E3, 4, ""),  # another factor: no telltale
         ((4.0, -8.0, 12.0), E3, 1, ""),  # one rank: no group to blame
         (
@@ -806,3 +805,20 @@ def test_ranks_tied_for_the_worst_keep_the_first_and_a_rank_in_the_position_is_n
     )
     assert rows[2].endswith("(0,) (rank 1)")
     assert rows[3].endswith("(3,) of rank 1")
+
+
+def test_raise_if_failed_raises_an_assertion_error_carrying_the_whole_report():
+    report = _failed_report([Mismatch("loss", "loss", 0, None, 1.0, 0.5)])
+    with pytest.raises(AssertionError) as info:
+        report.raise_if_failed()
+    assert isinstance(info.value, EquivalenceFailure) and isinstance(info.value, HarnessError)
+    assert str(info.value) == str(report) and info.value.report is report
+    assert str(info.value).splitlines()[-1].startswith("  loss: ")  # to its last line
+    # pickled (to an xdist controller) it keeps its text
+    again = pickle.loads(pickle.dumps(info.value))
+    assert str(again) == str(report) and str(again.report) == str(report)
+
+
+def test_raise_if_failed_is_silent_on_a_passing_report():
+    report = _failed_report([])
+    assert report.ok and report.raise_if_failed() is None

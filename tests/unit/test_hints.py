@@ -1,0 +1,117 @@
+"""The evidence hints stand on, rule by rule: each is given on its evidence and not without.
+
+The distributed side (a team's band model with each bug) is in
+``tests/distributed/test_hints.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness import Outputs, SpatialCase, Topology
+from harness.equivalence import _culprit, run_case
+from harness.errors import RankFailure, RankProblem
+from harness.hints import boundary_hint, by_chance, precision_hint, shard_shape_hint
+
+F64 = torch.float64
+
+
+class Cast(torch.nn.Module):
+    """A module that hands its input on in float32 (a team's ``.float()`` for an op)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
+class WithCast(SpatialCase):
+    dtype = F64
+
+    def __init__(self, cast: bool) -> None:
+        self.cast = cast
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        layers = [torch.nn.Linear(3, 3)] + ([Cast()] if self.cast else [])
+        return torch.nn.Sequential(*layers)
+
+    def batch(self, topo: Topology, step: int) -> torch.Tensor:
+        return torch.randn(4, 3)
+
+    def forward(self, model: torch.nn.Module, x: torch.Tensor, topo: Topology) -> Outputs:
+        return Outputs(model(x).double().pow(2).mean())
+
+
+def test_a_module_s_float32_output_in_a_float64_run_is_recorded_with_its_name_and_count():
+    record = run_case(WithCast(cast=True), Topology.single(), steps=2, lr=0.1, seed=0)
+    # the first module out in float32 is named; the count is every module call with a
+    # float32 output (Cast and the Sequential around it, two steps)
+    assert record.dtypes == {"float32": "the output of '1' (Cast) was float32 (4 module calls)"}
+
+
+def test_a_float64_run_with_only_float64_values_records_no_other_dtype_and_leaves_no_hook():
+    record = run_case(WithCast(cast=False), Topology.single(), steps=1, lr=0.1, seed=0)
+    assert record.dtypes == {}
+    assert not torch.nn.modules.module._global_forward_hooks  # the watch is gone
+
+
+def test_float32_seen_with_errors_larger_than_float32_rounding_is_no_precision_hint():
+    e = torch.linspace(1, 2, 50, dtype=F64)
+    seen = "an all_reduce at m.py:4 ran in float32"
+    assert precision_hint(e * (1 + 1e-7), e, 1e-12, seen).startswith("relative errors of 1e-07")
+    assert precision_hint(e * (1 + 1e-3), e, 1e-12, seen) == ""  # a logic bug's size
+    assert precision_hint(e * (1 + 1e-7), e, 1e-12) == ""  # no float32 seen
+
+
+def test_boundary_errors_are_a_halo_only_beyond_chance():
+    owners = torch.arange(4).repeat_interleave(16)  # 4 blocks of 16 on a line: 6 of 64 border
+    error = torch.zeros(64, dtype=F64)
+    error[16] = 1.0  # one position that borders: 6 in 64 do, so chance puts it there often
+    assert boundary_hint(error, owners, 1e-6, None, "position") == ""
+    error[[15, 31, 32]] = 1.0  # four of the six: 1e-4 by chance
+    assert boundary_hint(error, owners, 1e-6, None, "position").startswith(
+        "the 4 positions that differ all border another rank (6 of 64 positions do)"
+    )
+    assert by_chance(4, 4, 6 / 64) < 1e-3 < by_chance(2, 2, 6 / 64)
+
+
+def _problem(rank: int, kind: str, summary: str) -> RankProblem:
+    return RankProblem(rank, kind, summary)
+
+
+SKIPPED = (
+    "returned after 0.50s having issued 2 collectives on group 0, while rank(s) 0, 1, 2 wait "
+    "for its part in an operation it never entered: the culprit (did it skip a collective, a "
+    "send or a receive the others issued?)"
+)
+MISMATCHED = (
+    "returned after 0.50s; rank(s) 0 wait in a collective it entered as a different operation "
+    "or size: one side called the wrong one"
+)
+
+
+def test_a_proven_deadlock_names_the_returned_rank_in_the_words_of_the_proof():
+    stuck = [_problem(r, "deadlock", "waits in all_reduce #3 on group 0") for r in range(3)]
+    failure = RankFailure("deadlocked", 4, [_problem(3, "returned", SKIPPED), *stuck])
+    assert _culprit(failure) == f"rank 3 {SKIPPED}"
+    # a rank that entered the collective as another one skipped nothing: the proof says so
+    failure = RankFailure("deadlocked", 2, [_problem(1, "returned", MISMATCHED), stuck[0]])
+    assert _culprit(failure) == f"rank 1 {MISMATCHED}"
+    assert "skip" not in _culprit(failure)
+
+
+def test_a_hang_without_a_proof_or_without_a_returned_rank_names_no_culprit():
+    waiting = _problem(0, "timeout", "still running after 60.0s (timeout 60s)")
+    # a rank that only finished first while another computes past the timeout: no culprit
+    timed_out = RankFailure("timed out", 2, [waiting, _problem(1, "returned", SKIPPED)])
+    assert _culprit(timed_out) == ""
+    # ranks that wait for each other in a cycle: every one is stuck, none returned
+    cycle = [_problem(r, "deadlock", "waits in recv from the other") for r in range(2)]
+    assert _culprit(RankFailure("deadlocked", 2, cycle)) == ""
+
+
+def test_a_shard_whose_shape_only_multiplies_out_is_not_called_an_unflattened_block():
+    # four samples of a 1 x 3 block: a block (the hint); eight samples: a wrong batch, and
+    # a block wider than the field's grid: no block of it
+    block = "the values are the rank's (1, 3) block, not flattened"
+    assert shard_shape_hint((4, 1, 3), 3, 2, expected=(4, 3), grid=(2, 3)).startswith(block)
+    assert shard_shape_hint((8, 1, 3), 3, 2, expected=(4, 3), grid=(2, 3)) == ""
+    assert shard_shape_hint((4, 1, 3), 3, 2, expected=(4, 3), grid=(2, 2)) == ""
