@@ -139,13 +139,12 @@ def meet(rendezvous: Rendezvous, rank: int, world_size: int, timeout: float) -> 
     it can see it: rank 0 that the port is taken (at once), the others that rank 0 cannot be
     reached, everyone which ranks never arrived. torch's own client can wait past its timeout
     when another program holds the port (it connects, then waits for an answer that never
-    comes), so the connection is made under a deadline of ours.
+    comes), so the connection is made under a deadline of ours. Rank 0 finds a taken port at
+    once (the store cannot listen), and offers a free one.
     """
     from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
     deadline = time.monotonic() + timeout
-    if rank == 0:
-        _check_port_free(rendezvous, world_size, timeout)
     # torch's timeout a little past ours: the message that comes first is this module's.
     slack = datetime.timedelta(seconds=timeout + 30)
     try:
@@ -243,17 +242,6 @@ def _before(deadline: float, make: Callable[[], Any]) -> Any:
     if not result:
         raise TimeoutError
     return result[0]
-
-
-def _check_port_free(rendezvous: Rendezvous, world_size: int, timeout: float) -> None:
-    """Rank 0 finds a taken port before it listens: at once, and with a free one to offer."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        # As the store does: a port left in TIME_WAIT by an earlier run is free to use.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", rendezvous.port))
-        except OSError:
-            raise _port_taken(rendezvous, world_size, timeout) from None
 
 
 def _port_taken(rendezvous: Rendezvous, world_size: int, timeout: float) -> ConfigError:
