@@ -27,7 +27,12 @@ import pytest
 
 from harness.slurm import slurm_hostnames
 
+# Each test starts pytest on four tasks itself; under torchrun/srun it would run once per rank.
+pytestmark = pytest.mark.spatial_pool
+
 BINARIES = ("slurmctld", "slurmd", "srun", "sinfo", "squeue", "scancel", "scontrol")
+# The daemons live in sbin, which a user's PATH may leave out.
+SEARCH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/local/sbin"])
 STARTUP_S = 180  # a daemon or srun that is slow under load is waited for, never failed
 
 INNER = """
@@ -83,9 +88,10 @@ class Cluster:
         env = {
             key: value
             for key, value in os.environ.items()
-            if not key.startswith("SLURM_") and key not in ("MASTER_ADDR", "MASTER_PORT")
+            if not key.startswith(("SLURM_", "PYTEST_XDIST_"))
+            and key not in ("MASTER_ADDR", "MASTER_PORT", "PYTEST_CURRENT_TEST")
         }
-        env.update(SLURM_CONF=str(self.conf), HARNESS_SLURM_TAG=self.tag, **extra)
+        env.update(PATH=SEARCH, SLURM_CONF=str(self.conf), HARNESS_SLURM_TAG=self.tag, **extra)
         return env
 
     def write_conf(self) -> None:
@@ -221,7 +227,7 @@ def _tagged_pids(tag: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def slurm() -> Iterator[Cluster]:
-    missing = [name for name in BINARIES if shutil.which(name) is None]
+    missing = [name for name in BINARIES if shutil.which(name, path=SEARCH) is None]
     if missing:
         pytest.skip(f"slurm-wlm not installed ({', '.join(missing)}): apt-get install slurm-wlm")
     if os.geteuid() != 0:
@@ -296,12 +302,13 @@ def test_a_taken_port_stops_every_task_with_one_clear_line_without_a_hang(slurm,
 
 
 def test_a_task_that_never_arrives_is_named_by_every_other_task(slurm, inner):
+    # 20 s: the three tasks that do come must all reach the rendezvous within it.
     proc = slurm.srun(
         4,
         "--spatial-ranks",
         "4",
         "--spatial-timeout",
-        "10",
+        "20",
         cwd=inner,
         before='if [ "$SLURM_PROCID" = 2 ]; then exit 0; fi',
     )
