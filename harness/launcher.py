@@ -135,12 +135,12 @@ _TOLD = "harness/launcher/told/{}"  # a rank read it: rank 0 (the store) may go
 def meet(rendezvous: Rendezvous, rank: int, world_size: int, timeout: float) -> Any:
     """Every rank at ``rendezvous`` within ``timeout`` seconds: the ``TCPStore`` they share.
 
-    Or a ``ConfigError`` on each rank, by the same deadline, that says what went wrong where
-    it can see it: rank 0 that the port is taken (at once), the others that rank 0 cannot be
-    reached, everyone which ranks never arrived. torch's own client can wait past its timeout
-    when another program holds the port (it connects, then waits for an answer that never
-    comes), so the connection is made under a deadline of ours. Rank 0 finds a taken port at
-    once (the store cannot listen), and offers a free one.
+    Or a ``ConfigError`` on each rank, by its deadline, that says what went wrong where it
+    can see it: rank 0 that the port is taken (at once: the store cannot listen; it offers a
+    free one), the others that rank 0 cannot be reached, everyone which ranks never arrived.
+    torch's own client can wait past its timeout when another program holds the port (it
+    connects, then waits for an answer that never comes), so the connection is made under a
+    deadline of ours.
     """
     from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
