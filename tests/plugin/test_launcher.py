@@ -181,6 +181,11 @@ def test_the_rendezvous_is_derived_from_the_step_where_not_exported():
     assert (exported.addr, exported.port) == ("login", 29500)
     only_port = launcher_rendezvous({**STEP, "MASTER_PORT": "29500"})
     assert (only_port.addr, only_port.port) == ("node07", 29500)
+    only_addr = launcher_rendezvous({**STEP, "MASTER_ADDR": "login"})
+    assert (only_addr.addr, only_addr.port) == ("login", 15312)
+    assert only_addr.source == (
+        "exported MASTER_ADDR; derived MASTER_PORT from SLURM_JOB_ID 31 and SLURM_STEP_ID 2"
+    )
     job_list = {k: v for k, v in STEP.items() if k != "SLURM_STEP_NODELIST"}
     assert launcher_rendezvous({**job_list, "SLURM_JOB_NODELIST": "a,b"}).addr == "a"
 
