@@ -92,6 +92,14 @@ def launcher_rendezvous(environ: Mapping[str, str] | None = None) -> Rendezvous:
     elif step is not None and step.nodelist:
         addr = step.first_host
         derived.append(f"MASTER_ADDR from {step.nodelist_variable}")
+        node = env.get("SLURMD_NODENAME", addr)
+        if step.rank == 0 and node != addr:  # not a block distribution: the others look there
+            raise ConfigError(
+                f"task 0 runs on {node}, not on {addr}, the first host of "
+                f"{step.nodelist_variable} ({step.nodelist}) where the other tasks will look "
+                f"for it; export MASTER_ADDR={node} (or launch with the default block "
+                "distribution)"
+            )
     else:
         raise ConfigError(
             "MASTER_ADDR is not set and this is no srun step with a node list to derive it "

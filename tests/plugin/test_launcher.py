@@ -190,6 +190,14 @@ def test_the_rendezvous_is_derived_from_the_step_where_not_exported():
     assert launcher_rendezvous({**job_list, "SLURM_JOB_NODELIST": "a,b"}).addr == "a"
 
 
+def test_task_0_off_the_first_host_is_told_to_export_master_addr():
+    task0 = {**STEP, "SLURM_PROCID": "0", "SLURMD_NODENAME": "node08"}
+    with pytest.raises(ConfigError, match=r"task 0 runs on node08, not on node07, the first ho"):
+        launcher_rendezvous(task0)
+    assert launcher_rendezvous({**task0, "MASTER_ADDR": "node08"}).addr == "node08"
+    assert launcher_rendezvous({**task0, "SLURMD_NODENAME": "node07"}).addr == "node07"
+
+
 @pytest.mark.parametrize("port", ["abc", "0", "70000"])
 def test_a_bad_master_port_is_one_clear_error(port):
     with pytest.raises(ConfigError, match=f"MASTER_PORT must be a port number .*got '{port}'"):
