@@ -346,7 +346,11 @@ def _launcher_registry(config: pytest.Config, env: dict[str, int], timeout: floa
         real, sys.stdout = sys.stdout, sink
         config.add_cleanup(sink.close)
         config.stash[_stdout_key] = real
-    return LauncherRegistry(LauncherRunner(timeout=timeout))
+    try:
+        runner = LauncherRunner(timeout=timeout)
+    except ConfigError as exc:  # no group to run in: one line on every task, never a suite each
+        raise pytest.UsageError(str(exc)) from None
+    return LauncherRegistry(runner)
 
 
 @pytest.hookimpl(trylast=True)
@@ -552,6 +556,8 @@ def pytest_report_header(config: pytest.Config) -> str:
             f"launched ranks {registry.default_ranks} (torchrun/srun, in place), "
             f"backend {registry.runner.backend}"
         )
+        if registry.runner.rendezvous is not None:
+            how += f", rendezvous {registry.runner.rendezvous}"
     else:
         how = (
             f"spatial ranks {registry.default_ranks}, backend gloo, "

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import re
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
-from harness.launcher import launcher_env
+from harness.errors import ConfigError
+from harness.launcher import Rendezvous, launcher_env, launcher_rendezvous, meet
 
 TESTS = """
 import pytest
@@ -146,3 +151,165 @@ def test_launcher_environment_is_read_from_torchrun_or_slurm_variables():
         "world_size": 8,
         "local_rank": 1,
     }
+
+
+STEP = {
+    "SLURM_PROCID": "1",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_ID": "31",
+    "SLURM_STEP_ID": "2",
+    "SLURM_STEP_NODELIST": "node[07-08]",
+}
+
+
+def test_an_srun_step_of_several_tasks_is_a_launch_with_nothing_exported():
+    assert launcher_env(STEP) == {"rank": 1, "world_size": 4, "local_rank": 1}
+    # One task runs the harness's own pool, and so does a batch script (it has no step):
+    assert launcher_env({**STEP, "SLURM_NTASKS": "1"}) is None
+    assert launcher_env({k: v for k, v in STEP.items() if k != "SLURM_STEP_ID"}) is None
+
+
+def test_the_rendezvous_is_derived_from_the_step_where_not_exported():
+    assert launcher_rendezvous(STEP) == Rendezvous(
+        "node07",
+        15312,
+        "derived MASTER_ADDR from SLURM_STEP_NODELIST, MASTER_PORT from SLURM_JOB_ID 31 and "
+        "SLURM_STEP_ID 2",
+    )
+    exported = launcher_rendezvous({**STEP, "MASTER_ADDR": "login", "MASTER_PORT": "29500"})
+    assert (exported.addr, exported.port) == ("login", 29500)
+    only_port = launcher_rendezvous({**STEP, "MASTER_PORT": "29500"})
+    assert (only_port.addr, only_port.port) == ("node07", 29500)
+    only_addr = launcher_rendezvous({**STEP, "MASTER_ADDR": "login"})
+    assert (only_addr.addr, only_addr.port) == ("login", 15312)
+    assert only_addr.source == (
+        "exported MASTER_ADDR; derived MASTER_PORT from SLURM_JOB_ID 31 and SLURM_STEP_ID 2"
+    )
+    job_list = {k: v for k, v in STEP.items() if k != "SLURM_STEP_NODELIST"}
+    assert launcher_rendezvous({**job_list, "SLURM_JOB_NODELIST": "a,b"}).addr == "a"
+
+
+def test_task_0_off_the_first_host_is_told_to_export_master_addr():
+    task0 = {**STEP, "SLURM_PROCID": "0", "SLURMD_NODENAME": "node08"}
+    with pytest.raises(ConfigError, match=r"task 0 runs on node08, not on node07, the first ho"):
+        launcher_rendezvous(task0)
+    assert launcher_rendezvous({**task0, "MASTER_ADDR": "node08"}).addr == "node08"
+    assert launcher_rendezvous({**task0, "SLURMD_NODENAME": "node07"}).addr == "node07"
+
+
+@pytest.mark.parametrize("port", ["abc", "0", "70000"])
+def test_a_bad_master_port_is_one_clear_error(port):
+    with pytest.raises(ConfigError, match=f"MASTER_PORT must be a port number .*got '{port}'"):
+        launcher_rendezvous({**STEP, "MASTER_PORT": port})
+
+
+def test_without_a_step_an_unset_master_addr_names_what_to_export():
+    with pytest.raises(ConfigError, match=r"MASTER_ADDR is not set .* export MASTER_ADDR="):
+        launcher_rendezvous({"MASTER_PORT": "29500"})
+
+
+def _meet_all(ranks, world_size, port, timeout=1.0, timeouts=None):
+    """meet() for ``ranks`` of a ``world_size``-rank group, each in a thread: error or store."""
+    rdv = Rendezvous("127.0.0.1", port, "test")
+    results: dict[int, object] = {}
+
+    def one(rank):
+        try:
+            results[rank] = meet(rdv, rank, world_size, (timeouts or {}).get(rank, timeout))
+        except ConfigError as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)  # generous; meet's own deadline is ``timeout`` (+5 s linger)
+    assert not any(t.is_alive() for t in threads), "meet() waited past its deadline"
+    return results
+
+
+def _port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def test_ranks_that_all_arrive_share_one_store():
+    results = _meet_all([0, 1], 2, _port(), timeout=30)
+    assert not any(isinstance(r, ConfigError) for r in results.values()), results
+
+
+def test_a_taken_port_is_refused_on_rank_0_at_once_with_a_free_one_offered():
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        (error,) = _meet_all([0], 4, port, timeout=600).values()
+    assert time.monotonic() - started < 60  # not the 600 s deadline: at once
+    assert isinstance(error, ConfigError)
+    assert f"rank 0/4 cannot listen on MASTER_PORT {port} at 127.0.0.1:{port} (test)" in str(error)
+    assert re.search(
+        r"Export a free MASTER_PORT, e\.g\. MASTER_PORT=\d+ \(free here now\)", str(error)
+    )
+
+
+def test_a_rank_that_reaches_a_port_nobody_answers_on_gives_up_at_its_deadline():
+    # In a process of its own: torch's client thread, left behind connected, goes with it.
+    code = (
+        "import sys\n"
+        "from harness.launcher import Rendezvous, meet\n"
+        "meet(Rendezvous('127.0.0.1', int(sys.argv[1]), 'test'), 1, 4, 1.0)\n"
+    )
+    with socket.socket() as holder:  # accepts connections (the backlog) and never answers
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        # Without the deadline the rank waits as long as the holder listens: here, 120 s.
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(port)], capture_output=True, text=True, timeout=120
+        )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"harness.errors.ConfigError: rank 1/4 could not reach rank 0 at 127.0.0.1:{port} (test) "
+        "within 1 s"
+    ), proc.stderr
+
+
+def test_a_rank_that_never_arrives_is_named_by_every_rank_that_did():
+    results = _meet_all([0, 1, 3], 4, _port())
+    assert sorted(results) == [0, 1, 3]
+    for rank, error in results.items():
+        assert isinstance(error, ConfigError), (rank, error)
+        assert str(error).startswith(f"rank {rank}/4: rank 2 never arrived at the rendezvous")
+    results = _meet_all([0], 3, _port())
+    assert str(results[0]).startswith("rank 0/3: ranks 1, 2 never arrived")
+
+
+def test_rank_0s_verdict_on_a_missing_rank_is_everyones_without_waiting_for_their_own():
+    started = time.monotonic()
+    results = _meet_all([0, 1], 3, _port(), timeouts={0: 1.0, 1: 120.0})
+    # Rank 1 would wait its own 120 s (or read "lost rank 0" once rank 0 is gone); it reads
+    # rank 0's verdict as soon as rank 0 gives up.
+    assert time.monotonic() - started < 60
+    assert str(results[1]).startswith("rank 1/3: rank 2 never arrived"), results[1]
+    assert str(results[0]).startswith("rank 0/3: rank 2 never arrived"), results[0]
+
+
+def test_a_launch_whose_group_cannot_form_is_one_usage_error_line(pytester, monkeypatch):
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+        for key, value in {**env, "MASTER_PORT": str(port)}.items():
+            monkeypatch.setenv(key, value)
+        result = pytester.runpytest_subprocess("--spatial-ranks=2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in result.errlines if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"ERROR: rank 0/2 cannot listen on MASTER_PORT {port}"
+    ), result.errlines
+    assert "INTERNALERROR" not in result.stdout.str()
