@@ -472,6 +472,7 @@ def send_behind_the_watch() -> int:
     return 0
 
 
+@pytest.mark.spatial_pool  # group reuse between runs is the pool's; a launcher keeps its one group
 def test_a_group_whose_members_counts_differ_is_never_reused(spatial):
     spatial.run(rank_and_sum, 0.0)
     assert min(spatial.run(sequence_at_start)) > 0  # in step: the next run reuses the group
