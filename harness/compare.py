@@ -18,9 +18,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from harness.divergence import Divergence, Location
 
 NUMERIC = ("loss", "grad", "field", "param")
 #: Quantities that say a run failed (a rank raised, died, hung or left work in flight),
@@ -451,6 +454,10 @@ class EquivalenceReport:
     seconds: float = 0.0
     likely: str = ""  # the one line most likely to name the bug, if the evidence says
     latitudes: list[float] | None = None  # the case's, for error maps (SpatialCase.latitudes)
+    #: where the partitioned run first departs from the reference (``harness.locate``):
+    #: ``None`` when nothing was located, or locating did not run
+    first_divergence: Divergence | None = None
+    location: Location | None = None  # what locating found (and could not compare)
 
     @property
     def ok(self) -> bool:
@@ -496,10 +503,13 @@ class EquivalenceReport:
             worst = ", ".join(
                 f"{q} {self.worst(q):.1e}" for q in NUMERIC if self.worst(q) is not None
             )
-            return head + f"equivalent to the reference (worst relative error: {worst})"
+            text = head + f"equivalent to the reference (worst relative error: {worst})"
+            located = self.location.lines() if self.location is not None else []
+            return "\n".join([text, *located])
         lines = [
             head + f"{len(self.mismatches)} mismatch(es) with the reference",
             f"First: {self.mismatches[0].headline()}",
+            *(self.location.lines() if self.location is not None else []),
             *([f"Likely cause: {self.likely}"] if self.likely else []),
             "",
         ]

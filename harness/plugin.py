@@ -117,6 +117,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "mutants are killed",
     )
     group.addoption(
+        "--spatial-locate",
+        action="store_true",
+        dest="spatial_locate",
+        help="locate the first diverging module of every check, passing ones too (failing "
+        "checks are always located; ini spatial_locate = true)",
+    )
+    group.addoption(
         "--goldens-unused",
         action="store_true",
         dest="goldens_unused",
@@ -127,6 +134,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addini("spatial_ranks", f"default for --spatial-ranks ({DEFAULT_RANKS})", default=None)
     parser.addini("spatial_timeout", "default for --spatial-timeout", default=None)
+    parser.addini("spatial_locate", "default for --spatial-locate", type="bool", default=False)
     parser.addini("spatial_deadlock_window", "default for --spatial-deadlock-window", default=None)
     parser.addini(
         "spatial_preload",
@@ -612,19 +620,31 @@ class SpatialFixture:
         golden: bool | str = False,
         ranks: int | None = None,
         timeout: float | None = None,
+        locate: bool | None = None,
         **kwargs: Any,
     ) -> Any:
         """``check_equivalence`` on the warm pool; fail with its table if not equivalent.
 
         With ``golden=True`` (or a name) the reference's loss, gradients, fields and
-        parameters are then checked against this test's golden file.
+        parameters are then checked against this test's golden file. ``locate``: as for
+        ``check_equivalence`` (default: on failure, or always with ``--spatial-locate``).
         """
         __tracebackhide__ = True
         ranks = ranks or self.ranks
         pool = self._pool(ranks)
+        config = self._node.config
+        if locate is None and (config.getoption("spatial_locate") or config.getini("spatial_locate")):
+            locate = True
+        if getattr(self._registry, "mutant", None) is not None:
+            locate = False  # a mutant's rerun only asks whether the check fails
         try:
             report = check_equivalence(
-                case, ranks=ranks, pool=pool, timeout=self._timeout(timeout), **kwargs
+                case,
+                ranks=ranks,
+                pool=pool,
+                timeout=self._timeout(timeout),
+                locate=locate,
+                **kwargs,
             )
         finally:
             self._attach_output(pool.last_outputs)

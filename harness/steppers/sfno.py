@@ -544,6 +544,14 @@ class SFNOCase(SpatialCase):
             fields["rollout"] = stepper.shard(rollout)
         return Outputs(out.loss, fields)
 
+    def partition(self, topo: Topology) -> list[LatLonPartition]:
+        """The grid's blocks, and the modes' (l over the polar ranks, m over the azimuth
+        ranks, by the SHT's own split): where a rank's fields and coefficients sit."""
+        cfg = self.config
+        h, w = cfg.process_grid(topo)
+        modes = _triangular(cfg.nlat, cfg.nlon)
+        return [data_partition(cfg, h, w), LatLonPartition(modes, modes, h, w)]
+
     def teardown(self, model: nn.Module | None, topo: Topology) -> None:
         restore_transposes()  # the next test's model may bring its own gloo transposes
 
