@@ -205,15 +205,13 @@ def _along(axis: Axis, n_local: int, n_ref: int) -> torch.Tensor | None:
     return None
 
 
-def shard_placement(index: torch.Tensor, dim: int, ndim: int, grid: tuple[int, int] | None) -> (
-    Placement
-):
+def shard_placement(
+    index: torch.Tensor, dim: int, ndim: int, grid: tuple[int, int] | None
+) -> Placement:
     """A ``Shard`` the case gave for a tensor: positions along one dim."""
     dim = dim % ndim
     units = tuple("position" if d == dim else "" for d in range(ndim))
-    return Placement(
-        tuple(index.long() if d == dim else None for d in range(ndim)), units, grid
-    )
+    return Placement(tuple(index.long() if d == dim else None for d in range(ndim)), units, grid)
 
 
 # ---------------------------------------------------------------------- traces
@@ -419,23 +417,25 @@ def first_divergence(
     for e in reference.events:
         if e.tensor is None:
             continue
-        verdicts = []
-        group_sums = _replicated_gradients(e, ranks, by_rank)
-        for r, (trace, events) in enumerate(zip(ranks, by_rank)):
-            if e.kind in ("grad_output", "grad_input") and trace.forward_only:
-                continue
-            mine = group_sums.get(r, events.get(e.key))
-            if mine is _JUDGED_BY_GROUP:
-                continue
-            v = _judge(e, noisy.get(e.key), mine, trace, r)
-            if v is None:
-                if mine is not None and mine.placement != "skip":
-                    label = e.module if e.kind != "field" else f"field {e.slot}"
-                    out.not_compared.setdefault(label, []).append(
-                        f"{e.kind} {tuple(mine.tensor.shape) if mine.tensor is not None else ''}"
-                    )
-                continue
-            verdicts.append(v)
+        verdicts: list[_Verdict] = []
+        for k, readings in enumerate(_readings(e, ranks, by_rank)):
+            found = []
+            for r, (trace, events) in enumerate(zip(ranks, by_rank)):
+                if e.kind in ("grad_output", "grad_input") and trace.forward_only:
+                    continue
+                mine = readings.get(r, events.get(e.key))
+                if mine is _JUDGED_BY_GROUP:
+                    continue
+                v = _judge(e, noisy.get(e.key), mine, trace, r)
+                if v is None:
+                    if k == 0 and mine is not None and mine.placement != "skip":
+                        label = e.module if e.kind != "field" else f"field {e.slot}"
+                        shape = tuple(mine.tensor.shape) if mine.tensor is not None else ""
+                        out.not_compared.setdefault(label, []).append(f"{e.kind} {shape}")
+                    continue
+                found.append(v)
+            if found and (not verdicts or _worst(found) < _worst(verdicts)):
+                verdicts = found
         if not verdicts:
             continue
         out.compared += 1
@@ -443,8 +443,8 @@ def first_divergence(
         if worst.multiple <= depart:
             out.worst_multiple = max(out.worst_multiple, worst.multiple)
             if e.kind in ("input", "grad_output"):
-                k = (e.module, e.call)
-                upstream[k] = max(upstream.get(k, 0.0), worst.max_rel)
+                call = (e.module, e.call)
+                upstream[call] = max(upstream.get(call, 0.0), worst.max_rel)
             continue
         out.first = _divergence(e, worst, reference.step, calls, types, parents, upstream)
         break
@@ -456,18 +456,48 @@ def first_divergence(
 _JUDGED_BY_GROUP = Event("", "", 0, "", "", None)
 
 
+def _worst(verdicts: list[_Verdict]) -> float:
+    return max(v.multiple for v in verdicts)
+
+
+def _readings(
+    e: Event, ranks: Sequence[Trace], by_rank: list[dict[Any, Event]]
+) -> list[dict[int, Event]]:
+    """The ways a quantity replicated over ranks may be read; the best is judged.
+
+    As is (every rank holds the reference's value); for a gradient, the sum over the
+    spatial group (each rank back-propagates its own part of the loss, ``reduce_loss``
+    having an identity backward, so upstream of it the ranks' gradients of a replicated
+    activation are parts of the reference's; downstream of it, the loss's own gradient is
+    whole on every rank); with data groups, a forward value's mean over the groups (a
+    group's loss is the mean over its own samples).
+    """
+    out: list[dict[int, Event]] = [{}]
+    if e.tensor is None:
+        return out
+    if e.kind in ("grad_output", "grad_input"):
+        summed = _replicated_gradients(e, ranks, by_rank)
+        if summed:
+            out.append(summed)
+    elif e.kind in ("input", "output") and any(t.data_size > 1 for t in ranks):
+        mine = [ev.get(e.key) for ev in by_rank]
+        tensors = [m.tensor for m in mine if m is not None and m.tensor is not None]
+        if len(tensors) == len(ranks) and all(x.shape == e.tensor.shape for x in tensors):
+            m0 = mine[0]
+            assert m0 is not None
+            mean = torch.stack(tensors).mean(0).to(e.tensor.dtype)
+            out.append({0: Event(m0.module, m0.type, m0.call, m0.kind, m0.slot, mean)})
+            out[-1].update({r: _JUDGED_BY_GROUP for r in range(1, len(ranks))})
+    return out
+
+
 def _replicated_gradients(
     e: Event, ranks: Sequence[Trace], by_rank: list[dict[Any, Event]]
 ) -> dict[int, Event]:
-    """The gradient of a tensor replicated over a spatial group, summed over the group.
-
-    Each rank back-propagates its own part of the loss (``reduce_loss``: identity
-    backward), so on a correct run the ranks' gradients of a replicated activation (the
-    gathered latent, say) are parts whose sum is the reference's. Returns, per spatial
-    group, the sum in place of its first rank's event and a marker for the others; nothing
-    for tensors that are not replicated.
-    """
-    if e.kind not in ("grad_output", "grad_input") or e.tensor is None:
+    """The gradient of a tensor replicated over a spatial group, summed over the group:
+    per spatial group, the sum in place of its first rank's event and a marker for the
+    others; nothing for tensors that are not replicated."""
+    if e.tensor is None:
         return {}
     out: dict[int, Event] = {}
     groups: dict[int, list[int]] = {}
@@ -484,7 +514,9 @@ def _replicated_gradients(
         shapes = {tuple(x.shape) for x in tensors if x is not None}
         if len(shapes) != 1:
             continue
-        p = place(shapes.pop(), tuple(e.tensor.shape), first.axes, (first.data_rank, first.data_size))
+        p = place(
+            shapes.pop(), tuple(e.tensor.shape), first.axes, (first.data_rank, first.data_size)
+        )
         if p is None or any(i is not None and u != "sample" for i, u in zip(p.index, p.units)):
             continue  # not replicated over the group: each rank's is its block's gradient
         total = torch.stack([x for x in tensors if x is not None]).sum(0)
@@ -534,7 +566,11 @@ def _divergence(
         return Divergence("field", None, "", f"field {e.slot!r}", name=e.slot, **common)  # type: ignore[arg-type]
     if e.kind == "param_grad":
         return Divergence(
-            "backward", e.module, e.type, f"grad {e.slot!r}", **common  # type: ignore[arg-type]
+            "backward",
+            e.module,
+            e.type,
+            f"grad {e.slot!r}",
+            **common,  # type: ignore[arg-type]
         )
     module, call, quantity = e.module, e.call, e.kind
     if e.kind in ("input", "grad_output"):
@@ -547,7 +583,12 @@ def _divergence(
             what = "the batch (the model's input)" if e.kind == "input" else "the loss"
             direction = "forward" if e.kind == "input" else "backward"
             return Divergence(
-                direction, None, "", f"{e.kind} of {module!r}", name=what, **common  # type: ignore[arg-type]
+                direction,
+                None,
+                "",
+                f"{e.kind} of {module!r}",
+                name=what,
+                **common,  # type: ignore[arg-type]
             )
         quantity = f"{e.kind} of {module!r}"
         module, call = parent
@@ -593,7 +634,10 @@ def _judge(
         placement = mine.placement
     else:
         placement = place(
-            tuple(local.shape), tuple(expected.shape), trace.axes, (trace.data_rank, trace.data_size)
+            tuple(local.shape),
+            tuple(expected.shape),
+            trace.axes,
+            (trace.data_rank, trace.data_size),
         )
     if placement is None:
         return None

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harness.collectives import apply
 from harness.divergence import (
     Event,
     Location,
@@ -167,7 +168,9 @@ class Recorder:
         if tensor is not None and not self.topo.is_reference:
             placement, tensor = self._case_placement(name, tensor)
         parent = self.stack[-2] if kind == "input" and len(self.stack) > 1 else None
-        return Event(name, type(module).__name__, call, kind, slot, tensor, parent, False, placement)
+        return Event(
+            name, type(module).__name__, call, kind, slot, tensor, parent, False, placement
+        )
 
     def _case_placement(
         self, name: str, tensor: torch.Tensor
@@ -204,7 +207,7 @@ class Recorder:
             if self.nudge:
                 t = self._nudged(t)
             if self.backward and t.requires_grad and torch.is_grad_enabled():
-                t = _Tap.apply(t, self._sink(module, call, slot))
+                t = apply(_Tap, t, self._sink(module, call, slot))
             return t
 
         return _map((args, kwargs), wrap)
@@ -293,15 +296,17 @@ def _traced(
     trace = recorder.trace
     st = record.steps[step]
     # the loss is computed after the forward, before the backward
-    backward = (i for i, e in enumerate(trace.events) if e.kind in _BACKWARD)
-    trace.events.insert(next(backward, len(trace.events)), Event("", "", 0, "loss", "loss", st.loss))
+    after = (i for i, e in enumerate(trace.events) if e.kind in _BACKWARD)
+    trace.events.insert(next(after, len(trace.events)), Event("", "", 0, "loss", "loss", st.loss))
     for name, f in st.fields.items():
         placement: Placement | str | None = None
         if f.sharded:
             assert f.dim is not None
             index = f.positions(0) if not isinstance(f.index, slice) else _slice_positions(f)
             placement = shard_placement(index, f.dim, f.values.dim(), f.grid)
-        trace.events.append(Event("", "", 0, "field", _strip(name), f.values, None, False, placement))
+        trace.events.append(
+            Event("", "", 0, "field", _strip(name), f.values, None, False, placement)
+        )
     trace.spatial_rank, trace.data_rank, trace.data_size = (
         topo.spatial_rank,
         topo.data_rank,
@@ -352,7 +357,11 @@ def locate(
             )
         except RankFailure as failure:
             first = next((p for p in failure.problems if p.kind != "stopped"), None)
-            problem = f"the hooked rerun failed on rank {first.rank}: {first.summary}" if first else str(failure)
+            problem = (
+                f"the hooked rerun failed on rank {first.rank}: {first.summary}"
+                if first
+                else str(failure)
+            )
             continue
         except Exception as exc:  # noqa: BLE001 - a model that breaks under the hooks
             problem = f"the hooked rerun of the reference raised {exc!r}"

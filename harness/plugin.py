@@ -633,7 +633,9 @@ class SpatialFixture:
         ranks = ranks or self.ranks
         pool = self._pool(ranks)
         config = self._node.config
-        if locate is None and (config.getoption("spatial_locate") or config.getini("spatial_locate")):
+        if locate is None and (
+            config.getoption("spatial_locate") or config.getini("spatial_locate")
+        ):
             locate = True
         if getattr(self._registry, "mutant", None) is not None:
             locate = False  # a mutant's rerun only asks whether the check fails

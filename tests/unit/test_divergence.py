@@ -101,8 +101,18 @@ def _traces(ref_events, rank_events, noise=1e-15):
     return reference, nudged, [rank]
 
 
-def model_events(*, enc_out=None, dec_in=None, dec_out=None, g_dec_out=None, g_dec_in=None,
-                 g_enc_out=None, g_w=None, loss=None, field=None):  # fmt: skip
+def model_events(
+    *,
+    enc_out=None,
+    dec_in=None,
+    dec_out=None,
+    g_dec_out=None,
+    g_dec_in=None,
+    g_enc_out=None,
+    g_w=None,
+    loss=None,
+    field=None,
+):
     """A model '' calling 'enc' then 'dec'; keyword arguments replace one tensor."""
     root = ("", 0)
     return [
@@ -145,7 +155,11 @@ def test_a_module_whose_output_departs_while_its_inputs_match_is_the_forward_div
 def test_an_input_that_departs_first_points_at_the_enclosing_modules_own_code():
     ref, nudged, ranks = _traces(model_events(), model_events(dec_in=t(3, 5), dec_out=t(5, 7)))
     d = first_divergence(ref, nudged, ranks).first
-    assert d is not None and (d.direction, d.module, d.quantity) == ("forward", "", "input of 'dec'")
+    assert d is not None and (d.direction, d.module, d.quantity) == (
+        "forward",
+        "",
+        "input of 'dec'",
+    )
 
 
 def test_a_departing_model_input_is_the_batch():
@@ -162,7 +176,11 @@ def test_a_loss_that_departs_while_every_module_matched_is_the_loss():
 
 def test_a_gradient_into_the_inputs_that_departs_while_the_output_gradient_matched_is_backward():
     d = first_divergence(*_traces(model_events(), model_events(g_dec_in=t(2, 3)))).first
-    assert d is not None and (d.direction, d.module, d.quantity) == ("backward", "dec", "grad_input")
+    assert d is not None and (d.direction, d.module, d.quantity) == (
+        "backward",
+        "dec",
+        "grad_input",
+    )
     assert d.line().startswith("First divergence: backward of 'dec' (Lin), step 0: gradient at")
 
 
@@ -233,8 +251,11 @@ def test_a_nan_on_a_rank_departs_and_matching_nans_do_not():
     ref = [ev("m", "output", t(1, math.nan))]
     same = first_divergence(Trace(0, ref), None, [Trace(0, [ev("m", "output", t(1, math.nan))])])
     assert same.first is None
-    d = first_divergence(Trace(0, [ev("m", "output", t(1, 2))]), None,
-                         [Trace(0, [ev("m", "output", t(1, math.nan))])]).first  # fmt: skip
+    d = first_divergence(
+        Trace(0, [ev("m", "output", t(1, 2))]),
+        None,
+        [Trace(0, [ev("m", "output", t(1, math.nan))])],
+    ).first
     assert d is not None and math.isinf(d.multiple)
 
 
@@ -247,21 +268,42 @@ def test_a_module_call_the_rank_never_made_departs():
 def test_with_data_groups_the_loss_is_their_mean_and_gradients_are_per_group():
     ref = [ev("", "loss", t(2.0), slot="loss"), ev("m", "grad_output", t(1, 1, 1, 1))]
     groups = [
-        Trace(0, [ev("", "loss", t(1.0), slot="loss"), ev("m", "grad_output", t(2, 2))],
-              data_rank=g, data_size=2)  # fmt: skip
+        Trace(
+            0,
+            [ev("", "loss", t(1.0), slot="loss"), ev("m", "grad_output", t(2, 2))],
+            data_rank=g,
+            data_size=2,
+        )
         for g in range(2)
     ]
     groups[1].events[0] = ev("", "loss", t(3.0), slot="loss")
     assert first_divergence(Trace(0, ref), None, groups).first is None
 
 
-def test_gradients_of_a_replicated_tensor_are_the_spatial_groups_parts_of_the_reference():
-    # every rank holds the whole (gathered) latent; each back-propagates its own loss part
+def test_gradients_of_a_replicated_tensor_may_be_whole_on_each_rank_or_parts_of_the_groups():
+    # upstream of reduce_loss each rank back-propagates its own part of the loss: the ranks'
+    # gradients of a replicated activation (a gathered latent) sum to the reference's;
+    # downstream of it (the loss itself) every rank holds the whole gradient
     ref = [ev("mix", "grad_output", t(1, 1))]
-    parts = [Trace(0, [ev("mix", "grad_output", t(1, 0))]),
-             Trace(0, [ev("mix", "grad_output", t(0, 1))], spatial_rank=1)]  # fmt: skip
-    assert first_divergence(Trace(0, ref), None, parts).first is None
-    whole_on_each = [Trace(0, [ev("mix", "grad_output", t(1, 1))]),
-                     Trace(0, [ev("mix", "grad_output", t(1, 1))], spatial_rank=1)]  # fmt: skip
-    d = first_divergence(Trace(0, ref), None, whole_on_each).first
-    assert d is not None and math.isclose(d.max_rel, 1.0)  # counted twice: the group's sum is 2x
+
+    def two(a, b):
+        return [
+            Trace(0, [ev("mix", "grad_output", a)]),
+            Trace(0, [ev("mix", "grad_output", b)], spatial_rank=1),
+        ]
+
+    assert first_divergence(Trace(0, ref), None, two(t(1, 0), t(0, 1))).first is None
+    assert first_divergence(Trace(0, ref), None, two(t(1, 1), t(1, 1))).first is None
+    d = first_divergence(Trace(0, ref), None, two(t(2, 0), t(0, 0))).first  # neither
+    assert d is not None and math.isclose(d.max_rel, 1.0)
+
+
+def test_with_data_groups_a_replicated_forward_value_may_be_the_mean_of_the_groups():
+    ref = [ev("", "output", t(2.0))]  # the model's own loss, over every sample
+    groups = [
+        Trace(0, [ev("", "output", t(v))], data_rank=g, data_size=2)
+        for g, v in enumerate((1.0, 3.0))
+    ]
+    assert first_divergence(Trace(0, ref), None, groups).first is None
+    groups[1].events[0] = ev("", "output", t(4.0))
+    assert first_divergence(Trace(0, ref), None, groups).first is not None
