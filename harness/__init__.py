@@ -6,6 +6,7 @@ The downstream contract::
 """
 
 from harness.compare import Bound, EquivalenceReport, Mismatch, Tolerance
+from harness.divergence import Divergence, Positions
 from harness.equivalence import Outputs, Shard, SpatialCase, check_equivalence, data_share
 from harness.errors import (
     ConfigError,
@@ -33,6 +34,7 @@ __all__ = [
     "Bound",
     "CellPartition",
     "ConfigError",
+    "Divergence",
     "EquivalenceReport",
     "GoldenError",
     "GoldenStore",
@@ -42,6 +44,7 @@ __all__ = [
     "Mismatch",
     "Outputs",
     "PicklingProblem",
+    "Positions",
     "PoolRegistry",
     "RankCrash",
     "RankDeadlock",
