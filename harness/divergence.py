@@ -351,6 +351,9 @@ class Location:
     compared: int = 0
     not_compared: dict[str, list[str]] = field(default_factory=dict)  # module -> shapes
     dtypes: tuple[str, ...] = ()
+    #: the dtypes of the ranks' tensors compared up to and including the first divergence
+    #: (all of them when nothing departs): a float32 one is evidence of float32 on the path
+    path_dtypes: tuple[str, ...] = ()
     step: int = 0
     seconds: float = 0.0
     problem: str = ""  # why nothing could be located (the rerun failed)
@@ -414,6 +417,7 @@ def first_divergence(
                 dtypes[str(e.tensor.dtype).replace("torch.", "")] = None
     out.dtypes = tuple(dtypes)
     upstream: dict[tuple[str, int], float] = {}  # worst rel of a call's inputs / grad_outputs
+    path: dict[str, None] = {}
     for e in reference.events:
         if e.tensor is None:
             continue
@@ -438,6 +442,8 @@ def first_divergence(
                 verdicts = found
         if not verdicts:
             continue
+        for v in verdicts:
+            path[v.dtype] = None
         out.compared += 1
         worst = max(verdicts, key=lambda v: v.multiple)
         if worst.multiple <= depart:
@@ -450,6 +456,7 @@ def first_divergence(
         break
     for label in list(out.not_compared):
         out.not_compared[label] = sorted(set(out.not_compared[label]))
+    out.path_dtypes = tuple(d for d in path if d != "-")
     return out
 
 

@@ -307,3 +307,16 @@ def test_with_data_groups_a_replicated_forward_value_may_be_the_mean_of_the_grou
     assert first_divergence(Trace(0, ref), None, groups).first is None
     groups[1].events[0] = ev("", "output", t(4.0))
     assert first_divergence(Trace(0, ref), None, groups).first is not None
+
+
+def test_the_dtypes_on_the_path_to_the_divergence_are_kept_for_the_hints():
+    ref = [ev("a", "output", t(1, 2)), ev("b", "output", t(3, 4)), ev("c", "output", t(5, 6))]
+    rank = [
+        ev("a", "output", t(1, 2)),
+        ev("b", "output", t(3, 5)),  # departs here
+        ev("c", "output", torch.tensor([5, 6], dtype=torch.float32)),
+    ]
+    found = first_divergence(Trace(0, ref), None, [Trace(0, rank)])
+    assert found.first is not None and found.first.module == "b"
+    assert found.path_dtypes == ("float64",)  # the float32 after it is not on the path
+    assert found.dtypes == ("float64", "float32")
