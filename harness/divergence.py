@@ -359,6 +359,22 @@ class Location:
     problem: str = ""  # why nothing could be located (the rerun failed)
     forward_only: bool = False
     worst_multiple: float = 0.0  # the largest multiple of a matching quantity
+    calibration: dict[str, Calibration] = field(default_factory=dict)
+
+    def calibration_lines(self, rtols: dict[str, float] | None = None) -> list[str]:
+        """Per quantity: the rounding noise measured, the error seen, the rtol they support
+        (``--spatial-calibrate``); ``rtols``: the check's, to compare with."""
+        out = []
+        for quantity in ("loss", "grad", "field"):
+            cal = self.calibration.get(quantity)
+            if cal is None or not cal.compared:
+                continue
+            now = f" (now {rtols[quantity]:g})" if rtols and quantity in rtols else ""
+            out.append(
+                f"{quantity}: rounding noise {cal.noise:.1e}, partitioned run {cal.error:.1e} "
+                f"(relative to the largest value) -> supports rtol {cal.supports():.0e}{now}"
+            )
+        return out
 
     def lines(self) -> list[str]:
         out = []
@@ -387,6 +403,26 @@ class _Verdict:
     multiple: float
     where: str
     dtype: str
+    scale: float = 0.0  # the reference's largest magnitude there
+
+
+@dataclass
+class Calibration:
+    """One quantity's measured rounding noise and the partitioned run's error, both
+    relative to the reference's largest magnitude, over every tensor of it compared."""
+
+    noise: float = 0.0
+    error: float = 0.0
+    compared: int = 0
+
+    def supports(self) -> float:
+        """The smallest rtol that holds the errors seen with a 10x margin (and never below
+        10x the noise: a rerun with other rounding must pass too)."""
+        return 10 * max(self.error, self.noise)
+
+
+#: which quantity of a check's Tolerance each kind of event calibrates
+_CALIBRATES = {"loss": "loss", "param_grad": "grad", "field": "field"}
 
 
 def first_divergence(
@@ -444,6 +480,13 @@ def first_divergence(
             continue
         for v in verdicts:
             path[v.dtype] = None
+        if e.kind in _CALIBRATES:
+            cal = out.calibration.setdefault(_CALIBRATES[e.kind], Calibration())
+            cal.compared += 1
+            for v in verdicts:
+                if v.scale > 0 and math.isfinite(v.max_abs):
+                    cal.noise = max(cal.noise, v.noise / v.scale)
+                    cal.error = max(cal.error, v.max_abs / v.scale)
         out.compared += 1
         worst = max(verdicts, key=lambda v: v.multiple)
         if worst.multiple <= depart:
@@ -691,7 +734,7 @@ def _judge(
     floor = max(noise, MIN_ULPS * eps * scale, tiny)
     max_abs = float(diff.max()) if diff.numel() else 0.0
     if max_abs == 0.0:
-        return _Verdict(rank, 0.0, 0.0, floor, 0.0, "", dtype)
+        return _Verdict(rank, 0.0, 0.0, floor, 0.0, "", dtype, scale)
     flat = int(torch.argmax(diff.reshape(-1)))
     return _Verdict(
         rank,
@@ -701,6 +744,7 @@ def _judge(
         max_abs / floor,
         _where(flat, local.shape, placement),
         dtype,
+        scale,
     )
 
 

@@ -124,6 +124,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "checks are always located; ini spatial_locate = true)",
     )
     group.addoption(
+        "--spatial-calibrate",
+        action="store_true",
+        dest="spatial_calibrate",
+        help="locate every check and print, per quantity, the rounding noise measured, the "
+        "partitioned run's error and the rtol they support",
+    )
+    group.addoption(
         "--goldens-unused",
         action="store_true",
         dest="goldens_unused",
@@ -454,6 +461,13 @@ class HarnessSession:
             width = max(100, columns) if columns else None
             for line in equivalence_table(rows, width=width):
                 tr.write_line(line)
+            calibrated = [r for r in rows if r.get("calibration")]
+            if calibrated:
+                tr.write_sep("=", "spatial calibration (--spatial-calibrate)")
+            for r in calibrated:
+                tr.write_line(f"{r.get('test', '')} ({r['case']}, {r['dtype']}):")
+                for line in r["calibration"]:
+                    tr.write_line(f"  {line}")
         counts: dict[str, int] = {}
         for status in self.golden_status.values():
             counts[status] = counts.get(status, 0) + 1
@@ -633,8 +647,9 @@ class SpatialFixture:
         ranks = ranks or self.ranks
         pool = self._pool(ranks)
         config = self._node.config
+        calibrate = bool(config.getoption("spatial_calibrate"))
         if locate is None and (
-            config.getoption("spatial_locate") or config.getini("spatial_locate")
+            calibrate or config.getoption("spatial_locate") or config.getini("spatial_locate")
         ):
             locate = True
         if getattr(self._registry, "mutant", None) is not None:
@@ -653,6 +668,9 @@ class SpatialFixture:
             collect_sites(self._node, pool)
         row = report.summary_row()
         row["test"] = self._node.nodeid
+        if calibrate and report.location is not None and report.tolerance is not None:
+            rtols = {q: report.tolerance.bound(q).rtol for q in ("loss", "grad", "field")}
+            row["calibration"] = report.location.calibration_lines(rtols)
         if golden:
             name = golden if isinstance(golden, str) else None
             dtype = next(iter(report.reference.values())).dtype

@@ -36,3 +36,21 @@ def test_spatial_locate_and_its_ini_locate_passing_checks(pytester):
     pytester.makeini("[pytest]\nspatial_locate = true\n")
     ini = pytester.runpytest_subprocess("--spatial-ranks=2", "-p", "no:cacheprovider")
     ini.assert_outcomes(passed=2)
+
+
+def test_spatial_calibrate_prints_each_quantitys_noise_error_and_supported_rtol(pytester):
+    correct = DOWNSTREAM.format(broken=False).replace("golden=True", "")
+    pytester.makepyfile(test_down=correct)
+    result = pytester.runpytest_subprocess(
+        "--spatial-ranks=2", "--spatial-calibrate", "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*spatial calibration (--spatial-calibrate)*",
+            "*test_down.py::test_scale_is_equivalent (Scale, float64):",
+            "  loss: rounding noise *, partitioned run * -> supports rtol *e-1* (now 1e-10)",
+            "  grad: rounding noise *, partitioned run * -> supports rtol *e-1* (now 1e-10)",
+            "  field: rounding noise *",
+        ]
+    )

@@ -320,3 +320,27 @@ def test_the_dtypes_on_the_path_to_the_divergence_are_kept_for_the_hints():
     assert found.first is not None and found.first.module == "b"
     assert found.path_dtypes == ("float64",)  # the float32 after it is not on the path
     assert found.dtypes == ("float64", "float32")
+
+
+def test_calibration_keeps_each_quantitys_noise_and_error_and_the_rtol_they_support():
+    ref = [ev("", "loss", t(2.0), slot="loss"), ev("m", "param_grad", t(10, 1), slot="m.w")]
+    nudged = Trace(
+        0,
+        [ev("", "loss", t(2.0), slot="loss"), ev("m", "param_grad", t(10 + 1e-12, 1), slot="m.w")],
+    )
+    rank = Trace(
+        0,
+        [ev("", "loss", t(2.0), slot="loss"), ev("m", "param_grad", t(10, 1 + 1e-11), slot="m.w")],
+    )
+    found = first_divergence(Trace(0, ref), nudged, [rank])
+    grad = found.calibration["grad"]
+    assert math.isclose(grad.noise, 1e-13, rel_tol=1e-3) and math.isclose(
+        grad.error, 1e-12, rel_tol=1e-3
+    )
+    assert math.isclose(grad.supports(), 1e-11, rel_tol=1e-3)
+    assert found.calibration["loss"].error == 0.0
+    lines = found.calibration_lines({"loss": 1e-10, "grad": 1e-10})
+    assert lines[1] == (
+        "grad: rounding noise 1.0e-13, partitioned run 1.0e-12 (relative to the largest "
+        "value) -> supports rtol 1e-11 (now 1e-10)"
+    )
