@@ -20,16 +20,26 @@ NLAT, NLON, CH, BATCH = 8, 16, 2, 2
 
 class Halo(torch.nn.Module):
     """The block plus one cell of each neighbour (``bug="wrong-neighbour"``: the northern
-    halo row filled from the southern neighbour's)."""
+    halo row filled from the southern neighbour's; ``bug="stale"``: the halo of the previous
+    call, around this call's block)."""
 
     def __init__(self, part: LatLonPartition, topo: Topology, bug: str | None) -> None:
         super().__init__()
         self.part, self.topo, self.bug = part, topo, bug
+        self.last: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         padded = grid_halo_exchange(x, self.part, self.topo)
-        if self.bug == "wrong-neighbour" and self.topo.spatial_group is not None:
+        if self.topo.spatial_group is None:
+            return padded
+        if self.bug == "wrong-neighbour":
             padded = torch.cat([padded[..., -1:, :], padded[..., 1:, :]], dim=-2)
+        if self.bug == "stale":
+            fresh, old = padded, self.last
+            self.last = padded.detach()
+            if old is not None:
+                padded = old.clone()
+                padded[..., 1:-1, 1:-1] = fresh[..., 1:-1, 1:-1]
         return padded
 
 
@@ -136,6 +146,7 @@ BUGS = {
     ),
     "noise": ({"noise": "rank-shaped"}, "forward of 'noise' (Noise)", "output"),
     "hooks": ({"sync": "part"}, None, "grad 'blocks.2.mixer.gain'"),
+    "stale-halo": ({"halo": "stale"}, "forward of 'halo' (Halo)", "output"),
 }
 
 
@@ -152,6 +163,7 @@ def test_each_bug_of_a_hand_written_model_is_located_in_its_module(spatial, bug)
         assert found.located == located, found.line()
     assert found.quantity == quantity, found.line()
     assert found.multiple > 1e6 and found.dtype == "float64"
+    assert found.step == (1 if bug == "stale-halo" else 0)  # a stale halo is right at first
     line = next(x for x in str(report).splitlines() if x.startswith("First divergence:"))
     assert line == found.line() and repr(found.module) in line
 
