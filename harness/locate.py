@@ -37,7 +37,7 @@ from harness.divergence import (
     first_divergence,
     shard_placement,
 )
-from harness.errors import RankFailure
+from harness.errors import ConfigError, RankFailure
 from harness.records import detached
 from harness.topology import Topology
 
@@ -178,9 +178,9 @@ class Recorder:
         said = self.case.activation_shard(name, tensor, self.topo)
         if said is None or isinstance(said, str):
             if said not in (None, "whole", "skip"):
-                raise ValueError(
+                raise ConfigError(
                     f"{self.case.label}.activation_shard({name!r}, ...) returned {said!r}; "
-                    'return a Shard, "whole", "skip" or None'
+                    'return a Shard, "whole", "skip" or None (infer it from partition)'
                 )
             return said, tensor
         from harness.equivalence import _shard_index
