@@ -7,6 +7,7 @@ The downstream contract::
 
 from harness.adopt import GroupMismatch, check_group
 from harness.compare import Bound, EquivalenceReport, Mismatch, Tolerance
+from harness.divergence import Divergence, Positions
 from harness.equivalence import Outputs, Shard, SpatialCase, check_equivalence, data_share
 from harness.errors import (
     ConfigError,
@@ -35,6 +36,7 @@ __all__ = [
     "Bound",
     "CellPartition",
     "ConfigError",
+    "Divergence",
     "EquivalenceFailure",
     "EquivalenceReport",
     "GoldenError",
@@ -47,6 +49,7 @@ __all__ = [
     "Outputs",
     "PicklingProblem",
     "PoolRegistry",
+    "Positions",
     "RankCrash",
     "RankDeadlock",
     "RankError",

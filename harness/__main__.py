@@ -378,6 +378,8 @@ def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> list[str]
         verdict = f"caught as {shown}" if caught else "MISSED"
         took = time.perf_counter() - t0
         print(f"  [{i}/{len(matrix)}] {stepper}:{fault}: {verdict} ({took:.1f}s)", flush=True)
+        if report.first_divergence is not None:
+            print(f"        first divergence: {report.first_divergence.located}", flush=True)
         if not caught:
             failures.append(
                 f"{stepper}:{fault} was not caught as {'/'.join(sorted(expected))}"

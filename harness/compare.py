@@ -18,11 +18,14 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from harness.errors import EquivalenceFailure
+
+if TYPE_CHECKING:
+    from harness.divergence import Divergence, Location
 
 NUMERIC = ("loss", "grad", "field", "param")
 #: Quantities that say a run failed (a rank raised, died, hung or left work in flight),
@@ -475,6 +478,10 @@ class EquivalenceReport:
     #: what the run did that a reader must know to trust the verdict, one line each (e.g.
     #: shards loaded from the reference); shown under the report's first line
     notes: list[str] = field(default_factory=list)
+    #: where the partitioned run first departs from the reference (``harness.locate``):
+    #: ``None`` when nothing was located, or locating did not run
+    first_divergence: Divergence | None = None
+    location: Location | None = None  # what locating found (and could not compare)
 
     @property
     def ok(self) -> bool:
@@ -534,11 +541,13 @@ class EquivalenceReport:
                 f"{q} {self.worst(q):.1e}" for q in NUMERIC if self.worst(q) is not None
             )
             verdict = head + f"equivalent to the reference (worst relative error: {worst})"
-            return "\n".join([verdict, *(f"Note: {n}" for n in self.notes)])
+            located = self.location.lines() if self.location is not None else []
+            return "\n".join([verdict, *(f"Note: {n}" for n in self.notes), *located])
         lines = [
             head + f"{len(self.mismatches)} mismatch(es) with the reference",
             *(f"Note: {n}" for n in self.notes),
             f"First: {self.mismatches[0].headline()}",
+            *(self.location.lines() if self.location is not None else []),
             *([f"Likely cause: {self.likely}"] if self.likely else []),
             "",
         ]

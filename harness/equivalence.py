@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ import torch
 from harness._dtypes import OutputDtypes, collective_dtypes
 from harness._state import CallerState
 from harness.checks import compare_runs
-from harness.compare import EquivalenceReport, Mismatch, Tolerance
+from harness.compare import FAILURES, EquivalenceReport, Mismatch, Tolerance
 from harness.errors import ConfigError, RankFailure
 from harness.records import FieldRecord, ParamShard, RunRecord, StepRecord, detached
 from harness.topology import Topology, validate_sizes
@@ -162,6 +162,29 @@ class SpatialCase:
         """
         return {}
 
+    def partition(self, topo: Topology) -> Any:
+        """How this rank's part of the domain is laid out: a ``LatLonPartition``, a
+        ``CellPartition``, ``harness.Positions`` (one dimension), a list of them, or ``None``.
+
+        Read on the ranks when a check locates its first divergence: a module's tensor whose
+        dims are this rank's block of one of them (the last two dims for a lat x lon grid;
+        the cells or positions at any dim; a block plus a halo) is compared with that block
+        of the reference's, one of the global size with the whole. ``None`` (the default):
+        only tensors of the reference's shape are compared.
+        """
+        return None
+
+    def activation_shard(self, name: str, tensor: torch.Tensor, topo: Topology) -> Any:
+        """Where a module's tensor on this rank sits in the reference's, when
+        ``partition`` cannot say: a ``Shard`` (its values at global positions along one dim,
+        or ``Shard.grid``), ``"whole"`` (replicated: the reference's tensor as is), ``"skip"``
+        (not comparable, and not to be listed), or ``None`` (infer it from ``partition``).
+
+        ``name`` is the module's qualified name (``model.named_modules()``); ``tensor`` one of
+        its inputs, outputs or gradients on this rank.
+        """
+        return None
+
     def teardown(self, model: torch.nn.Module | None, topo: Topology) -> None:
         """Undo what ``build`` changed outside the model (patched libraries, module globals),
         after every run, on every rank and for the reference, even when the run failed
@@ -195,6 +218,14 @@ def data_share(n: int, topo: Topology) -> slice:
 # ---------------------------------------------------------------------- running a case
 
 Progress = Callable[[str, "int | None"], None]
+
+
+class Watch(Protocol):
+    """What ``run_case`` tells an observer (``harness.locate.Recorder``)."""
+
+    def attach(self, model: torch.nn.Module) -> None: ...
+
+    def phase(self, name: str, step: int | None) -> None: ...
 
 
 def _seed(seed: int) -> None:
@@ -549,6 +580,7 @@ def run_case(
     *,
     progress: Progress | None = None,
     reference_init: dict[str, torch.Tensor] | None = None,
+    watch: Watch | None = None,
 ) -> RunRecord:
     """Build, then ``steps`` times: batch, forward, backward, record, SGD step.
 
@@ -558,12 +590,15 @@ def run_case(
     "step 0 backward", "step 0 optimizer step"), so failures can say where they happened; an
     exception leaves with that phase in ``exc.harness_phase``. With ``reference_init`` (a
     rank of a case with ``load_reference_shards``), the reference's initial values are
-    copied into the rank's parameter shards after build.
+    copied into the rank's parameter shards after build. ``watch`` (locating) is given
+    the model after build and told each phase too.
     """
     phase: list[Any] = ["build", None]
 
     def enter(name: str, step: int | None = None) -> None:
         phase[:] = [name, step]
+        if watch is not None:
+            watch.phase(name, step)
         if progress is not None:
             progress(name, step)
 
@@ -576,6 +611,8 @@ def run_case(
         mutation = _case_mutation(case)
         _seed(seed + (7919 * (topo.rank + 1) if mutation.get("build") == "rng-per-rank" else 0))
         model = _check_model(case, case.build(topo))
+        if watch is not None:
+            watch.attach(model)
         _note_buffers(case, model)
         params = dict(model.named_parameters())
         shards = parameter_shards(case, model, topo)
@@ -763,6 +800,7 @@ def check_equivalence(
     seed: int = 0,
     pool: Runner | None = None,
     allow_nonfinite: bool | None = None,
+    locate: bool | None = None,
 ) -> EquivalenceReport:
     """Run ``case`` as the reference and on ``ranks`` ranks; compare everything.
 
@@ -771,6 +809,11 @@ def check_equivalence(
     defaults to a warm pool shared by the process (``harness.pool.shared_registry()``).
     A NaN or inf anywhere is a ``nonfinite`` mismatch unless ``allow_nonfinite`` (default:
     the case's ``expect_nonfinite``).
+
+    When the check fails (or always, with ``locate=True``; never with ``locate=False``) the
+    first failing step is rerun with hooks on every module to find where the partitioned
+    run first departs (``report.first_divergence``, ``harness.locate``). A run that raised,
+    crashed or hung is not rerun: its traceback says where.
     """
     if not isinstance(case, SpatialCase):
         raise ConfigError(
@@ -827,6 +870,21 @@ def check_equivalence(
             report.mismatches[:0] = check_vacuous(case.label, reference, records, s)
         report.field_errors, report.likely = found.field_errors, found.likely
     report.seconds = time.perf_counter() - t0
+    if _should_locate(locate, report, pool):
+        from harness.locate import locate as locate_run
+
+        steps_failed = [m.step for m in report.mismatches if m.step is not None]
+        report.location = locate_run(
+            case,
+            pool,
+            spatial_size=spatial_size,
+            step=min(steps_failed, default=0),
+            lr=lr,
+            seed=seed,
+            timeout=timeout,
+            reference_init=init,
+        )
+        report.first_divergence = report.location.first
     return report
 
 
@@ -841,6 +899,16 @@ def _loaded_note(records: list[RunRecord]) -> list[str]:
         f"shards of {len(loaded)} parameter(s) ({names}) before the first step "
         "(load_reference_shards), so their initial values are not checked"
     ]
+
+
+def _should_locate(locate: bool | None, report: EquivalenceReport, pool: Runner) -> bool:
+    """Locate on request, or by default when a check failed in its numbers (not on a run
+    that raised or hung, nor in a mutant's rerun, which only asks whether a check fails)."""
+    if locate is False or report.quantities & set(FAILURES):
+        return False
+    if locate is None:
+        return not report.ok and getattr(pool, "mutant", None) is None
+    return True
 
 
 def _culprit(failure: RankFailure) -> str:

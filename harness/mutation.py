@@ -53,7 +53,7 @@ def run_mutants(
         for check in checks:
             report = check_equivalence(
                 check.make(), ranks=pool.world_size, spatial_size=check.spatial_size,
-                pool=pool, timeout=timeout,
+                pool=pool, timeout=timeout, locate=False,
             )  # fmt: skip
             if not report.ok:
                 say(f"  {check.label}: fails as it is ({', '.join(sorted(report.quantities))}): "
@@ -97,7 +97,7 @@ def _site_outcomes(
         for check in checks:
             report = check_equivalence(
                 check.make(), ranks=pool.world_size, spatial_size=check.spatial_size,
-                pool=pool, timeout=min(timeout, 30.0),
+                pool=pool, timeout=min(timeout, 30.0), locate=False,
             )  # fmt: skip
             if not report.ok:
                 how = ", ".join(sorted(report.quantities))

@@ -117,6 +117,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "mutants are killed",
     )
     group.addoption(
+        "--spatial-locate",
+        action="store_true",
+        dest="spatial_locate",
+        help="locate the first diverging module of every check, passing ones too (failing "
+        "checks are always located; ini spatial_locate = true)",
+    )
+    group.addoption(
+        "--spatial-calibrate",
+        action="store_true",
+        dest="spatial_calibrate",
+        help="locate every check and print, per quantity, the rounding noise measured, the "
+        "partitioned run's error and the rtol they support",
+    )
+    group.addoption(
         "--goldens-unused",
         action="store_true",
         dest="goldens_unused",
@@ -127,6 +141,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addini("spatial_ranks", f"default for --spatial-ranks ({DEFAULT_RANKS})", default=None)
     parser.addini("spatial_timeout", "default for --spatial-timeout", default=None)
+    parser.addini("spatial_locate", "default for --spatial-locate", type="bool", default=False)
     parser.addini("spatial_deadlock_window", "default for --spatial-deadlock-window", default=None)
     parser.addini(
         "spatial_preload",
@@ -450,6 +465,13 @@ class HarnessSession:
             width = max(100, columns) if columns else None
             for line in equivalence_table(rows, width=width):
                 tr.write_line(line)
+            calibrated = [r for r in rows if r.get("calibration")]
+            if calibrated:
+                tr.write_sep("=", "spatial calibration (--spatial-calibrate)")
+            for r in calibrated:
+                tr.write_line(f"{r.get('test', '')} ({r['case']}, {r['dtype']}):")
+                for line in r["calibration"]:
+                    tr.write_line(f"  {line}")
         counts: dict[str, int] = {}
         for status in self.golden_status.values():
             counts[status] = counts.get(status, 0) + 1
@@ -618,25 +640,43 @@ class SpatialFixture:
         golden: bool | str = False,
         ranks: int | None = None,
         timeout: float | None = None,
+        locate: bool | None = None,
         **kwargs: Any,
     ) -> Any:
         """``check_equivalence`` on the warm pool; fail with its table if not equivalent.
 
         With ``golden=True`` (or a name) the reference's loss, gradients, fields and
-        parameters are then checked against this test's golden file.
+        parameters are then checked against this test's golden file. ``locate``: as for
+        ``check_equivalence`` (default: on failure, or always with ``--spatial-locate``).
         """
         __tracebackhide__ = True
         ranks = ranks or self.ranks
         pool = self._pool(ranks)
+        config = self._node.config
+        calibrate = bool(config.getoption("spatial_calibrate"))
+        if locate is None and (
+            calibrate or config.getoption("spatial_locate") or config.getini("spatial_locate")
+        ):
+            locate = True
+        if getattr(self._registry, "mutant", None) is not None:
+            locate = False  # a mutant's rerun only asks whether the check fails
         try:
             report = check_equivalence(
-                case, ranks=ranks, pool=pool, timeout=self._timeout(timeout), **kwargs
+                case,
+                ranks=ranks,
+                pool=pool,
+                timeout=self._timeout(timeout),
+                locate=locate,
+                **kwargs,
             )
         finally:
             self._attach_output(pool.last_outputs)
             collect_sites(self._node, pool)
         row = report.summary_row()
         row["test"] = self._node.nodeid
+        if calibrate and report.location is not None and report.tolerance is not None:
+            rtols = {q: report.tolerance.bound(q).rtol for q in ("loss", "grad", "field")}
+            row["calibration"] = report.location.calibration_lines(rtols)
         golden_failure = ""  # said with the report's own failure, so neither hides the other
         if golden:
             name = golden if isinstance(golden, str) else None

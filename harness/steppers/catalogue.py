@@ -266,13 +266,68 @@ DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
 }
 
 
+#: (stepper, fault id) -> where the first divergence must point (``Divergence.located``):
+#: the module whose own code holds the bug (``''`` is the model itself: these steppers keep
+#: their gathers, losses and global means in the model's methods, outside submodules);
+#: ``"params"`` where only parameter gradients show it (a gradient sync: the backward of a
+#: module owning one); ``"coverage"`` where no value departs but items are held by no rank
+#: or by several (named by key); ``None`` where the run raises or hangs (its traceback says
+#: where).
+LOCATED: dict[tuple[str, str], str | None] = {
+    ("coupled-mlp", "no-grad-sync"): "params",
+    ("coupled-mlp", "wrong-shard-index"): "field 'out'",
+    ("coupled-mlp", "non-differentiable-reduce"): "backward of '' (CoupledMLP)",
+    ("sfno", "reduce-not-differentiable"): "backward of the loss",
+    ("sfno", "reduce-double-count"): "backward of the loss",
+    ("sfno", "coupling-identity-backward"): "backward of '' (SFNOStepper)",
+    ("sfno", "no-grad-sync"): "params",
+    ("sfno", "grad-sync-mean"): "params",
+    ("sfno", "buffer-broadcast"): None,
+    ("sfno", "mean-of-means"): "forward of the loss",
+    ("sfno", "split-mismatch"): None,
+    ("sfno", "per-rank-noise"): "forward of '' (SFNOStepper)",
+    ("sfno", "local-weights"): "forward of the loss",
+    ("sfno", "reduce-over-world"): "forward of the loss",
+    ("healpix", "rank-major-gather"): "forward of '' (HealpixStepper)",
+    ("healpix", "padding-kept"): "forward of '' (HealpixStepper)",
+    ("healpix", "gather-over-world"): "forward of '' (HealpixStepper)",
+    ("healpix", "rank-order"): "forward of '' (HealpixStepper)",
+    ("healpix", "local-neighbour-index"): "forward of '' (HealpixStepper)",
+    ("healpix", "empty-skip"): None,
+    ("healpix", "empty-none-grad"): None,
+    ("healpix", "non-autograd-gather"): "backward of '' (HealpixStepper)",
+    ("healpix", "grad-scale"): "backward of '' (HealpixStepper)",
+    ("healpix", "rank-local-nan-check"): None,
+    ("healpix", "same-batch-violated"): "forward of the batch (the model's input)",
+    ("sfno", "shard-wrong-l"): "forward of 'filters.0' (SpectralFilter)",
+    ("sfno", "shard-grad-replicated"): "params",
+    ("healpix", "local-sample-key"): "coverage",
+}
+
+
+def located_text(stepper: str, fault: str) -> str:
+    """The README's words for where a fault is located."""
+    where = LOCATED[(stepper, fault)]
+    if where is None:
+        return "not located: the run raises or hangs"
+    if where == "params":
+        return "backward of a module owning a parameter (its gradient)"
+    if where == "coverage":
+        return "no value departs: items held by no rank or by several, named by key"
+    return where.replace("''", "`''`")
+
+
 def markdown_table(ranks: int = 4) -> list[str]:
     """The README's fault table: one row per fault of the matrix on ``ranks`` ranks."""
-    rows = ["| stepper | fault | the bug | what goes wrong | caught as |", "|---|---|---|---|---|"]
+    rows = [
+        "| stepper | fault | the bug | what goes wrong | caught as | first divergence |",
+        "|---|---|---|---|---|---|",
+    ]
     for stepper, _make, _kw, _s, fault, expected in fault_matrix(ranks):
         bug, effect = DESCRIPTIONS[(stepper, fault)]
         caught = ", ".join(sorted(expected))
-        rows.append(f"| {stepper} | `{fault}` | {bug} | {effect} | {caught} |")
+        where = located_text(stepper, fault)
+        rows.append(f"| {stepper} | `{fault}` | {bug} | {effect} | {caught} | {where} |")
     return rows
 
 
@@ -284,7 +339,8 @@ def document(ranks: int = 4) -> str:
         "Real bugs that spatial model parallelism has produced in weather and climate models,",
         "each a `faults=` switch on a built-in stepper, placed where that bug really lives.",
         "`tests/faults/test_catalogue.py` shows that `check_equivalence` fails on each with one",
-        "of the quantities below (and passes on the same layout without it); `harness-check`",
+        "of the quantities below (and passes on the same layout without it), and that its first",
+        "divergence points where the bug lives; `harness-check`",
         "prints the same matrix. Generated from `harness/steppers/catalogue.py`",
         "(`python -m harness.steppers.catalogue > FAULTS.md`); a test fails if it drifts.",
         "",

@@ -605,6 +605,15 @@ class HealpixCase(SpatialCase):
             order = torch.arange(len(keys))
         return Shard.keyed(values[order], keys[order], cell_column=1)
 
+    def activation_shard(self, name: str, tensor: torch.Tensor, topo: Topology) -> str | None:
+        """Observations have no global layout (each rank holds those of its cells, packed per
+        sample): not compared, they are compared downstream as the pooled cells."""
+        observations = tensor.dim() == 2 and tensor.shape[-1] == self.channels + 3
+        slots = tensor.dim() == 1 and not tensor.is_floating_point()
+        if name.startswith("obs_net") or (name == "" and (observations or slots)):
+            return "skip"
+        return None
+
     def describe(self, topo: Topology | None = None) -> str:
         text = f"nside {self.nside}"
         if topo is not None and topo.spatial_group is not None:

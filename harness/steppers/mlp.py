@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.collectives import reduce_loss, spatial_sum, sync_gradients
+from harness.divergence import Positions
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.steppers.catalogue import check_faults
 from harness.topology import Topology
@@ -107,6 +108,9 @@ class CoupledMLPCase(SpatialCase):
         if "wrong-shard-index" in self.faults:
             index = (index + 1) % self.npos
         return Outputs(loss, {"out": Shard(out, index, dim=1)})
+
+    def partition(self, topo: Topology) -> Positions:
+        return Positions(self.npos, position_range(self.npos, topo))
 
     def describe(self, topo: Topology | None = None) -> str:
         return f"{self.npos} positions"

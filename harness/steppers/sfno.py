@@ -659,6 +659,14 @@ class SFNOCase(SpatialCase):
         filters = cast(list[SpectralFilter], list(stepper.filters))
         return {f"filters.{i}.weight": Shard(f.weight, f.l_slice, 1) for i, f in enumerate(filters)}
 
+    def partition(self, topo: Topology) -> list[LatLonPartition]:
+        """The grid's blocks, and the modes' (l over the polar ranks, m over the azimuth
+        ranks, by the SHT's own split): where a rank's fields and coefficients sit."""
+        cfg = self.config
+        h, w = cfg.process_grid(topo)
+        modes = _triangular(cfg.nlat, cfg.nlon)
+        return [data_partition(cfg, h, w), LatLonPartition(modes, modes, h, w)]
+
     def teardown(self, model: nn.Module | None, topo: Topology) -> None:
         restore_transposes()  # the next test's model may bring its own gloo transposes
 

@@ -45,6 +45,22 @@ def test_each_fault_is_caught_with_its_quantity_and_a_message_that_locates_it(sp
         assert caught.step is not None or caught.quantity == "param"
         text = str(report)
         assert f"First: {report.mismatches[0].headline()}" in text and "What to do:" in text
+    assert_located_where_the_fault_lives(report, catalogue.LOCATED[(stepper, fault)])
+
+
+def assert_located_where_the_fault_lives(report, expected):
+    found = report.first_divergence
+    # the run raised or hung (its traceback says where), or only coverage failed (by key)
+    if expected is None or expected == "coverage":
+        assert found is None, found
+        return
+    assert found is not None, report
+    if expected == "params":  # only the parameter gradients show it: their module's backward
+        assert found.direction == "backward" and found.quantity.startswith("grad '"), found
+    else:
+        assert found.located == expected, found.line()
+    lines = [line for line in str(report).splitlines() if line.startswith("First divergence:")]
+    assert lines == [found.line()]
 
 
 CLEAN = {
@@ -54,12 +70,19 @@ CLEAN = {
 
 
 @pytest.mark.parametrize("key", sorted(CLEAN), ids=[f"{k[0]}:{k[1]}:{k[2]}" for k in sorted(CLEAN)])
-def test_every_fault_layout_passes_without_its_fault(spatial, key):
+def test_every_fault_layout_passes_without_its_fault_and_no_module_departs(spatial, key):
     make, kwargs, spatial_size = CLEAN[key]
     report = check_equivalence(
-        make(**kwargs), ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS)
+        make(**kwargs),
+        ranks=RANKS,
+        spatial_size=spatial_size,
+        pool=spatial.pool(RANKS),
+        locate=True,
     )
     assert report.ok, report
+    assert report.first_divergence is None, report.first_divergence
+    assert report.location is not None and report.location.compared > 0
+    assert "First divergence" not in str(report)
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,5 +103,6 @@ def test_the_readme_fault_table_is_the_catalogue_as_the_code_has_it():
     )
 
 
-def test_every_fault_of_the_matrix_is_described():
+def test_every_fault_of_the_matrix_is_described_and_located():
     assert {(s, f) for s, *_, f, _ in MATRIX} == set(catalogue.DESCRIPTIONS)
+    assert set(catalogue.LOCATED) == set(catalogue.DESCRIPTIONS)

@@ -100,3 +100,66 @@ def test_the_healpix_stepper_passes_on_every_drawn_partition_and_observation_set
         case, ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS)
     )
     assert report.ok, report
+
+
+# ---------------------------------------------------------------------- located, on a subset
+
+#: locating reruns a step hooked three times: a few drawn layouts per stepper keep it cheap
+LOCATED = settings(FIXTURE_OK, max_examples=4)
+
+
+def _nothing_departs(report) -> None:
+    assert report.ok, report
+    assert report.first_divergence is None, report.first_divergence.line()
+    assert report.location is not None and report.location.compared > 0
+    assert "First divergence" not in str(report)
+
+
+@LOCATED
+@given(npos=st.integers(1, 40), batch=st.integers(1, 2), dtype=dtypes, spatial_size=layouts)
+def test_no_module_of_the_coupled_mlp_departs_on_a_drawn_layout(
+    spatial, npos, batch, dtype, spatial_size
+):
+    batch_size = batch * (RANKS // (spatial_size or RANKS))
+    report = check_equivalence(
+        CoupledMLPCase(npos=npos, batch_size=batch_size, dtype=dtype),
+        ranks=RANKS,
+        spatial_size=spatial_size,
+        pool=spatial.pool(RANKS),
+        locate=True,
+    )
+    _nothing_departs(report)
+
+
+@LOCATED
+@given(layout=sfno_layouts())
+def test_no_module_of_the_sfno_stepper_departs_on_a_drawn_grid(spatial, layout):
+    pytest.importorskip("torch_harmonics")
+    from harness.steppers.sfno import SFNOCase
+
+    spatial_size = layout.pop("spatial_size")
+    report = check_equivalence(
+        SFNOCase(**layout),
+        ranks=RANKS,
+        spatial_size=spatial_size,
+        pool=spatial.pool(RANKS),
+        locate=True,
+    )
+    _nothing_departs(report)
+
+
+@LOCATED
+@given(data=st.data(), nside=st.sampled_from([1, 2]), dtype=dtypes, spatial_size=layouts)
+def test_no_module_of_the_healpix_stepper_departs_on_a_drawn_partition(
+    spatial, data, nside, dtype, spatial_size
+):
+    from harness.steppers.healpix import HealpixCase
+    from harness.strategies import cell_partitions
+
+    s = spatial_size or RANKS
+    part = data.draw(cell_partitions(nside=nside, ranks=s), label="partition")
+    case = HealpixCase(nside=nside, bounds=part.bounds, batch_size=2 * (RANKS // s), dtype=dtype)
+    report = check_equivalence(
+        case, ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS), locate=True
+    )
+    _nothing_departs(report)

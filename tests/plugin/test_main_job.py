@@ -45,6 +45,9 @@ def test_the_main_job_injects_faults_and_reports_each_as_caught(tmp_path):
     assert proc.returncode == 0, proc.stdout
     assert "3/3 faults caught" in proc.stdout  # with 2 ranks only the MLP's layouts apply
     assert "  [1/3] coupled-mlp:no-grad-sync: caught as grad (+" in proc.stdout
+    # each caught fault with where its first divergence is (harness.steppers.catalogue.LOCATED)
+    assert "first divergence: field 'out'" in proc.stdout
+    assert "first divergence: backward of '' (CoupledMLP)" in proc.stdout
 
 
 def test_a_bad_rank_count_is_a_usage_error(tmp_path):

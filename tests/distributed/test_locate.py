@@ -1,0 +1,195 @@
+"""The first divergence of hand-written models: each bug located to the module it lives in.
+
+A lat x lon model written the way a user would (the guide's stencil with a halo, a global
+mean fed back into every point, gradient hooks, noise), one bug at a time; the harness must
+name the module that holds the bug, forward or backward, with no annotation beyond the
+case's ``partition``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import LatLonPartition, Outputs, Shard, SpatialCase, Topology, check_equivalence
+from harness.collectives import grid_halo_exchange, reduce_loss, spatial_sum, sync_gradients
+
+RANKS = 4
+NLAT, NLON, CH, BATCH = 8, 16, 2, 2
+
+
+class Halo(torch.nn.Module):
+    """The block plus one cell of each neighbour (``bug="wrong-neighbour"``: the northern
+    halo row filled from the southern neighbour's; ``bug="stale"``: the halo of the previous
+    call, around this call's block)."""
+
+    def __init__(self, part: LatLonPartition, topo: Topology, bug: str | None) -> None:
+        super().__init__()
+        self.part, self.topo, self.bug = part, topo, bug
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padded = grid_halo_exchange(x, self.part, self.topo)
+        if self.topo.spatial_group is None:
+            return padded
+        if self.bug == "wrong-neighbour":
+            padded = torch.cat([padded[..., -1:, :], padded[..., 1:, :]], dim=-2)
+        if self.bug == "stale":
+            fresh, old = padded, self.last
+            self.last = padded.detach()
+            if old is not None:
+                padded = old.clone()
+                padded[..., 1:-1, 1:-1] = fresh[..., 1:-1, 1:-1]
+        return padded
+
+
+class GlobalMean(torch.nn.Module):
+    """The global mean of each channel fed back to every point, with a learned gain
+    (``bug="identity-backward"``: reduced with reduce_loss, whose backward is the identity)."""
+
+    def __init__(self, topo: Topology, bug: str | None) -> None:
+        super().__init__()
+        self.topo, self.bug = topo, bug
+        self.gain = torch.nn.Parameter(torch.full((CH,), -0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        reduce = reduce_loss if self.bug == "identity-backward" else spatial_sum
+        mean = reduce(x.sum(dim=(-2, -1)), self.topo) / (NLAT * NLON)
+        return x + self.gain[:, None, None] * mean[..., None, None]
+
+
+class Noise(torch.nn.Module):
+    """Noise drawn for the whole globe and sliced (``bug="rank-shaped"``: drawn at the
+    rank's own shape, as a dropout mask often is)."""
+
+    def __init__(self, rows: slice, cols: slice, bug: str | None) -> None:
+        super().__init__()
+        self.rows, self.cols, self.bug = rows, cols, bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator().manual_seed(7)
+        if self.bug == "rank-shaped":
+            noise = torch.randn(x.shape, generator=g, dtype=x.dtype)
+        else:
+            full = torch.randn((*x.shape[:-2], NLAT, NLON), generator=g, dtype=x.dtype)
+            noise = full[..., self.rows, self.cols]
+        return x + 0.1 * noise
+
+
+class Block(torch.nn.Module):
+    def __init__(self, topo: Topology, bug: str | None) -> None:
+        super().__init__()
+        self.mix = torch.nn.Conv2d(CH, CH, kernel_size=1)
+        self.mixer = GlobalMean(topo, bug)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mixer(torch.tanh(self.mix(x)))
+
+
+class Emulator(torch.nn.Module):
+    def __init__(self, part: LatLonPartition, topo: Topology, bugs: dict[str, str]) -> None:
+        super().__init__()
+        rows, cols = part.slices(topo.spatial_rank)
+        self.noise = Noise(rows, cols, bugs.get("noise"))
+        self.halo = Halo(part, topo, bugs.get("halo"))
+        self.conv = torch.nn.Conv2d(CH, CH, kernel_size=3)  # no padding: the halo
+        self.blocks = torch.nn.ModuleList(
+            Block(topo, bugs.get("mixer") if i == 1 else None) for i in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.conv(self.halo(self.noise(x))))
+        for block in self.blocks:
+            y = block(y)
+        return y
+
+
+class EmulatorCase(SpatialCase):
+    name, dtype = "emulator", torch.float64
+
+    def __init__(self, **bugs: str) -> None:
+        self.bugs = bugs
+
+    def partition(self, topo: Topology) -> LatLonPartition:
+        if topo.spatial_group is None:
+            return LatLonPartition(NLAT, NLON)
+        return LatLonPartition(NLAT, NLON, 2, 2)
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        model = Emulator(self.partition(topo), topo, self.bugs)
+        if self.bugs.get("sync") == "part":  # the bug: hooks on the convolutions only
+            sync_gradients(torch.nn.ModuleList([model.conv, *(b.mix for b in model.blocks)]), topo)
+        else:
+            sync_gradients(model, topo)
+        return model
+
+    def batch(self, topo: Topology, step: int) -> dict[str, torch.Tensor]:
+        x, target = torch.randn(BATCH, CH, NLAT, NLON), torch.randn(BATCH, CH, NLAT, NLON)
+        rows, cols = self.partition(topo).slices(topo.spatial_rank)
+        return {"x": x[..., rows, cols], "target": target[..., rows, cols]}
+
+    def forward(self, model: torch.nn.Module, batch: dict, topo: Topology) -> Outputs:
+        y = model(batch["x"])
+        loss = reduce_loss(((y - batch["target"]) ** 2).sum(), topo) / (BATCH * CH * NLAT * NLON)
+        rows, cols = self.partition(topo).slices(topo.spatial_rank)
+        if topo.spatial_group is None:
+            return Outputs(loss, {"y": y})
+        return Outputs(loss, {"y": Shard.grid(y, rows, cols, NLAT, NLON)})
+
+
+BUGS = {
+    "halo": ({"halo": "wrong-neighbour"}, "forward of 'halo' (Halo)", "output"),
+    "global-mean": (
+        {"mixer": "identity-backward"},
+        "backward of 'blocks.1.mixer' (GlobalMean)",
+        "grad_input",
+    ),
+    "noise": ({"noise": "rank-shaped"}, "forward of 'noise' (Noise)", "output"),
+    "hooks": ({"sync": "part"}, None, "grad 'blocks.2.mixer.gain'"),
+    "stale-halo": ({"halo": "stale"}, "forward of 'halo' (Halo)", "output"),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_each_bug_of_a_hand_written_model_is_located_in_its_module(spatial, bug):
+    bugs, located, quantity = BUGS[bug]
+    report = check_equivalence(EmulatorCase(**bugs), ranks=RANKS, pool=spatial.pool(RANKS))
+    assert not report.ok
+    found = report.first_divergence
+    assert found is not None, report
+    if located is None:  # a parameter's gradient: the backward of the module that owns it
+        assert (found.direction, found.module) == ("backward", "blocks.2.mixer"), found.line()
+    else:
+        assert found.located == located, found.line()
+    assert found.quantity == quantity, found.line()
+    assert found.multiple > 1e6 and found.dtype == "float64"
+    assert found.step == (1 if bug == "stale-halo" else 0)  # a stale halo is right at first
+    line = next(x for x in str(report).splitlines() if x.startswith("First divergence:"))
+    assert line == found.line() and repr(found.module) in line
+
+
+def test_a_halo_bug_is_located_as_a_block_with_its_halo_and_the_line_says_where(spatial):
+    report = check_equivalence(
+        EmulatorCase(halo="wrong-neighbour"), ranks=RANKS, pool=spatial.pool(RANKS)
+    )
+    found = report.first_divergence
+    assert found is not None
+    assert "inputs match (max rel 0e+00)" in found.line()
+    assert "lat" in found.where and "lon" in found.where  # placed in the padded reference
+    assert report.location is not None and not report.location.not_compared
+
+
+def test_the_correct_model_passes_with_nothing_departing_when_asked_to_locate(spatial):
+    report = check_equivalence(EmulatorCase(), ranks=RANKS, pool=spatial.pool(RANKS), locate=True)
+    assert report.ok, report
+    assert report.first_divergence is None
+    assert report.location is not None and report.location.compared > 50
+    assert report.location.worst_multiple < 100  # ~10x below where a departure starts
+
+
+def test_locate_false_leaves_a_failing_check_unlocated(spatial):
+    report = check_equivalence(
+        EmulatorCase(halo="wrong-neighbour"), ranks=RANKS, pool=spatial.pool(RANKS), locate=False
+    )
+    assert not report.ok and report.first_divergence is None and report.location is None
+    assert "First divergence" not in str(report)

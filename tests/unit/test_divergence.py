@@ -1,0 +1,346 @@
+"""The first-divergence rule and the placement of a rank's tensors, on hand-made traces."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness.divergence import (
+    DEPART,
+    Axis,
+    Event,
+    Positions,
+    Trace,
+    axes_of,
+    first_divergence,
+    place,
+)
+from harness.partition import CellPartition, LatLonPartition
+
+F64 = torch.float64
+
+
+def _idx(p):
+    return [None if i is None else i.tolist() for i in p.index]
+
+
+# ---------------------------------------------------------------------- placement
+
+
+def test_a_lat_lon_block_is_placed_by_its_trailing_dims_and_other_dims_are_whole():
+    axes = axes_of(LatLonPartition(4, 6, 2, 2), 3)  # rows 2:4, cols 3:6
+    p = place((5, 2, 3), (5, 4, 6), axes)
+    assert _idx(p) == [None, [2, 3], [3, 4, 5]]
+    assert p.units == ("", "lat", "lon")
+
+
+def test_a_tensor_of_the_global_extent_is_replicated():
+    axes = axes_of(LatLonPartition(4, 6, 2, 2), 3)
+    assert _idx(place((5, 4, 6), (5, 4, 6), axes)) == [None, None, None]
+
+
+def test_latitudes_are_only_recognised_in_the_second_to_last_dim():
+    axes = axes_of(LatLonPartition(4, 6, 2, 1), 1)  # rows 2:4, all 6 columns
+    assert place((2, 6, 6), (4, 6, 6), axes) is None  # dim 0 has the lat sizes, not dim -2
+
+
+def test_cells_are_recognised_at_any_dim_and_an_empty_rank_has_an_empty_block():
+    part = CellPartition(1, (0, 5, 5, 12))
+    assert _idx(place((2, 7, 3), (2, 12, 3), axes_of(part, 2))) == [None, list(range(5, 12)), None]
+    assert _idx(place((2, 0, 3), (2, 12, 3), axes_of(part, 1))) == [None, [], None]
+
+
+def test_a_block_plus_a_halo_is_placed_with_positions_off_the_globe_left_out():
+    axis = Axis(8, torch.arange(0, 4), "position")
+    assert _idx(place((6,), (8,), [axis])) == [[-1, 0, 1, 2, 3, 4]]  # unpadded reference
+    assert _idx(place((6,), (10,), [axis])) == [[0, 1, 2, 3, 4, 5]]  # reference padded by 1
+
+
+def test_a_data_groups_samples_are_its_share_of_dim_0():
+    axes = [Axis(10, torch.arange(5, 10), "position")]
+    assert _idx(place((2, 5), (4, 10), axes, data=(1, 2))) == [[2, 3], list(range(5, 10))]
+
+
+def test_a_shape_no_declared_layout_explains_is_not_placed():
+    axes = [Axis(10, torch.arange(5, 10), "position")]
+    assert place((3,), (10,), axes) is None  # 3 of 10: not this rank's 5
+    assert place((2, 5), (4, 10), axes) is None  # 2 of 4 samples with one data group
+    assert place((5,), (10,), []) is None  # nothing declared
+
+
+def test_positions_and_unknown_partitions():
+    assert axes_of(Positions(10, range(2, 4)), 0)[0].positions.tolist() == [2, 3]
+    with pytest.raises(TypeError, match="LatLonPartition, a CellPartition"):
+        axes_of("rows 0:4", 0)
+
+
+# ---------------------------------------------------------------------- the rule
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=F64)
+
+
+def ev(module, kind, tensor, *, call=0, slot="0", parent=None, through=False, type_="Lin"):
+    return Event(module, type_, call, kind, slot, tensor, parent, through)
+
+
+def _traces(ref_events, rank_events, noise=1e-15):
+    """Reference, nudged reference (every value moved by ``noise`` relative) and one rank."""
+    reference = Trace(0, list(ref_events))
+    nudged = Trace(
+        0,
+        [
+            Event(e.module, e.type, e.call, e.kind, e.slot, e.tensor * (1 + noise), e.parent)
+            for e in ref_events
+        ],
+    )
+    rank = Trace(0, list(rank_events))
+    return reference, nudged, [rank]
+
+
+def model_events(
+    *,
+    enc_out=None,
+    dec_in=None,
+    dec_out=None,
+    g_dec_out=None,
+    g_dec_in=None,
+    g_enc_out=None,
+    g_w=None,
+    loss=None,
+    field=None,
+):
+    """A model '' calling 'enc' then 'dec'; keyword arguments replace one tensor."""
+    root = ("", 0)
+    return [
+        ev("", "input", t(1, 2)),
+        ev("enc", "input", t(1, 2), parent=root),
+        ev("enc", "output", t(3, 4) if enc_out is None else enc_out, parent=root),
+        ev("dec", "input", t(3, 4) if dec_in is None else dec_in, parent=root),
+        ev("dec", "output", t(5, 6) if dec_out is None else dec_out, parent=root, through=True),
+        ev("", "output", t(5, 6) if dec_out is None else dec_out),
+        ev("", "loss", t(7) if loss is None else loss, slot="loss"),
+        ev("", "grad_output", t(1, 1)),
+        ev("dec", "grad_output", t(1, 1) if g_dec_out is None else g_dec_out),
+        ev("dec", "grad_input", t(2, 2) if g_dec_in is None else g_dec_in),
+        ev("enc", "grad_output", t(2, 2) if g_enc_out is None else g_enc_out),
+        ev("dec", "param_grad", t(9, 9) if g_w is None else g_w, slot="dec.weight"),
+        ev("", "field", t(5, 6) if field is None else field, slot="out"),
+    ]
+
+
+def test_nothing_departs_when_every_quantity_matches_within_its_noise():
+    ref, nudged, ranks = _traces(model_events(), model_events(dec_out=t(5, 6 * (1 + 1e-14))))
+    found = first_divergence(ref, nudged, ranks)
+    assert found.first is None
+    assert found.compared == len(model_events())
+    assert 0 < found.worst_multiple < DEPART  # the 1e-14 is ~10x the 1e-15 noise
+
+
+def test_a_module_whose_output_departs_while_its_inputs_match_is_the_forward_divergence():
+    ref, nudged, ranks = _traces(model_events(), model_events(dec_out=t(5, 7)))
+    d = first_divergence(ref, nudged, ranks).first
+    assert d is not None
+    assert (d.direction, d.module, d.quantity, d.rank) == ("forward", "dec", "output", 0)
+    assert d.upstream_rel == 0.0 and math.isclose(d.max_rel, 1 / 6)
+    assert d.multiple > 1e12
+    line = d.line()
+    assert line.startswith("First divergence: forward of 'dec' (Lin), step 0: inputs match")
+    assert "on rank 0" in line and "float64 noise" in line
+
+
+def test_an_input_that_departs_first_points_at_the_enclosing_modules_own_code():
+    ref, nudged, ranks = _traces(model_events(), model_events(dec_in=t(3, 5), dec_out=t(5, 7)))
+    d = first_divergence(ref, nudged, ranks).first
+    assert d is not None and (d.direction, d.module, d.quantity) == (
+        "forward",
+        "",
+        "input of 'dec'",
+    )
+
+
+def test_a_departing_model_input_is_the_batch():
+    events = model_events()
+    events[0] = ev("", "input", t(1, 3))
+    d = first_divergence(*_traces(model_events(), events)).first
+    assert d is not None and d.module is None and "batch" in d.located
+
+
+def test_a_loss_that_departs_while_every_module_matched_is_the_loss():
+    d = first_divergence(*_traces(model_events(), model_events(loss=t(8)))).first
+    assert d is not None and d.module is None and d.located == "forward of the loss"
+
+
+def test_a_gradient_into_the_inputs_that_departs_while_the_output_gradient_matched_is_backward():
+    d = first_divergence(*_traces(model_events(), model_events(g_dec_in=t(2, 3)))).first
+    assert d is not None and (d.direction, d.module, d.quantity) == (
+        "backward",
+        "dec",
+        "grad_input",
+    )
+    assert d.line().startswith("First divergence: backward of 'dec' (Lin), step 0: gradient at")
+
+
+def test_an_output_gradient_that_departs_first_points_at_the_code_that_consumed_the_output():
+    d = first_divergence(*_traces(model_events(), model_events(g_enc_out=t(2, 9)))).first
+    assert d is not None and (d.direction, d.module) == ("backward", "")
+
+
+def test_an_output_gradient_handed_on_by_its_parent_climbs_to_the_loss():
+    # 'dec' is the model's last call: its output is the model's, so the loss consumed it
+    events = model_events(g_dec_out=t(1, 2))
+    d = first_divergence(*_traces(model_events(), events)).first
+    assert d is not None and d.module is None and d.located == "backward of the loss"
+
+
+def test_a_parameter_gradient_that_departs_alone_is_the_backward_of_its_module():
+    d = first_divergence(*_traces(model_events(), model_events(g_w=t(4.5, 4.5)))).first
+    assert d is not None and (d.direction, d.module, d.quantity) == (
+        "backward",
+        "dec",
+        "grad 'dec.weight'",
+    )
+
+
+def test_a_field_that_departs_while_every_module_matched_is_named():
+    d = first_divergence(*_traces(model_events(), model_events(field=t(6, 5)))).first
+    assert d is not None and d.located == "field 'out'"
+    assert d.line().startswith("First divergence: field 'out', step 0:")
+
+
+def test_a_departure_is_judged_against_the_quantitys_own_noise():
+    # the nudge moves dec's output by 1e-6 relative (an ill-conditioned module): an error of
+    # 1e-4 is 100x that noise, not a divergence; 1e-2 is 10000x, a divergence
+    ref_events = model_events()
+    reference = Trace(0, ref_events)
+    nudged = Trace(0, model_events(dec_out=t(5, 6 * (1 + 1e-6))))
+    off = model_events(dec_out=t(5, 6 * (1 + 1e-4)))
+    assert first_divergence(reference, nudged, [Trace(0, off)]).first is None
+    far = model_events(dec_out=t(5, 6 * (1 + 1e-2)))
+    d = first_divergence(reference, nudged, [Trace(0, far)]).first
+    assert d is not None and d.module == "dec" and 5e3 < d.multiple < 2e4
+
+
+def test_a_tensor_that_cannot_be_placed_is_listed_and_never_taken_as_matching():
+    ref_events = model_events()
+    rank_events = model_events()
+    rank_events[2] = ev("enc", "output", t(3, 4, 0), parent=("", 0))  # 3 values for 2: no layout
+    rank_events[3] = ev("dec", "input", t(3, 4, 0), parent=("", 0))
+    rank_events[4] = ev("dec", "output", t(5, 7), parent=("", 0))  # departs
+    found = first_divergence(*_traces(ref_events, rank_events))
+    assert found.not_compared == {"enc": ["output (3,)"], "dec": ["input (3,)"]}
+    assert found.first is not None and found.first.module == "dec"
+    assert found.first.upstream_rel is None  # its inputs were not compared: not "inputs match"
+    assert "inputs match" not in found.first.line()
+    assert "Not compared" in found.lines()[1] and "'enc' output (3,)" in found.lines()[1]
+
+
+def test_the_worst_rank_and_the_global_position_are_reported():
+    axes = [Axis(4, torch.arange(2, 4), "position")]
+    ref = [ev("m", "output", t(1, 2, 3, 4))]
+    rank0 = Trace(0, [ev("m", "output", t(1, 2))], axes=[Axis(4, torch.arange(0, 2), "position")])
+    rank1 = Trace(0, [ev("m", "output", t(3, 9))], spatial_rank=1, axes=axes)
+    d = first_divergence(Trace(0, ref), None, [rank0, rank1]).first
+    assert d is not None and d.rank == 1 and d.where == "[position 3]"
+
+
+def test_a_nan_on_a_rank_departs_and_matching_nans_do_not():
+    ref = [ev("m", "output", t(1, math.nan))]
+    same = first_divergence(Trace(0, ref), None, [Trace(0, [ev("m", "output", t(1, math.nan))])])
+    assert same.first is None
+    d = first_divergence(
+        Trace(0, [ev("m", "output", t(1, 2))]),
+        None,
+        [Trace(0, [ev("m", "output", t(1, math.nan))])],
+    ).first
+    assert d is not None and math.isinf(d.multiple)
+
+
+def test_a_module_call_the_rank_never_made_departs():
+    ref = [ev("m", "output", t(1, 2))]
+    d = first_divergence(Trace(0, ref), None, [Trace(0, [])]).first
+    assert d is not None and d.where == "not run on this rank"
+
+
+def test_with_data_groups_the_loss_is_their_mean_and_gradients_are_per_group():
+    ref = [ev("", "loss", t(2.0), slot="loss"), ev("m", "grad_output", t(1, 1, 1, 1))]
+    groups = [
+        Trace(
+            0,
+            [ev("", "loss", t(1.0), slot="loss"), ev("m", "grad_output", t(2, 2))],
+            data_rank=g,
+            data_size=2,
+        )
+        for g in range(2)
+    ]
+    groups[1].events[0] = ev("", "loss", t(3.0), slot="loss")
+    assert first_divergence(Trace(0, ref), None, groups).first is None
+
+
+def test_gradients_of_a_replicated_tensor_may_be_whole_on_each_rank_or_parts_of_the_groups():
+    # upstream of reduce_loss each rank back-propagates its own part of the loss: the ranks'
+    # gradients of a replicated activation (a gathered latent) sum to the reference's;
+    # downstream of it (the loss itself) every rank holds the whole gradient
+    ref = [ev("mix", "grad_output", t(1, 1))]
+
+    def two(a, b):
+        return [
+            Trace(0, [ev("mix", "grad_output", a)]),
+            Trace(0, [ev("mix", "grad_output", b)], spatial_rank=1),
+        ]
+
+    assert first_divergence(Trace(0, ref), None, two(t(1, 0), t(0, 1))).first is None
+    assert first_divergence(Trace(0, ref), None, two(t(1, 1), t(1, 1))).first is None
+    d = first_divergence(Trace(0, ref), None, two(t(2, 0), t(0, 0))).first  # neither
+    assert d is not None and math.isclose(d.max_rel, 1.0)
+
+
+def test_with_data_groups_a_replicated_forward_value_may_be_the_mean_of_the_groups():
+    ref = [ev("", "output", t(2.0))]  # the model's own loss, over every sample
+    groups = [
+        Trace(0, [ev("", "output", t(v))], data_rank=g, data_size=2)
+        for g, v in enumerate((1.0, 3.0))
+    ]
+    assert first_divergence(Trace(0, ref), None, groups).first is None
+    groups[1].events[0] = ev("", "output", t(4.0))
+    assert first_divergence(Trace(0, ref), None, groups).first is not None
+
+
+def test_the_dtypes_on_the_path_to_the_divergence_are_kept_for_the_hints():
+    ref = [ev("a", "output", t(1, 2)), ev("b", "output", t(3, 4)), ev("c", "output", t(5, 6))]
+    rank = [
+        ev("a", "output", t(1, 2)),
+        ev("b", "output", t(3, 5)),  # departs here
+        ev("c", "output", torch.tensor([5, 6], dtype=torch.float32)),
+    ]
+    found = first_divergence(Trace(0, ref), None, [Trace(0, rank)])
+    assert found.first is not None and found.first.module == "b"
+    assert found.path_dtypes == ("float64",)  # the float32 after it is not on the path
+    assert found.dtypes == ("float64", "float32")
+
+
+def test_calibration_keeps_each_quantitys_noise_and_error_and_the_rtol_they_support():
+    ref = [ev("", "loss", t(2.0), slot="loss"), ev("m", "param_grad", t(10, 1), slot="m.w")]
+    nudged = Trace(
+        0,
+        [ev("", "loss", t(2.0), slot="loss"), ev("m", "param_grad", t(10 + 1e-12, 1), slot="m.w")],
+    )
+    rank = Trace(
+        0,
+        [ev("", "loss", t(2.0), slot="loss"), ev("m", "param_grad", t(10, 1 + 1e-11), slot="m.w")],
+    )
+    found = first_divergence(Trace(0, ref), nudged, [rank])
+    grad = found.calibration["grad"]
+    assert math.isclose(grad.noise, 1e-13, rel_tol=1e-3) and math.isclose(
+        grad.error, 1e-12, rel_tol=1e-3
+    )
+    assert math.isclose(grad.supports(), 1e-11, rel_tol=1e-3)
+    assert found.calibration["loss"].error == 0.0
+    lines = found.calibration_lines({"loss": 1e-10, "grad": 1e-10})
+    assert lines[1] == (
+        "grad: rounding noise 1.0e-13, partitioned run 1.0e-12 (relative to the largest "
+        "value) -> supports rtol 1e-11 (now 1e-10)"
+    )
