@@ -361,7 +361,8 @@ def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> list[str]
         "quantity",
         flush=True,
     )
-    rows, failures = [], []
+    rows: list[tuple[str, str, str, str, str]] = []
+    failures: list[str] = []
     for i, (stepper, cfg, fault, expected) in enumerate(matrix, 1):
         t0 = time.perf_counter()
         report = check_equivalence(
@@ -388,9 +389,8 @@ def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> list[str]
         )
     if rows:
         print()
-        header = ("stepper", "fault", "expected", "caught as (first, +rest)", "verdict")
-        for line in format_table(header, rows):
-            print(line[:WIDTH])
+        for line in fault_table(rows, width=WIDTH):
+            print(line)
         print(f"{len(rows) - len(failures)}/{len(rows)} faults caught")
     by_reason: dict[str, list[str]] = {}
     for stepper, fault, reason in skipped:
@@ -398,6 +398,28 @@ def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> list[str]
     for reason, faults in by_reason.items():
         print(f"skipped {len(faults)} fault(s), {reason}: {', '.join(faults)}")
     return failures
+
+
+def fault_table(rows: list[tuple[str, str, str, str, str]], width: int = WIDTH) -> list[str]:
+    """The fault matrix's table, each line within ``width`` columns.
+
+    The "caught as" column is shortened (ending in "...") to make room, never the verdict:
+    cutting the whole line once left "ve" or "ca" of it.
+
+    >>> rows = [("sfno", "buffer-broadcast", "buffer", "error (+" + "x" * 80 + ")", "caught")]
+    >>> [line.split()[-1] for line in fault_table(rows)] == ["verdict", "-------", "caught"]
+    True
+    """
+    header = ("stepper", "fault", "expected", "caught as (first, +rest)", "verdict")
+    if rows:
+        longest = max(len(line) for line in format_table(header, rows))
+        room = max(12, max(len(r[3]) for r in rows) - max(0, longest - width))
+        rows = [(a, b, c, _shorten(caught, room), v) for a, b, c, caught, v in rows]
+    return format_table(header, rows)
+
+
+def _shorten(text: str, room: int) -> str:
+    return text if len(text) <= room else text[: room - 3] + "..."
 
 
 def _slug(label: str) -> str:

@@ -41,6 +41,8 @@ DEFAULT_RANKS = 4
 _registry_key = pytest.StashKey["PoolRegistry | LauncherRegistry"]()
 _session_key = pytest.StashKey["HarnessSession"]()
 _stdout_key = pytest.StashKey[Any]()
+#: set on an item whose call phase was skipped (pytest.skip, xfail): its unused fixture is no news
+_skipped_key = pytest.StashKey[bool]()
 
 # Results travel from xdist workers to the controller as user_properties of test reports.
 _GOLDEN_PROP = "harness_golden"
@@ -378,10 +380,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     outcome: Any = yield
+    rep = outcome.get_result()
+    if call.when == "call" and rep.skipped:
+        item.stash[_skipped_key] = True
     runner = _runner(item.config)
     if runner is None:
         return
-    rep = outcome.get_result()
     # Every rank decides the same verdict: a rank that failed fails the test everywhere, so
     # no rank goes on to a collective that the failed rank will never enter.
     mine = (rep.outcome, rep.longreprtext[-4000:] if rep.failed else "")
@@ -802,7 +806,8 @@ def spatial(
     fixture._tmp = tmp_path_factory
     yield fixture
     fixture.discard_used()  # a fresh test's module globals stay with it
-    if not fixture.used:
+    # a test that skipped itself (pytest.skip before the ranks, an xfail) ran nothing on purpose
+    if not fixture.used and not request.node.stash.get(_skipped_key, False):
         request.node.warn(
             SpatialUnusedWarning(
                 "this test takes the spatial fixture but never ran anything on the ranks (no "
