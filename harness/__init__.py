@@ -5,6 +5,7 @@ The downstream contract::
     from harness import Outputs, Shard, SpatialCase, Topology, check_equivalence
 """
 
+from harness._version import __version__
 from harness.compare import Bound, EquivalenceReport, Mismatch, Tolerance
 from harness.equivalence import Outputs, Shard, SpatialCase, check_equivalence, data_share
 from harness.errors import (
@@ -26,8 +27,6 @@ from harness.goldens import GoldenStore
 from harness.partition import CellPartition, LatLonPartition, cell_of, split_sizes
 from harness.pool import PoolRegistry, RankPool, Runner
 from harness.topology import Topology
-
-__version__ = "0.2.0"
 
 __all__ = [
     "Bound",

@@ -333,7 +333,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def default_provenance() -> dict[str, Any]:
-    from harness import __version__
+    from harness._version import __version__
 
     return {
         "harness": __version__,
