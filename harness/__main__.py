@@ -11,8 +11,10 @@ of gloo ranks; a line per check as it goes, then a table of the worst relative e
 quantity, golden status and verdict. Then every fault of the catalogue (FAULTS.md) is
 injected in turn, to show that each is caught.
 
-With ``--model fme`` or ``--model anemoi`` the layouts come from ``harness.contrib.<model>``:
-the installed model's own distributed code path against its own single-process path.
+With ``--model NAME`` the layouts come from the model adapter registered as NAME under the
+entry-point group ``harness.models`` (``harness.adapters``): ``fme`` and ``anemoi`` are the
+harness's own (``harness.contrib``), the installed model's own distributed code path against
+its own single-process path; a downstream package can register its own.
 
 Exit codes: 0 every check passed (goldens that were never recorded for this rank count are
 said, not failed); 1 a layout mismatched, a golden differs, or a fault went uncaught;
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.adapters import ModelAdapter, adapter_names, find_adapter
 from harness.compare import EquivalenceReport, Tolerance, equivalence_table, format_table
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError
@@ -57,22 +60,13 @@ class Config:
         return self.make(**{**self.kwargs, **extra})
 
 
-#: ``--model`` choices: where their layouts (``main_configs``) and faults come from.
-MODELS = {
-    "builtin": "harness.steppers.catalogue",
-    "fme": "harness.contrib.fme",
-    "anemoi": "harness.contrib.anemoi",
-}
-
-
 @functools.cache
-def _source(model: str) -> Any:
-    """The module that lists ``model``'s checks; a clear error when the model is missing."""
+def _source(model: str) -> ModelAdapter:
+    """The adapter registered as ``model`` (entry-point group ``harness.models``), its model
+    imported; a clear error when the model is missing."""
+    adapter = find_adapter(model)
     try:
-        module = importlib.import_module(MODELS[model])
-        require = getattr(module, "require", None) or getattr(module, f"require_{model}", None)
-        if require is not None:
-            require()  # imports the model itself
+        adapter.require()  # imports the model itself
     except ConfigError:
         raise  # the adapter's own message names the extra
     except ImportError as exc:
@@ -80,24 +74,28 @@ def _source(model: str) -> Any:
             f"the {model} model is not installed here ({exc}); install it first, then the "
             f"harness beside it: pip install 'pytest-spatial-harness[{model}]'"
         ) from exc
-    return module
+    return adapter
 
 
 def configs(ranks: int, model: str = "builtin") -> list[Config]:
     """The checks the main job runs on ``ranks`` ranks."""
-    main_configs = _source(model).main_configs
-    return [Config(label, make, kw, s) for label, make, kw, s in main_configs(ranks)]
+    return [
+        Config(layout.label, layout.make, dict(layout.kwargs), layout.spatial_size)
+        for layout in _source(model).layouts(ranks)
+    ]
 
 
 def fault_configs(
     ranks: int, model: str = "builtin"
 ) -> Iterator[tuple[str, Config, str, set[str]]]:
     """(stepper, config, fault id, quantities FAULTS.md says catch it)."""
-    fault_matrix = getattr(_source(model), "fault_matrix", None)
-    if fault_matrix is None:
-        return
-    for stepper, make, kw, s, fault, expected in fault_matrix(ranks):
-        yield stepper, Config(stepper, make, kw, s), fault, expected
+    for f in _source(model).faults(ranks):
+        yield (
+            f.stepper,
+            Config(f.stepper, f.make, dict(f.kwargs), f.spatial_size),
+            f.fault,
+            set(f.expected),
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -110,10 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, default=4, help="rank processes (default 4)")
     parser.add_argument(
         "--model",
-        choices=tuple(MODELS),
+        choices=adapter_names(),
         default="builtin",
         help="what to verify: the built-in steppers (default), or an installed real model "
-        "through harness.contrib (needs pip install 'pytest-spatial-harness[fme]' or [anemoi])",
+        "through its adapter, registered under the entry-point group harness.models "
+        "(fme and anemoi need pip install 'pytest-spatial-harness[fme]' or [anemoi])",
     )
     parser.add_argument("--timeout", type=float, default=120.0, help="per-run timeout, s")
     parser.add_argument(
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         start_method="forkserver",
         # a real model's imports (seconds) happen once in the fork server, not in every run
-        preload=getattr(source, "PRELOAD", ()),
+        preload=source.preload,
     )
     failures: list[str] = []
     t0 = time.perf_counter()
@@ -312,16 +311,16 @@ def _first_reason(report: EquivalenceReport) -> str:
 # ---------------------------------------------------------------------- mutants
 
 
-def _mutants(args: argparse.Namespace, registry: PoolRegistry, source: Any) -> list[str]:
+def _mutants(args: argparse.Namespace, registry: PoolRegistry, source: ModelAdapter) -> list[str]:
     """The layouts' mutants: a bug at each call site they reach in the harness's code and
-    the model's package (``source.PRELOAD``), each rerun until a layout's check fails."""
+    the model's package (``source.preload``), each rerun until a layout's check fails."""
     import harness
     from harness.mutants import score, score_line, table_rows
     from harness.mutation import Check, run_mutants
 
     chosen = [c for c in configs(args.ranks, args.model) if _selected(c.label, args.select)]
     include = [os.path.dirname(harness.__file__)]
-    for module in getattr(source, "PRELOAD", ()):
+    for module in source.preload:
         spec = importlib.util.find_spec(module.split(".")[0])
         if spec is not None and spec.origin:
             include.append(os.path.dirname(spec.origin))
@@ -347,9 +346,7 @@ def _mutants(args: argparse.Namespace, registry: PoolRegistry, source: Any) -> l
 
 
 def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
-    skipped_faults: Callable[[int], list[tuple[str, str, str]]] = getattr(
-        _source(args.model), "skipped_faults", lambda ranks: []
-    )
+    skipped_faults = _source(args.model).skipped
     matrix = [
         f for f in fault_configs(args.ranks, args.model) if _selected(f"{f[0]}:{f[2]}", args.select)
     ]
