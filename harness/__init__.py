@@ -6,7 +6,7 @@ The downstream contract::
 """
 
 from harness._version import __version__
-from harness.compare import Bound, EquivalenceReport, Mismatch, Tolerance
+from harness.compare import Bound, EquivalenceReport, Mismatch, Quantity, Tolerance
 from harness.equivalence import Outputs, Shard, SpatialCase, check_equivalence, data_share
 from harness.errors import (
     ConfigError,
@@ -42,6 +42,7 @@ __all__ = [
     "Outputs",
     "PicklingProblem",
     "PoolRegistry",
+    "Quantity",
     "RankCrash",
     "RankDeadlock",
     "RankError",

@@ -18,14 +18,50 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
 
-NUMERIC = ("loss", "grad", "field", "param")
+
+class Quantity(str, Enum):
+    """What a ``Mismatch`` is about. A ``str`` enum: ``Quantity.GRAD == "grad"``, and both
+    find the same entry of a table keyed on either. ``Mismatch.quantity`` holds the plain
+    text (``str(Quantity.GRAD)`` is ``"grad"``): a report's rows travel to xdist's
+    controller, which carries built-in types only."""
+
+    LOSS = "loss"
+    GRAD = "grad"
+    FIELD = "field"
+    PARAM = "param"
+    COVERAGE = "coverage"
+    BATCH = "batch"
+    SYNC = "sync"
+    BUFFER = "buffer"
+    NONFINITE = "nonfinite"
+    CRASH = "crash"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    DEADLOCK = "deadlock"
+    PENDING = "pending"
+    VACUOUS = "vacuous"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Quantities compared value by value, each with its own ``Bound`` in a ``Tolerance``.
+NUMERIC = (Quantity.LOSS, Quantity.GRAD, Quantity.FIELD, Quantity.PARAM)
 #: Quantities that say a run failed (a rank raised, died, hung or left work in flight),
 #: where ``Mismatch.where`` is the rank's own summary rather than a position.
-FAILURES = ("crash", "error", "timeout", "deadlock", "pending", "vacuous")
+FAILURES = (
+    Quantity.CRASH,
+    Quantity.ERROR,
+    Quantity.TIMEOUT,
+    Quantity.DEADLOCK,
+    Quantity.PENDING,
+    Quantity.VACUOUS,
+)
 
 _REAL_OF = {
     torch.complex128: torch.float64,
@@ -105,18 +141,18 @@ class Tolerance:
         fixed = {k: v if isinstance(v, Bound) else Bound(*v) for k, v in bounds.items()}
         return dataclasses.replace(self, **fixed)
 
-    def bound(self, quantity: str) -> Bound:
-        return getattr(self, quantity)  # type: ignore[no-any-return]
+    def bound(self, quantity: Quantity | str) -> Bound:
+        return getattr(self, str(quantity))  # type: ignore[no-any-return]
 
 
 @dataclass
 class Mismatch:
     """One thing the partitioned run got wrong.
 
-    ``quantity`` is one of ``loss, grad, field, coverage, batch, param, sync, buffer,
-    nonfinite, crash, error, timeout, deadlock, pending``; ``step`` is ``None`` for the
-    parameters right
-    after ``build``; ``rank`` is ``None`` when the mismatch belongs to no single rank.
+    ``quantity`` is a ``Quantity``'s text (``loss, grad, field, coverage, batch, param,
+    sync, buffer, nonfinite, crash, error, timeout, deadlock, pending, vacuous``), plain
+    ``str`` however it was given; ``step`` is ``None`` for the parameters right after
+    ``build``; ``rank`` is ``None`` when the mismatch belongs to no single rank.
     ``run`` says whose values are at fault when that is not the partitioned run's
     (``"reference"`` or ``"golden"``); ``of`` is the quantity a ``nonfinite`` value was found
     in; ``phase`` is where a rank was when it failed (``"step 0 forward"``).
@@ -136,6 +172,9 @@ class Mismatch:
     run: str = ""
     of: str = ""
     phase: str = ""
+
+    def __post_init__(self) -> None:
+        self.quantity = str(self.quantity)  # a Quantity given: its plain text (it travels)
 
     @property
     def who(self) -> str:
@@ -350,49 +389,78 @@ def scale_hint(actual: torch.Tensor, expected: torch.Tensor, spatial_size: int) 
     return ""
 
 
-REMEDIES = {
-    "loss": "The loss differs: reduce per-rank loss parts with reduce_loss over the spatial "
-    "group (weighted sums and weight sums separately, not a mean of means), average over data "
-    "groups only, and slice area weights or masks to the rank's rows.",
-    "grad": "Gradients differ: sum parameter gradients over the spatial group "
-    "(sync_gradients), use spatial_sum for global values inside the model and reduce_loss "
-    "only for the loss, and gather with an autograd-aware gather.",
-    "field": "Outputs differ: check the split rule used to scatter data (the SHT's ceil "
-    "split), the order shards are gathered in (sample-major, spatial group only), "
-    "neighbour tables in global indices, and noise drawn for the global field.",
-    "coverage": "Some positions are owned by no rank or by several: each global position must "
-    "appear in exactly one rank's Shard index.",
-    "param": "Parameters after an optimizer step differ from the reference: follow the first "
-    "gradient mismatch, or check initialisation is seeded identically on every rank.",
-    "sync": "Ranks of one spatial group hold different parameters after a step: their "
-    "gradients were not synchronised (sum over the spatial group before stepping).",
-    "buffer": "A buffer was modified in place during a step while the reference's was not: "
-    "DDP-style broadcast_buffers copies into buffers between forwards.",
-    "nonfinite": "A NaN or inf: no comparison can vouch for a value that is not finite. If "
-    "the reference is not finite, make the case finite (inputs, initialisation, lr); if only "
-    "ranks are, look for a division by a per-rank count that is zero on an empty rank, or an "
-    "uninitialised halo or padding. If the model is meant to produce them, set "
-    "expect_nonfinite = True on the case: then they must match position for position.",
-    "crash": "A rank process died: its exit code or signal and last output are above.",
-    "error": "A rank raised: its traceback is above (listed first: the rank that failed "
-    "first; ranks that lost a peer in a collective follow).",
-    "timeout": "A rank did not finish in time, and nothing proved a deadlock: it computes or "
-    "waits on something the harness cannot see (a spin loop, a lock, a file), or the work is "
-    "slower than the timeout. Every rank's stack is above.",
-    "deadlock": "The run can never finish: each waiting rank says what it waits in (operation, "
-    "group, number, size, line) and which rank never did its part, by skipping a collective, "
-    "a send or a receive, or by calling a different one (an empty domain that skips a "
-    "reduction or a gather?). Every waiting rank's stack is above.",
-    "batch": "The reference's batch is not the data groups' batches together: size the "
-    "global batch without topo.data_size (the reference always has data_size 1) and give "
-    "each data group its share with data_share(n, topo).",
-    "pending": "A rank returned with an operation that can never complete: a collective "
-    "some member never entered, or an isend nobody receives. Match every collective on every "
-    "member and every send with a receive before returning.",
-    "vacuous": "The check proves nothing about the parallel code: give each rank only its part "
-    "of the domain, return its part of each field as a Shard, and communicate what the model "
-    "needs from the others; if the case is meant to be replicated, say why with vacuous_ok = "
-    '"reason" on the case.',
+#: What to do about each quantity; keyed on ``Quantity`` (so plain text finds it too).
+REMEDIES: dict[str, str] = {
+    Quantity.LOSS: (
+        "The loss differs: reduce per-rank loss parts with reduce_loss over the spatial "
+        "group (weighted sums and weight sums separately, not a mean of means), average over data "
+        "groups only, and slice area weights or masks to the rank's rows."
+    ),
+    Quantity.GRAD: (
+        "Gradients differ: sum parameter gradients over the spatial group "
+        "(sync_gradients), use spatial_sum for global values inside the model and reduce_loss "
+        "only for the loss, and gather with an autograd-aware gather."
+    ),
+    Quantity.FIELD: (
+        "Outputs differ: check the split rule used to scatter data (the SHT's ceil "
+        "split), the order shards are gathered in (sample-major, spatial group only), "
+        "neighbour tables in global indices, and noise drawn for the global field."
+    ),
+    Quantity.COVERAGE: (
+        "Some positions are owned by no rank or by several: each global position must "
+        "appear in exactly one rank's Shard index."
+    ),
+    Quantity.PARAM: (
+        "Parameters after an optimizer step differ from the reference: follow the first "
+        "gradient mismatch, or check initialisation is seeded identically on every rank."
+    ),
+    Quantity.SYNC: (
+        "Ranks of one spatial group hold different parameters after a step: their "
+        "gradients were not synchronised (sum over the spatial group before stepping)."
+    ),
+    Quantity.BUFFER: (
+        "A buffer was modified in place during a step while the reference's was not: "
+        "DDP-style broadcast_buffers copies into buffers between forwards."
+    ),
+    Quantity.NONFINITE: (
+        "A NaN or inf: no comparison can vouch for a value that is not finite. If "
+        "the reference is not finite, make the case finite (inputs, initialisation, lr); if only "
+        "ranks are, look for a division by a per-rank count that is zero on an empty rank, or an "
+        "uninitialised halo or padding. If the model is meant to produce them, set "
+        "expect_nonfinite = True on the case: then they must match position for position."
+    ),
+    Quantity.CRASH: ("A rank process died: its exit code or signal and last output are above."),
+    Quantity.ERROR: (
+        "A rank raised: its traceback is above (listed first: the rank that failed "
+        "first; ranks that lost a peer in a collective follow)."
+    ),
+    Quantity.TIMEOUT: (
+        "A rank did not finish in time, and nothing proved a deadlock: it computes or "
+        "waits on something the harness cannot see (a spin loop, a lock, a file), or the work is "
+        "slower than the timeout. Every rank's stack is above."
+    ),
+    Quantity.DEADLOCK: (
+        "The run can never finish: each waiting rank says what it waits in (operation, "
+        "group, number, size, line) and which rank never did its part, by skipping a collective, "
+        "a send or a receive, or by calling a different one (an empty domain that skips a "
+        "reduction or a gather?). Every waiting rank's stack is above."
+    ),
+    Quantity.BATCH: (
+        "The reference's batch is not the data groups' batches together: size the "
+        "global batch without topo.data_size (the reference always has data_size 1) and give "
+        "each data group its share with data_share(n, topo)."
+    ),
+    Quantity.PENDING: (
+        "A rank returned with an operation that can never complete: a collective "
+        "some member never entered, or an isend nobody receives. Match every collective on every "
+        "member and every send with a receive before returning."
+    ),
+    Quantity.VACUOUS: (
+        "The check proves nothing about the parallel code: give each rank only its part "
+        "of the domain, return its part of each field as a Shard, and communicate what the model "
+        "needs from the others; if the case is meant to be replicated, say why with vacuous_ok = "
+        '"reason" on the case.'
+    ),
 }
 
 
@@ -480,7 +548,7 @@ class EquivalenceReport:
             "spatial": self.spatial_size,
             "partition": self.partition,
             "dtype": self.dtype,
-            "worst": {q: self.worst(q) for q in NUMERIC},
+            "worst": {str(q): self.worst(q) for q in NUMERIC},  # plain text keys: rows travel
             "ok": self.ok,
             "problems": sorted(self.quantities),
             "seconds": round(self.seconds, 2),

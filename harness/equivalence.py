@@ -584,7 +584,14 @@ def failure_mismatches(failure: RankFailure, label: str) -> list[Mismatch]:
 
 
 def flatten_record(record: RunRecord) -> dict[str, torch.Tensor]:
-    """The reference's results as one flat ``{name: tensor}`` map (what goldens store)."""
+    """Deprecated: ``record.flat()``, which this only calls (kept for old imports)."""
+    import warnings
+
+    warnings.warn(
+        "harness.equivalence.flatten_record is deprecated; use RunRecord.flat()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return record.flat()
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from harness._pids import pid_alive as _pid_alive
 from harness.compare import Bound, compare_tensors, nonfinite_counts, nonfinite_text
 from harness.errors import GoldenError, exception_summary
 
@@ -320,16 +321,6 @@ def _not_a_directory(path: Path) -> None:
             "rename the directory (or give the golden another name), then "
             f"{UPDATE_HINT}."
         )
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def default_provenance() -> dict[str, Any]:

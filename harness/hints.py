@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from harness.compare import Mismatch
+from harness.compare import Mismatch, Quantity
 
 #: float32's unit roundoff; a float64 run whose errors are a few of these came through
 #: float32 somewhere (float64's is 1.1e-16: reordered sums stay far below 1e-12).
@@ -153,7 +153,15 @@ def shard_shape_hint(values_shape: Sequence[int], positions: int, ref_ndim: int)
 
 #: Which evidence names a bug most surely, first: a failure of the run, a non-finite value,
 #: the batch trap, then the numeric patterns.
-_PRIORITY = ("crash", "error", "deadlock", "timeout", "pending", "nonfinite", "batch")
+_PRIORITY = (
+    Quantity.CRASH,
+    Quantity.ERROR,
+    Quantity.DEADLOCK,
+    Quantity.TIMEOUT,
+    Quantity.PENDING,
+    Quantity.NONFINITE,
+    Quantity.BATCH,
+)
 
 
 def likely_cause(mismatches: Sequence[Mismatch]) -> str:

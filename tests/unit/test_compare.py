@@ -806,3 +806,19 @@ def test_ranks_tied_for_the_worst_keep_the_first_and_a_rank_in_the_position_is_n
     )
     assert rows[2].endswith("(0,) (rank 1)")
     assert rows[3].endswith("(3,) of rank 1")
+
+
+def test_a_quantity_is_its_text_wherever_text_was_used():
+    import pickle
+
+    from harness.compare import FAILURES, NUMERIC, REMEDIES, Quantity
+
+    assert Quantity.GRAD == "grad" and f"{Quantity.GRAD}" == "grad"
+    assert REMEDIES["grad"] is REMEDIES[Quantity.GRAD]
+    assert set(REMEDIES) == set(Quantity)  # a remedy for every quantity, none for another
+    assert Tolerance.for_dtype(torch.float64).bound(Quantity.FIELD).rtol == 1e-10
+    assert set(NUMERIC) | set(FAILURES) < set(Quantity)
+    # a Mismatch given a Quantity keeps plain text: its rows travel to xdist's controller
+    m = Mismatch(Quantity.GRAD, "w", 0, 1)
+    assert type(m.quantity) is str and m.quantity == "grad"
+    assert type(pickle.loads(pickle.dumps(m)).quantity) is str
