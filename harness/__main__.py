@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from harness.adapters import ModelAdapter, adapter_names, find_adapter
-from harness.compare import EquivalenceReport, Tolerance, equivalence_table, format_table
+from harness.compare import EquivalenceReport, equivalence_table, format_table
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError
-from harness.goldens import GoldenResult, GoldenStore
+from harness.goldens import GoldenResult, GoldenStatus, GoldenStore, GoldenTally, check_report
 from harness.pool import PoolRegistry, check_oversubscription
 
 #: The goldens recorded for the main job, shipped inside the package.
@@ -242,6 +242,7 @@ def _layouts(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
         flush=True,
     )
     rows, failures = [], []
+    statuses: list[GoldenStatus] = []
     for i, cfg in enumerate(chosen, 1):
         report = check_equivalence(
             cfg.case(),
@@ -254,6 +255,8 @@ def _layouts(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
         row["case"] = cfg.label
         golden = _golden(store, cfg, report, args.ranks) if report.reference and goldens else None
         row["golden"] = _golden_word(golden)
+        if golden is not None and golden.status != GoldenStatus.MISSING:
+            statuses.append(golden.status)  # a missing one is said below, not tallied
         verdict = "equivalent" if report.ok else "MISMATCH: " + ",".join(row["problems"])
         print(
             f"  [{i}/{len(chosen)}] {cfg.label} ({report.partition}): {verdict}, golden "
@@ -279,28 +282,24 @@ def _layouts(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
             f"(no goldens recorded for {args.ranks} ranks in {args.golden_dir} for: "
             f"{', '.join(missing)}; --update-goldens records them; not a failure)"
         )
+    tally = GoldenTally.of(statuses).lines(store.root)
+    if tally:
+        print("\n" + "\n".join(tally))
     return failures
 
 
 def _golden(store: GoldenStore, cfg: Config, report: EquivalenceReport, ranks: int) -> GoldenResult:
     path = store.root / f"{_slug(cfg.label)}-r{ranks}.pt"
-    if store.update and not report.ok:  # goldens only from passing checks
-        return store.not_updated(path, "the equivalence check failed")
     if not store.update and not path.exists():
-        return GoldenResult(path, "missing")
-    dtype = next(iter(report.reference.values())).dtype
-    return store.check(
-        path,
-        report.reference,
-        bound=Tolerance.for_dtype(dtype).field,
-        provenance={"case": cfg.label, "ranks": ranks, "partition": report.partition},
-    )
+        return GoldenResult(path, GoldenStatus.MISSING)  # said below the table, not a failure
+    # the one policy: only after a passing check, the field tolerance, provenance
+    return check_report(store, path, report, provenance={"case": cfg.label})
 
 
 def _golden_word(result: GoldenResult | None) -> str:
     if result is None:
         return "-"
-    return {"missing": "none", "not updated": "kept"}.get(result.status, result.status)
+    return {"missing": "none", "not updated": "kept"}.get(result.status, str(result.status))
 
 
 def _first_reason(report: EquivalenceReport) -> str:

@@ -18,10 +18,17 @@ from typing import Any
 
 import pytest
 
-from harness.compare import Bound, Tolerance, equivalence_table
+from harness.compare import Bound, EquivalenceReport, Tolerance, equivalence_table
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError, GoldenError
-from harness.goldens import GoldenResult, GoldenStore, golden_stem
+from harness.goldens import (
+    GoldenResult,
+    GoldenStore,
+    GoldenTally,
+    check_report,
+    golden_stem,
+    unused_goldens,
+)
 from harness.launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch, launcher_env
 from harness.plugin_mutants import collect_sites
 from harness.pool import (
@@ -450,43 +457,16 @@ class HarnessSession:
             width = max(100, columns) if columns else None
             for line in equivalence_table(rows, width=width):
                 tr.write_line(line)
-        counts: dict[str, int] = {}
-        for status in self.golden_status.values():
-            counts[status] = counts.get(status, 0) + 1
-        if counts or self.swept:
+        tally = GoldenTally.of(self.golden_status.values())
+        if tally.counts or self.swept:
             tr.write_sep("=", "goldens")
         for path in self.swept:
             tr.write_line(
                 f"removed {path}: the temporary file of a golden write that was "
                 "interrupted (its writer was killed); the golden itself is intact."
             )
-        if counts:
-            labels = {
-                "not updated": "not updated (check failed)",
-                "refused": "refused (not finite)",
-            }
-            order = [
-                "written",
-                "updated",
-                "unchanged",
-                "passed",
-                "failed",
-                "missing",
-                "not updated",
-                "refused",
-            ]
-            text = ", ".join(f"{counts[k]} {labels.get(k, k)}" for k in order if counts.get(k))
-            n = sum(counts.values())
-            tr.write_line(f"{n} golden{'s' if n != 1 else ''}: {text}.")
-            if counts.get("not updated") or counts.get("refused"):
-                tr.write_line(
-                    "Goldens are only written from passing, finite checks: fix "
-                    "the failing tests, then run --update-goldens again."
-                )
-            if counts.get("written") or counts.get("updated"):
-                tr.write_line(f"Review and commit the changes under {self.goldens.root}.")
-            elif counts.get("missing") or counts.get("failed"):
-                tr.write_line("Run with --update-goldens if the change is intended.")
+        for line in tally.lines(self.goldens.root):
+            tr.write_line(line)
         if self.show_unused:
             unused = self.unused_goldens()
             tr.write_sep("=", "unused goldens")
@@ -499,23 +479,7 @@ class HarnessSession:
                 tr.write_line("every golden file was used by a test of this run.")
 
     def unused_goldens(self) -> list[str]:
-        root = self.goldens.root
-        if not root.is_dir():
-            return []
-        used = {golden_stem(n) for n in self.nodeids}
-        unused = []
-        for path in sorted(root.rglob("*.pt")):
-            stem = path.relative_to(root).as_posix()[:-3]
-            if stem.startswith("main/"):
-                continue  # the main job's (harness-check), not a test's
-            base = stem.split("].", 1)[0] + "]" if "]." in stem else stem.rsplit(".", 1)[0]
-            if (
-                stem not in used
-                and base not in used
-                and not any(stem.startswith(u + ".") for u in used)
-            ):
-                unused.append(str(path))
-        return unused
+        return unused_goldens(self.goldens.root, self.nodeids)
 
 
 @pytest.hookimpl(trylast=True)
@@ -637,25 +601,13 @@ class SpatialFixture:
         row["test"] = self._node.nodeid
         if golden:
             name = golden if isinstance(golden, str) else None
-            dtype = next(iter(report.reference.values())).dtype
-            result = self._golden.check_tensors(
-                report.reference,
+            result = self._golden.check_report(
+                report,
                 name=name,
-                bound=Tolerance.for_dtype(dtype).field,
-                # a golden is only ever written from a check that passed
-                refuse_update="the equivalence check failed" if not report.ok else None,
                 allow_nonfinite=kwargs.get("allow_nonfinite") or case.expect_nonfinite,
-                provenance={
-                    "case": report.case,
-                    "ranks": report.ranks,
-                    "spatial_size": report.spatial_size,
-                    "partition": report.partition,
-                    "dtype": report.dtype,
-                    "steps": report.steps,
-                    "seed": kwargs.get("seed", 0),
-                },
+                provenance={"seed": kwargs.get("seed", 0)},
             )
-            row["golden"] = result.status
+            row["golden"] = str(result.status)  # plain text: rows travel to the controller
         self._node.user_properties.append((_EQUIV_PROP, row))
         if not report.ok:
             text = str(report)
@@ -877,8 +829,33 @@ class GoldenFixture:
                 )
             except GoldenError as exc:  # corrupt, foreign, a directory, a full disk
                 pytest.fail(str(exc), pytrace=False)
-        self._node.user_properties.append((_GOLDEN_PROP, (str(path), result.status)))
+        self._record(path, result)
         return result
+
+    def check_report(
+        self,
+        report: EquivalenceReport,
+        *,
+        name: str | None,
+        allow_nonfinite: bool,
+        provenance: dict[str, Any],
+    ) -> GoldenResult:
+        """``report``'s reference against this test's golden, by the one golden policy
+        (``harness.goldens.check_report``)."""
+        __tracebackhide__ = True
+        path = self._store.path_for(self._node.nodeid, name)
+        try:
+            result = check_report(
+                self._store, path, report, provenance=provenance, allow_nonfinite=allow_nonfinite
+            )
+        except GoldenError as exc:  # corrupt, foreign, a directory, a full disk
+            pytest.fail(str(exc), pytrace=False)
+        self._record(path, result)
+        return result
+
+    def _record(self, path: Path, result: GoldenResult) -> None:
+        # plain text: user properties travel to xdist's controller
+        self._node.user_properties.append((_GOLDEN_PROP, (str(path), str(result.status))))
 
 
 def write_error_maps(report: Any, directory: str, nodeid: str) -> list[str]:
