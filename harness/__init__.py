@@ -6,7 +6,7 @@ The downstream contract::
 """
 
 from harness._version import __version__
-from harness.compare import Bound, EquivalenceReport, Mismatch, Quantity, Tolerance
+from harness.compare import Bound, Mismatch, Quantity, Tolerance
 from harness.equivalence import Outputs, Shard, SpatialCase, check_equivalence, data_share
 from harness.errors import (
     ConfigError,
@@ -26,6 +26,7 @@ from harness.errors import (
 from harness.goldens import GoldenStore
 from harness.partition import CellPartition, LatLonPartition, cell_of, split_sizes
 from harness.pool import PoolRegistry, RankPool, Runner
+from harness.report import EquivalenceReport
 from harness.topology import Topology
 
 __all__ = [

@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from harness.adapters import ModelAdapter, adapter_names, find_adapter
-from harness.compare import EquivalenceReport, equivalence_table, format_table
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError
 from harness.goldens import GoldenResult, GoldenStatus, GoldenStore, GoldenTally, check_report
 from harness.pool import PoolRegistry, check_oversubscription
+from harness.report import EquivalenceReport, equivalence_table, format_table
 
 #: The goldens recorded for the main job, shipped inside the package.
 MAIN_GOLDENS = Path(__file__).resolve().parent / "main_goldens"

@@ -20,9 +20,11 @@ import torch
 
 from harness._state import CallerState
 from harness.checks import compare_runs
-from harness.compare import EquivalenceReport, Mismatch, Tolerance
+from harness.compare import Mismatch, Tolerance
 from harness.errors import ConfigError, RankFailure
+from harness.hints import culprit_hint
 from harness.records import FieldRecord, RunRecord, StepRecord, detached
+from harness.report import EquivalenceReport
 from harness.topology import Topology, validate_sizes
 from harness.vacuous import check_vacuous
 
@@ -534,7 +536,7 @@ def check_equivalence(
         records = pool.run(_rank_entry, case, spatial_size, steps, lr, seed, timeout=timeout)
     except RankFailure as failure:
         report.mismatches = failure_mismatches(failure, case.label)
-        report.likely = _culprit(failure)
+        report.likely = culprit_hint(failure)
         report.partition = _layout(case.describe(None), s, ranks // s)
     else:
         report.partition = _layout(records[0].describe, s, ranks // s)
@@ -547,15 +549,7 @@ def check_equivalence(
     return report
 
 
-def _culprit(failure: RankFailure) -> str:
-    """For a hang: the ranks that returned while the others waited are the likely cause."""
-    if failure.returned:
-        ranks = ", ".join(map(str, failure.returned))
-        return (
-            f"rank {ranks} returned while the others waited in a collective: it skipped "
-            "one they entered (an empty domain that skips a reduction or a gather?)"
-        )
-    return ""
+_culprit = culprit_hint  # its older, private name
 
 
 def failure_mismatches(failure: RankFailure, label: str) -> list[Mismatch]:

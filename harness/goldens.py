@@ -36,13 +36,13 @@ import torch
 from harness._pids import pid_alive as _pid_alive
 from harness.compare import (
     Bound,
-    EquivalenceReport,
     Tolerance,
     compare_tensors,
     nonfinite_counts,
     nonfinite_text,
 )
 from harness.errors import GoldenError, exception_summary
+from harness.report import EquivalenceReport
 
 FORMAT = "harness-golden"
 VERSION = 1

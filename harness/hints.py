@@ -9,10 +9,11 @@ evidence does not point anywhere in particular (a generic remedy is given anyway
   float32 (a cast, a tensor made before the dtype was set, a collective);
 - ``shard_shape_hint``: a shard's values are its block unflattened, so ``Shard.grid`` was
   wanted;
+- ``scale_hint``: a gradient exactly S times or 1/S of the reference, or all zeros, so a
+  reduction is counted twice, averaged where it should sum, or never done;
+- ``culprit_hint``: for a hang, the ranks that returned while the others waited;
 - ``likely_cause``: of all the mismatches of a report, the one line that most likely names
   the bug.
-
-``compare.scale_hint`` (a gradient exactly S times or 1/S of the reference) is the fourth.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from harness.compare import Mismatch, Quantity
+from harness.compare import Mismatch, Quantity, as_float64
+from harness.errors import RankFailure
 
 #: float32's unit roundoff; a float64 run whose errors are a few of these came through
 #: float32 somewhere (float64's is 1.1e-16: reordered sums stay far below 1e-12).
@@ -147,6 +149,48 @@ def shard_shape_hint(values_shape: Sequence[int], positions: int, ref_ndim: int)
         return (
             f"the values are the rank's {tuple(values_shape[-2:])} block, not flattened: use "
             "Shard.grid(values, rows, cols, nlat, nlon)"
+        )
+    return ""
+
+
+def scale_hint(actual: torch.Tensor, expected: torch.Tensor, spatial_size: int) -> str:
+    """Name a telltale factor between two tensors: S times, 1/S times, or zero.
+
+    Wrong reductions scale gradients by exactly the group size; saying so points straight at
+    the bug (double-counted reduce, mean instead of sum).
+    """
+    a = as_float64(actual)
+    e = as_float64(expected)
+    if a.is_complex():
+        a, e = torch.view_as_real(a).reshape(-1), torch.view_as_real(e).reshape(-1)
+    if a.shape != e.shape or not bool(torch.isfinite(a).all() and torch.isfinite(e).all()):
+        return ""
+    ee = float((e * e).sum())
+    if ee == 0:
+        return ""
+    if float((a * a).sum()) == 0:
+        return (
+            "all zeros on this rank: is the parameter out of the graph, "
+            "or its gradient never synchronised?"
+        )
+    ratio = float((a * e).sum()) / ee
+    resid = float(((a - ratio * e) ** 2).sum()) / ee
+    if resid > 1e-6 or spatial_size <= 1:
+        return ""
+    if abs(ratio - spatial_size) < 1e-3 * spatial_size:
+        return f"exactly {spatial_size}x the reference: a reduction counted {spatial_size} times"
+    if abs(ratio - 1 / spatial_size) < 1e-3 / spatial_size:
+        return f"exactly 1/{spatial_size} of the reference: averaged where it should sum"
+    return ""
+
+
+def culprit_hint(failure: RankFailure) -> str:
+    """For a hang: the ranks that returned while the others waited are the likely cause."""
+    if failure.returned:
+        ranks = ", ".join(map(str, failure.returned))
+        return (
+            f"rank {ranks} returned while the others waited in a collective: it skipped "
+            "one they entered (an empty domain that skips a reduction or a gather?)"
         )
     return ""
 

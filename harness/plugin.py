@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from harness.compare import Bound, EquivalenceReport, Tolerance, equivalence_table
+from harness.compare import Bound, Tolerance
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError, GoldenError
 from harness.goldens import (
@@ -42,6 +42,7 @@ from harness.pool import (
     check_oversubscription,
     check_seconds,
 )
+from harness.report import EquivalenceReport, equivalence_table
 
 DEFAULT_RANKS = 4
 

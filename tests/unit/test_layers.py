@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 HARNESS = Path(__file__).resolve().parents[2] / "harness"
 
 
@@ -104,3 +106,22 @@ def test_the_cycle_finder_finds_a_cycle_through_a_deferred_import(tmp_path):
 def test_no_module_of_harness_imports_one_that_imports_it_back():
     found = cycles(import_graph())
     assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_names_moved_out_of_compare_are_still_importable_from_it():
+    import harness
+    from harness import compare, hints, report
+
+    for name, home in [
+        ("EquivalenceReport", report),
+        ("REMEDIES", report),
+        ("FieldError", report),
+        ("format_table", report),
+        ("mismatch_table", report),
+        ("equivalence_table", report),
+        ("scale_hint", hints),
+    ]:
+        assert getattr(compare, name) is getattr(home, name), name
+    assert harness.EquivalenceReport is report.EquivalenceReport
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        compare.nothing  # noqa: B018
