@@ -11,11 +11,30 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
 from harness.compare import NUMERIC, Mismatch, Quantity, QuantityStats, Tolerance
+
+
+class SummaryRow(TypedDict, total=False):
+    """One check's line of the equivalence table (``EquivalenceReport.summary_row``): a
+    plain dict, so it travels from an xdist worker to the controller; ``test`` and
+    ``golden`` are added by whoever ran the check."""
+
+    case: str
+    ranks: int
+    spatial: int
+    partition: str
+    dtype: str
+    worst: dict[str, float | None]  # quantity -> worst relative error (None: not compared)
+    ok: bool
+    problems: list[str]
+    seconds: float
+    test: str
+    golden: str
+
 
 #: What to do about each quantity; keyed on ``Quantity`` (so plain text finds it too).
 REMEDIES: dict[str, str] = {
@@ -152,7 +171,7 @@ class EquivalenceReport:
         s = self.stats.get(quantity)
         return s.max_rel if s and s.compared else None
 
-    def summary_row(self) -> dict[str, Any]:
+    def summary_row(self) -> SummaryRow:
         """A picklable summary for terminal tables (one row per check)."""
         return {
             "case": self.case,
@@ -284,7 +303,7 @@ def mismatch_table(mismatches: Sequence[Mismatch]) -> list[str]:
 
 
 def equivalence_table(
-    rows: list[dict[str, Any]], width: int | None = None, *, show_ranks: bool = True
+    rows: list[SummaryRow], width: int | None = None, *, show_ranks: bool = True
 ) -> list[str]:
     """The terminal table of every equivalence checked: one line per check.
 
