@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 from harness.compare import Bound, Tolerance
 from harness.equivalence import SpatialCase, check_equivalence
@@ -85,7 +88,7 @@ class SpatialFixture:
         ranks: int | None = None,
         timeout: float | None = None,
         **kwargs: Any,
-    ) -> Any:
+    ) -> EquivalenceReport:
         """``check_equivalence`` on the warm pool; fail with its table if not equivalent.
 
         With ``golden=True`` (or a name) the reference's loss, gradients, fields and
@@ -282,7 +285,7 @@ class GoldenFixture:
 
     def check(
         self,
-        tensors: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
         *,
         name: str | None = None,
         tolerance: Bound | tuple[float, float] | None = None,
@@ -310,7 +313,7 @@ class GoldenFixture:
 
     def check_tensors(
         self,
-        tensors: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
         *,
         name: str | None,
         bound: Bound,
@@ -362,7 +365,7 @@ class GoldenFixture:
         self._node.user_properties.append((_GOLDEN_PROP, (str(path), str(result.status))))
 
 
-def write_error_maps(report: Any, directory: str, nodeid: str) -> list[str]:
+def write_error_maps(report: EquivalenceReport, directory: str, nodeid: str) -> list[str]:
     """One PNG per failing field of ``report`` under ``directory``; returns the paths."""
     import numpy as np
 
