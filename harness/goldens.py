@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import torch
 
@@ -59,6 +59,15 @@ def golden_stem(nodeid: str) -> str:
     path = path[:-3] if path.endswith(".py") else path
     name = re.sub(r"[^A-Za-z0-9_.\-\[\]]", "_", name.replace("::", "."))
     return f"{path}/{name}" if name else path
+
+
+class GoldenFile(TypedDict):
+    """What a golden file holds (``GoldenStore.load``)."""
+
+    format: str  # FORMAT
+    version: int  # VERSION
+    provenance: dict[str, Any]  # plain scalars and text: weights_only loading accepts no other
+    tensors: dict[str, torch.Tensor]
 
 
 class GoldenStatus(str, Enum):
@@ -122,7 +131,7 @@ class GoldenStore:
 
     # ------------------------------------------------------------------ io
 
-    def load(self, path: Path) -> dict[str, Any]:
+    def load(self, path: Path) -> GoldenFile:
         """Load and validate a golden; a clear ``GoldenError`` if it is not one of ours."""
         _not_a_directory(path)
         try:
@@ -149,7 +158,7 @@ class GoldenStore:
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
         ):
             raise GoldenError(f"golden {path} has no valid tensor map; {UPDATE_HINT}.")
-        return data
+        return cast(GoldenFile, data)
 
     def write(
         self, path: Path, tensors: Mapping[str, torch.Tensor], provenance: Mapping[str, Any]
