@@ -5,8 +5,9 @@ The downstream contract::
     from harness import Outputs, Shard, SpatialCase, Topology, check_equivalence
 """
 
+from harness._version import __version__
 from harness.adopt import GroupMismatch, check_group
-from harness.compare import Bound, EquivalenceReport, Mismatch, Tolerance
+from harness.compare import Bound, Mismatch, Quantity, Tolerance
 from harness.divergence import Divergence, Positions
 from harness.equivalence import Outputs, Shard, SpatialCase, check_equivalence, data_share
 from harness.errors import (
@@ -28,9 +29,8 @@ from harness.errors import (
 from harness.goldens import GoldenStore
 from harness.partition import CellPartition, LatLonPartition, cell_of, split_sizes
 from harness.pool import PoolRegistry, RankPool, Runner
+from harness.report import EquivalenceReport
 from harness.topology import Topology
-
-__version__ = "0.2.0"
 
 __all__ = [
     "Bound",
@@ -50,6 +50,7 @@ __all__ = [
     "PicklingProblem",
     "PoolRegistry",
     "Positions",
+    "Quantity",
     "RankCrash",
     "RankDeadlock",
     "RankError",

@@ -11,8 +11,10 @@ of gloo ranks; a line per check as it goes, then a table of the worst relative e
 quantity, golden status and verdict. Then every fault of the catalogue (FAULTS.md) is
 injected in turn, to show that each is caught.
 
-With ``--model fme`` or ``--model anemoi`` the layouts come from ``harness.contrib.<model>``:
-the installed model's own distributed code path against its own single-process path.
+With ``--model NAME`` the layouts come from the model adapter registered as NAME under the
+entry-point group ``harness.models`` (``harness.adapters``): ``fme`` and ``anemoi`` are the
+harness's own (``harness.contrib``), the installed model's own distributed code path against
+its own single-process path; a downstream package can register its own.
 
 Exit codes: 0 every check passed (goldens that were never recorded for this rank count are
 said, not failed); 1 a layout mismatched, a golden differs, or a fault went uncaught;
@@ -33,11 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.compare import EquivalenceReport, Tolerance, equivalence_table, format_table
+from harness.adapters import ModelAdapter, adapter_names, find_adapter
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError
-from harness.goldens import GoldenResult, GoldenStore
+from harness.goldens import GoldenResult, GoldenStatus, GoldenStore, GoldenTally, check_report
 from harness.pool import PoolRegistry, check_oversubscription
+from harness.report import EquivalenceReport, equivalence_table, format_table
 
 #: The goldens recorded for the main job, shipped inside the package.
 MAIN_GOLDENS = Path(__file__).resolve().parent / "main_goldens"
@@ -57,22 +60,13 @@ class Config:
         return self.make(**{**self.kwargs, **extra})
 
 
-#: ``--model`` choices: where their layouts (``main_configs``) and faults come from.
-MODELS = {
-    "builtin": "harness.steppers.catalogue",
-    "fme": "harness.contrib.fme",
-    "anemoi": "harness.contrib.anemoi",
-}
-
-
 @functools.cache
-def _source(model: str) -> Any:
-    """The module that lists ``model``'s checks; a clear error when the model is missing."""
+def _source(model: str) -> ModelAdapter:
+    """The adapter registered as ``model`` (entry-point group ``harness.models``), its model
+    imported; a clear error when the model is missing."""
+    adapter = find_adapter(model)
     try:
-        module = importlib.import_module(MODELS[model])
-        require = getattr(module, "require", None) or getattr(module, f"require_{model}", None)
-        if require is not None:
-            require()  # imports the model itself
+        adapter.require()  # imports the model itself
     except ConfigError:
         raise  # the adapter's own message names the extra
     except ImportError as exc:
@@ -80,24 +74,28 @@ def _source(model: str) -> Any:
             f"the {model} model is not installed here ({exc}); install it first, then the "
             f"harness beside it: pip install 'pytest-spatial-harness[{model}]'"
         ) from exc
-    return module
+    return adapter
 
 
 def configs(ranks: int, model: str = "builtin") -> list[Config]:
     """The checks the main job runs on ``ranks`` ranks."""
-    main_configs = _source(model).main_configs
-    return [Config(label, make, kw, s) for label, make, kw, s in main_configs(ranks)]
+    return [
+        Config(layout.label, layout.make, dict(layout.kwargs), layout.spatial_size)
+        for layout in _source(model).layouts(ranks)
+    ]
 
 
 def fault_configs(
     ranks: int, model: str = "builtin"
 ) -> Iterator[tuple[str, Config, str, set[str]]]:
     """(stepper, config, fault id, quantities FAULTS.md says catch it)."""
-    fault_matrix = getattr(_source(model), "fault_matrix", None)
-    if fault_matrix is None:
-        return
-    for stepper, make, kw, s, fault, expected in fault_matrix(ranks):
-        yield stepper, Config(stepper, make, kw, s), fault, expected
+    for f in _source(model).faults(ranks):
+        yield (
+            f.stepper,
+            Config(f.stepper, f.make, dict(f.kwargs), f.spatial_size),
+            f.fault,
+            set(f.expected),
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -110,10 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, default=4, help="rank processes (default 4)")
     parser.add_argument(
         "--model",
-        choices=tuple(MODELS),
+        choices=adapter_names(),
         default="builtin",
         help="what to verify: the built-in steppers (default), or an installed real model "
-        "through harness.contrib (needs pip install 'pytest-spatial-harness[fme]' or [anemoi])",
+        "through its adapter, registered under the entry-point group harness.models "
+        "(fme and anemoi need pip install 'pytest-spatial-harness[fme]' or [anemoi])",
     )
     parser.add_argument("--timeout", type=float, default=120.0, help="per-run timeout, s")
     parser.add_argument(
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         start_method="forkserver",
         # a real model's imports (seconds) happen once in the fork server, not in every run
-        preload=getattr(source, "PRELOAD", ()),
+        preload=source.preload,
     )
     failures: list[str] = []
     t0 = time.perf_counter()
@@ -243,6 +242,7 @@ def _layouts(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
         flush=True,
     )
     rows, failures = [], []
+    statuses: list[GoldenStatus] = []
     for i, cfg in enumerate(chosen, 1):
         report = check_equivalence(
             cfg.case(),
@@ -255,6 +255,8 @@ def _layouts(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
         row["case"] = cfg.label
         golden = _golden(store, cfg, report, args.ranks) if report.reference and goldens else None
         row["golden"] = _golden_word(golden)
+        if golden is not None and golden.status != GoldenStatus.MISSING:
+            statuses.append(golden.status)  # a missing one is said below, not tallied
         verdict = "equivalent" if report.ok else "MISMATCH: " + ",".join(row["problems"])
         print(
             f"  [{i}/{len(chosen)}] {cfg.label} ({report.partition}): {verdict}, golden "
@@ -280,28 +282,24 @@ def _layouts(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
             f"(no goldens recorded for {args.ranks} ranks in {args.golden_dir} for: "
             f"{', '.join(missing)}; --update-goldens records them; not a failure)"
         )
+    tally = GoldenTally.of(statuses).lines(store.root)
+    if tally:
+        print("\n" + "\n".join(tally))
     return failures
 
 
 def _golden(store: GoldenStore, cfg: Config, report: EquivalenceReport, ranks: int) -> GoldenResult:
     path = store.root / f"{_slug(cfg.label)}-r{ranks}.pt"
-    if store.update and not report.ok:  # goldens only from passing checks
-        return store.not_updated(path, "the equivalence check failed")
     if not store.update and not path.exists():
-        return GoldenResult(path, "missing")
-    dtype = next(iter(report.reference.values())).dtype
-    return store.check(
-        path,
-        report.reference,
-        bound=Tolerance.for_dtype(dtype).field,
-        provenance={"case": cfg.label, "ranks": ranks, "partition": report.partition},
-    )
+        return GoldenResult(path, GoldenStatus.MISSING)  # said below the table, not a failure
+    # the one policy: only after a passing check, the field tolerance, provenance
+    return check_report(store, path, report, provenance={"case": cfg.label})
 
 
 def _golden_word(result: GoldenResult | None) -> str:
     if result is None:
         return "-"
-    return {"missing": "none", "not updated": "kept"}.get(result.status, result.status)
+    return {"missing": "none", "not updated": "kept"}.get(result.status, str(result.status))
 
 
 def _first_reason(report: EquivalenceReport) -> str:
@@ -312,16 +310,16 @@ def _first_reason(report: EquivalenceReport) -> str:
 # ---------------------------------------------------------------------- mutants
 
 
-def _mutants(args: argparse.Namespace, registry: PoolRegistry, source: Any) -> list[str]:
+def _mutants(args: argparse.Namespace, registry: PoolRegistry, source: ModelAdapter) -> list[str]:
     """The layouts' mutants: a bug at each call site they reach in the harness's code and
-    the model's package (``source.PRELOAD``), each rerun until a layout's check fails."""
+    the model's package (``source.preload``), each rerun until a layout's check fails."""
     import harness
     from harness.mutants import score, score_line, table_rows
     from harness.mutation import Check, run_mutants
 
     chosen = [c for c in configs(args.ranks, args.model) if _selected(c.label, args.select)]
     include = [os.path.dirname(harness.__file__)]
-    for module in getattr(source, "PRELOAD", ()):
+    for module in source.preload:
         spec = importlib.util.find_spec(module.split(".")[0])
         if spec is not None and spec.origin:
             include.append(os.path.dirname(spec.origin))
@@ -347,9 +345,7 @@ def _mutants(args: argparse.Namespace, registry: PoolRegistry, source: Any) -> l
 
 
 def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> list[str]:
-    skipped_faults: Callable[[int], list[tuple[str, str, str]]] = getattr(
-        _source(args.model), "skipped_faults", lambda ranks: []
-    )
+    skipped_faults = _source(args.model).skipped
     matrix = [
         f for f in fault_configs(args.ranks, args.model) if _selected(f"{f[0]}:{f[2]}", args.select)
     ]
@@ -361,7 +357,8 @@ def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> list[str]
         "quantity",
         flush=True,
     )
-    rows, failures = [], []
+    rows: list[tuple[str, str, str, str, str]] = []
+    failures: list[str] = []
     for i, (stepper, cfg, fault, expected) in enumerate(matrix, 1):
         t0 = time.perf_counter()
         report = check_equivalence(
@@ -390,9 +387,8 @@ def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> list[str]
         )
     if rows:
         print()
-        header = ("stepper", "fault", "expected", "caught as (first, +rest)", "verdict")
-        for line in format_table(header, rows):
-            print(line[:WIDTH])
+        for line in fault_table(rows, width=WIDTH):
+            print(line)
         print(f"{len(rows) - len(failures)}/{len(rows)} faults caught")
     by_reason: dict[str, list[str]] = {}
     for stepper, fault, reason in skipped:
@@ -400,6 +396,28 @@ def _fault_matrix(args: argparse.Namespace, registry: PoolRegistry) -> list[str]
     for reason, faults in by_reason.items():
         print(f"skipped {len(faults)} fault(s), {reason}: {', '.join(faults)}")
     return failures
+
+
+def fault_table(rows: list[tuple[str, str, str, str, str]], width: int = WIDTH) -> list[str]:
+    """The fault matrix's table, each line within ``width`` columns.
+
+    The "caught as" column is shortened (ending in "...") to make room, never the verdict:
+    cutting the whole line once left "ve" or "ca" of it.
+
+    >>> rows = [("sfno", "buffer-broadcast", "buffer", "error (+" + "x" * 80 + ")", "caught")]
+    >>> [line.split()[-1] for line in fault_table(rows)] == ["verdict", "-------", "caught"]
+    True
+    """
+    header = ("stepper", "fault", "expected", "caught as (first, +rest)", "verdict")
+    if rows:
+        longest = max(len(line) for line in format_table(header, rows))
+        room = max(12, max(len(r[3]) for r in rows) - max(0, longest - width))
+        rows = [(a, b, c, _shorten(caught, room), v) for a, b, c, caught, v in rows]
+    return format_table(header, rows)
+
+
+def _shorten(text: str, room: int) -> str:
+    return text if len(text) <= room else text[: room - 3] + "..."
 
 
 def _slug(label: str) -> str:

@@ -48,6 +48,7 @@ from harness._events import (
     receive,
     send,
 )
+from harness._pids import pid_alive as _pid_alive
 from harness._state import RankState
 from harness.board import Board, State, Writer
 from harness.errors import exception_summary, user_traceback
@@ -142,16 +143,6 @@ def _watch_parent(parent_pid: int, workdir: str) -> None:
             if not _pid_alive(parent_pid):
                 shutil.rmtree(workdir, ignore_errors=True)
             os._exit(3)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _worker_main(

@@ -17,7 +17,6 @@ import torch
 
 from harness.compare import (
     NUMERIC,
-    FieldError,
     Mismatch,
     QuantityStats,
     Tolerance,
@@ -26,17 +25,18 @@ from harness.compare import (
     compare_tensors,
     nonfinite_counts,
     nonfinite_text,
-    scale_hint,
 )
 from harness.hints import (
     boundary_hint,
     float32_evidence,
     likely_cause,
     precision_hint,
+    scale_hint,
     shard_shape_hint,
 )
 from harness.partition import ownership
 from harness.records import FieldRecord, ParamShard, RunRecord, StepRecord
+from harness.report import FieldError
 
 SHARD_HINT = (
     "return this rank's part of a field as a Shard: Shard.grid(values, rows, cols, nlat, "

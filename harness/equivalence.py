@@ -22,9 +22,11 @@ import torch
 from harness._dtypes import OutputDtypes, collective_dtypes
 from harness._state import CallerState
 from harness.checks import compare_runs
-from harness.compare import FAILURES, EquivalenceReport, Mismatch, Tolerance
+from harness.compare import FAILURES, Mismatch, Tolerance
 from harness.errors import ConfigError, RankFailure
+from harness.hints import culprit_hint
 from harness.records import FieldRecord, ParamShard, RunRecord, StepRecord, detached
+from harness.report import EquivalenceReport
 from harness.topology import Topology, validate_sizes
 from harness.vacuous import check_vacuous
 
@@ -859,7 +861,7 @@ def check_equivalence(
         records = pool.run(_rank_entry, case, spatial_size, steps, lr, seed, init, timeout=timeout)
     except RankFailure as failure:
         report.mismatches = failure_mismatches(failure, case.label)
-        report.likely = _culprit(failure)
+        report.likely = culprit_hint(failure)
         report.partition = _layout(case.describe(None), s, ranks // s)
     else:
         report.partition = _layout(records[0].describe, s, ranks // s)
@@ -911,16 +913,7 @@ def _should_locate(locate: bool | None, report: EquivalenceReport, pool: Runner)
     return True
 
 
-def _culprit(failure: RankFailure) -> str:
-    """For a proven deadlock: the rank that returned while the others wait for its part, in
-    the words of the proof (which operation kind it skipped, or that it entered one as
-    another). A rank that merely finished first while the others hang for a reason nothing
-    proved (a timeout), or ranks that wait for each other, name no culprit."""
-    proven = any(p.kind == "deadlock" for p in failure.problems)
-    returned = [p for p in failure.problems if p.kind == "returned"]
-    if not proven or not returned:
-        return ""
-    return "; ".join(f"rank {p.rank} {p.summary}" for p in returned)
+_culprit = culprit_hint  # its older, private name
 
 
 def failure_mismatches(failure: RankFailure, label: str) -> list[Mismatch]:
@@ -949,7 +942,14 @@ def failure_mismatches(failure: RankFailure, label: str) -> list[Mismatch]:
 
 
 def flatten_record(record: RunRecord) -> dict[str, torch.Tensor]:
-    """The reference's results as one flat ``{name: tensor}`` map (what goldens store)."""
+    """Deprecated: ``record.flat()``, which this only calls (kept for old imports)."""
+    import warnings
+
+    warnings.warn(
+        "harness.equivalence.flatten_record is deprecated; use RunRecord.flat()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return record.flat()
 
 

@@ -24,15 +24,25 @@ import datetime
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import torch
 
-from harness.compare import Bound, compare_tensors, nonfinite_counts, nonfinite_text
+from harness._pids import pid_alive as _pid_alive
+from harness.compare import (
+    Bound,
+    Tolerance,
+    compare_tensors,
+    nonfinite_counts,
+    nonfinite_text,
+)
 from harness.errors import GoldenError, exception_summary
+from harness.report import EquivalenceReport
 
 FORMAT = "harness-golden"
 VERSION = 1
@@ -51,32 +61,56 @@ def golden_stem(nodeid: str) -> str:
     return f"{path}/{name}" if name else path
 
 
-#: Outcomes of a golden check. ``refused``: non-finite values, not written; ``not updated``:
-#: the equivalence check behind it failed, so the old golden was kept.
-STATUSES = (
-    "passed",
-    "failed",
-    "missing",
-    "written",
-    "updated",
-    "unchanged",
-    "refused",
-    "not updated",
-)
+class GoldenFile(TypedDict):
+    """What a golden file holds (``GoldenStore.load``)."""
+
+    format: str  # FORMAT
+    version: int  # VERSION
+    provenance: dict[str, Any]  # plain scalars and text: weights_only loading accepts no other
+    tensors: dict[str, torch.Tensor]
+
+
+class GoldenStatus(str, Enum):
+    """The outcome of one golden check. A ``str`` enum (``GoldenStatus.PASSED ==
+    "passed"``); reports carry its plain text, which travels to xdist's controller.
+
+    ``refused``: non-finite values, not written; ``not updated``: the equivalence check
+    behind it failed, so the old golden was kept.
+    """
+
+    PASSED = "passed"
+    FAILED = "failed"
+    MISSING = "missing"
+    WRITTEN = "written"
+    UPDATED = "updated"
+    UNCHANGED = "unchanged"
+    REFUSED = "refused"
+    NOT_UPDATED = "not updated"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Every status's text (the older name of ``GoldenStatus``'s values).
+STATUSES = tuple(s.value for s in GoldenStatus)
+_OK = (GoldenStatus.PASSED, GoldenStatus.WRITTEN, GoldenStatus.UPDATED, GoldenStatus.UNCHANGED)
 _TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
 
 
 @dataclass
 class GoldenResult:
-    """The outcome of one golden check: ``status`` is one of ``STATUSES``."""
+    """The outcome of one golden check (``status`` given as text is made a ``GoldenStatus``)."""
 
     path: Path
-    status: str
+    status: GoldenStatus
     lines: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.status = GoldenStatus(self.status)
 
     @property
     def ok(self) -> bool:
-        return self.status in ("passed", "written", "updated", "unchanged")
+        return self.status in _OK
 
     def __str__(self) -> str:
         return "\n".join([f"golden {self.path}: {self.status}", *self.lines])
@@ -97,7 +131,7 @@ class GoldenStore:
 
     # ------------------------------------------------------------------ io
 
-    def load(self, path: Path) -> dict[str, Any]:
+    def load(self, path: Path) -> GoldenFile:
         """Load and validate a golden; a clear ``GoldenError`` if it is not one of ours."""
         _not_a_directory(path)
         try:
@@ -124,7 +158,7 @@ class GoldenStore:
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
         ):
             raise GoldenError(f"golden {path} has no valid tensor map; {UPDATE_HINT}.")
-        return data
+        return cast(GoldenFile, data)
 
     def write(
         self, path: Path, tensors: Mapping[str, torch.Tensor], provenance: Mapping[str, Any]
@@ -222,22 +256,24 @@ class GoldenStore:
             if golden is not None:
                 lines = diff_tensors(tensors, golden, bound, allow_nonfinite=allow_nonfinite)
                 if not lines:
-                    return GoldenResult(path, "unchanged" if self.update else "passed")
+                    return GoldenResult(
+                        path, GoldenStatus.UNCHANGED if self.update else GoldenStatus.PASSED
+                    )
         if not self.update:
             if not exists:
                 return GoldenResult(
                     path,
-                    "missing",
+                    GoldenStatus.MISSING,
                     [f"no golden at {path}: {UPDATE_HINT} (then commit the new file)."],
                 )
             return GoldenResult(
-                path, "failed", [*lines, f"If the change is intended, {UPDATE_HINT}."]
+                path, GoldenStatus.FAILED, [*lines, f"If the change is intended, {UPDATE_HINT}."]
             )
         bad = [] if allow_nonfinite else _nonfinite_lines(tensors, "this run produced")
         if bad:
             return GoldenResult(
                 path,
-                "refused",
+                GoldenStatus.REFUSED,
                 [
                     f"not writing {path}: a golden vouches only for finite values, and this run "
                     "produced NaN or inf:",
@@ -246,18 +282,151 @@ class GoldenStore:
                 ],
             )
         self.write(path, tensors, provenance)
-        return GoldenResult(path, "updated" if exists else "written", lines)
+        return GoldenResult(path, GoldenStatus.UPDATED if exists else GoldenStatus.WRITTEN, lines)
 
     def not_updated(self, path: Path, reason: str) -> GoldenResult:
         """The result for a golden left as it was because the check behind it failed."""
         return GoldenResult(
             path,
-            "not updated",
+            GoldenStatus.NOT_UPDATED,
             [
                 f"not updated: {reason}; a golden is only written from a passing check. Fix the "
                 "check, then run --update-goldens again."
             ],
         )
+
+
+# ---------------------------------------------------------------------- the policy
+
+
+def check_report(
+    store: GoldenStore,
+    path: Path,
+    report: EquivalenceReport,
+    *,
+    provenance: Mapping[str, Any] | None = None,
+    allow_nonfinite: bool = False,
+) -> GoldenResult:
+    """The golden policy for an equivalence check's reference run, one for the plugin's
+    ``spatial.check(golden=True)`` and for ``harness-check``:
+
+    - a golden is only written from a check that passed (``not updated`` otherwise, the old
+      file kept), and only from finite values (``refused``);
+    - the reference is compared with the field tolerance of its dtype
+      (``Tolerance.for_dtype(dtype).field``): a golden pins the same run, so what may differ
+      is the rounding of a reordered sum, as between reference and ranks;
+    - what is written says where it came from: the case, ranks, partition, dtype and steps
+      of the report, the versions (``default_provenance``), and ``provenance``'s entries.
+    """
+    if store.update and not report.ok:
+        return store.not_updated(path, "the equivalence check failed")
+    dtype = next(iter(report.reference.values())).dtype
+    return store.check(
+        path,
+        report.reference,
+        bound=Tolerance.for_dtype(dtype).field,
+        provenance={**report_provenance(report), **(provenance or {})},
+        allow_nonfinite=allow_nonfinite,
+    )
+
+
+def report_provenance(report: EquivalenceReport) -> dict[str, Any]:
+    """What a golden of ``report``'s reference records of the check behind it."""
+    return {
+        "case": report.case,
+        "ranks": report.ranks,
+        "spatial_size": report.spatial_size,
+        "partition": report.partition,
+        "dtype": report.dtype,
+        "steps": report.steps,
+    }
+
+
+#: The tally's words for a status, where the bare status would not say enough.
+_LABELS = {
+    GoldenStatus.NOT_UPDATED: "not updated (check failed)",
+    GoldenStatus.REFUSED: "refused (not finite)",
+}
+_ORDER = (
+    GoldenStatus.WRITTEN,
+    GoldenStatus.UPDATED,
+    GoldenStatus.UNCHANGED,
+    GoldenStatus.PASSED,
+    GoldenStatus.FAILED,
+    GoldenStatus.MISSING,
+    GoldenStatus.NOT_UPDATED,
+    GoldenStatus.REFUSED,
+)
+
+
+@dataclass
+class GoldenTally:
+    """How a run's goldens came out, counted per status, and the files no check used (as
+    syrupy counts snapshots created, updated and unused)."""
+
+    counts: Counter[GoldenStatus] = field(default_factory=Counter)
+    unused: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, statuses: Iterable[GoldenStatus | str]) -> GoldenTally:
+        return cls(Counter(GoldenStatus(s) for s in statuses))
+
+    @property
+    def written(self) -> int:
+        return self.counts[GoldenStatus.WRITTEN]
+
+    @property
+    def updated(self) -> int:
+        return self.counts[GoldenStatus.UPDATED]
+
+    @property
+    def unchanged(self) -> int:
+        return self.counts[GoldenStatus.UNCHANGED]
+
+    def lines(self, root: Path) -> list[str]:
+        """The summary: one line of counts, then what to do about them.
+
+        >>> GoldenTally.of(["written", "passed", "written"]).lines(Path("g"))
+        ['3 goldens: 2 written, 1 passed.', 'Review and commit the changes under g.']
+        """
+        if not self.counts:
+            return []
+        text = ", ".join(
+            f"{self.counts[k]} {_LABELS.get(k, k.value)}" for k in _ORDER if self.counts[k]
+        )
+        n = sum(self.counts.values())
+        out = [f"{n} golden{'s' if n != 1 else ''}: {text}."]
+        if self.counts[GoldenStatus.NOT_UPDATED] or self.counts[GoldenStatus.REFUSED]:
+            out.append(
+                "Goldens are only written from passing, finite checks: fix "
+                "the failing tests, then run --update-goldens again."
+            )
+        if self.written or self.updated:
+            out.append(f"Review and commit the changes under {root}.")
+        elif self.counts[GoldenStatus.MISSING] or self.counts[GoldenStatus.FAILED]:
+            out.append("Run with --update-goldens if the change is intended.")
+        return out
+
+
+def unused_goldens(root: Path, nodeids: Iterable[str]) -> list[str]:
+    """The golden files under ``root`` that none of the tests ``nodeids`` names (with or
+    without a ``name=``); the main job's, under ``main/``, are left out."""
+    if not root.is_dir():
+        return []
+    used = {golden_stem(n) for n in nodeids}
+    unused = []
+    for path in sorted(root.rglob("*.pt")):
+        stem = path.relative_to(root).as_posix()[:-3]
+        if stem.startswith("main/"):
+            continue  # the main job's (harness-check), not a test's
+        base = stem.split("].", 1)[0] + "]" if "]." in stem else stem.rsplit(".", 1)[0]
+        if (
+            stem not in used
+            and base not in used
+            and not any(stem.startswith(u + ".") for u in used)
+        ):
+            unused.append(str(path))
+    return unused
 
 
 def diff_tensors(
@@ -322,18 +491,8 @@ def _not_a_directory(path: Path) -> None:
         )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def default_provenance() -> dict[str, Any]:
-    from harness import __version__
+    from harness._version import __version__
 
     return {
         "harness": __version__,

@@ -10,10 +10,12 @@ evidence does not point anywhere in particular (a generic remedy is given anyway
   that is where the rounding came in;
 - ``shard_shape_hint``: a shard's values are its block unflattened, so ``Shard.grid`` was
   wanted;
+- ``scale_hint``: a gradient exactly S times or 1/S of the reference, or all zeros, so a
+  reduction is counted twice, averaged where it should sum, or never done;
+- ``culprit_hint``: for a hang, the ranks that returned while the others waited;
 - ``likely_cause``: of all the mismatches of a report, the one line that most likely names
   the bug.
 
-``compare.scale_hint`` (a gradient exactly S times or 1/S of the reference) is the fourth.
 A hint is a claim about the cause: each is given only on evidence that a logic bug of the
 same size would not also produce (``tests/distributed/test_hints.py`` holds both sides).
 """
@@ -26,7 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from harness.compare import Mismatch
+from harness.compare import _REAL_OF, Mismatch, Quantity, Tolerance, as_float64
+from harness.errors import RankFailure
 from harness.records import RunRecord
 
 #: float32's unit roundoff; a float64 run whose errors are a few of these came through
@@ -238,9 +241,76 @@ def shard_shape_hint(
     )
 
 
+def scale_hint(
+    actual: torch.Tensor, expected: torch.Tensor, spatial_size: int, rtol: float | None = None
+) -> str:
+    """Name a telltale factor between two tensors: S times, 1/S times, or zero.
+
+    Wrong reductions scale gradients by exactly the group size; saying so points straight at
+    the bug (double-counted reduce, mean instead of sum). Only an *exact* factor is named:
+    the actual values must be S (or 1/S) times the reference's to within ``rtol`` (default:
+    the gradient tolerance of their dtype), relative, in the factor and in the norm of what
+    is left, since a doubled sum differs from twice the reference only by its summation
+    order, which the tolerance bounds. A logic bug that happens to come out near S is not
+    a factor: left out.
+    """
+    a = as_float64(actual)
+    e = as_float64(expected)
+    if a.is_complex():
+        a, e = torch.view_as_real(a).reshape(-1), torch.view_as_real(e).reshape(-1)
+    if a.shape != e.shape or not bool(torch.isfinite(a).all() and torch.isfinite(e).all()):
+        return ""
+    ee = float((e * e).sum())
+    if ee == 0:
+        return ""
+    if float((a * a).sum()) == 0:
+        return (
+            "all zeros on this rank: is the parameter out of the graph, "
+            "or its gradient never synchronised?"
+        )
+    if rtol is None:
+        rtol = Tolerance.for_dtype(expected.dtype).grad.rtol
+    # a few ulps of the dtype always: the factor itself is computed in floating point
+    eps = (
+        torch.finfo(_REAL_OF.get(expected.dtype, expected.dtype)).eps
+        if e.is_floating_point()
+        else 0.0
+    )
+    limit = max(rtol, 16 * float(eps))
+    ratio = float((a * e).sum()) / ee
+    left = math.sqrt(max(0.0, float(((a - ratio * e) ** 2).sum()) / ee))
+    if left > limit or spatial_size <= 1:
+        return ""
+    if abs(ratio - spatial_size) <= limit * spatial_size:
+        return f"exactly {spatial_size}x the reference: a reduction counted {spatial_size} times"
+    if abs(ratio - 1 / spatial_size) <= limit / spatial_size:
+        return f"exactly 1/{spatial_size} of the reference: averaged where it should sum"
+    return ""
+
+
+def culprit_hint(failure: RankFailure) -> str:
+    """For a proven deadlock: the rank that returned while the others wait for its part, in
+    the words of the proof (which operation kind it skipped, or that it entered one as
+    another). A rank that merely finished first while the others hang for a reason nothing
+    proved (a timeout), or ranks that wait for each other, name no culprit."""
+    proven = any(p.kind == "deadlock" for p in failure.problems)
+    returned = [p for p in failure.problems if p.kind == "returned"]
+    if not proven or not returned:
+        return ""
+    return "; ".join(f"rank {p.rank} {p.summary}" for p in returned)
+
+
 #: Which evidence names a bug most surely, first: a failure of the run, a non-finite value,
 #: the batch trap, then the numeric patterns.
-_PRIORITY = ("crash", "error", "deadlock", "timeout", "pending", "nonfinite", "batch")
+_PRIORITY = (
+    Quantity.CRASH,
+    Quantity.ERROR,
+    Quantity.DEADLOCK,
+    Quantity.TIMEOUT,
+    Quantity.PENDING,
+    Quantity.NONFINITE,
+    Quantity.BATCH,
+)
 
 
 def likely_cause(mismatches: Sequence[Mismatch]) -> str:

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-from harness.compare import format_table
 from harness.mutants import (
     Mutant,
     Outcome,
@@ -35,6 +34,7 @@ from harness.mutants import (
     score_line,
     table_rows,
 )
+from harness.report import format_table
 
 SITES_KEY = pytest.StashKey[list[dict[str, SiteStats]]]()
 _OUTPUT = "harness_mutants"

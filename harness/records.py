@@ -130,18 +130,6 @@ class RunRecord:
                 flat[f"step{i}/param/{n}"] = p
         return flat
 
-    def tensors(self) -> list[tuple[str, str, int | None, torch.Tensor]]:
-        """Every recorded tensor as (quantity, name, step, tensor), in run order."""
-        out: list[tuple[str, str, int | None, torch.Tensor]] = [
-            ("param", n, None, p) for n, p in self.init.items()
-        ]
-        for i, st in enumerate(self.steps):
-            out.append(("loss", "loss", i, st.loss))
-            out += [("grad", n, i, g) for n, g in st.grads.items() if g is not None]
-            out += [("field", n, i, f.values) for n, f in st.fields.items()]
-            out += [("param", n, i, p) for n, p in st.params.items()]
-        return out
-
 
 def detached(t: torch.Tensor) -> torch.Tensor:
     """A CPU copy that shares nothing with the model's tensors."""

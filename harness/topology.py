@@ -80,6 +80,19 @@ class Topology:
 
     The reference's topology (``Topology.single()``) has sizes 1, ranks 0 and groups
     ``None``; collectives treat a ``None`` group as "nothing to communicate".
+
+    Fields (``S`` = ``spatial_size``, ``D`` = ``data_size``, world = ``S * D`` ranks):
+
+    - ``world_size``, ``rank``: the whole run, and this process's global rank in it.
+    - ``spatial_size``, ``spatial_rank``: ranks that split one sample's domain between them,
+      and this rank's place among them (``rank % S``); the piece of the domain it owns.
+    - ``spatial_group``: the process group of those ``S`` ranks (global ranks
+      ``[g*S, (g+1)*S)``, listed by ``spatial_ranks``); collectives over the domain use it.
+    - ``data_size``, ``data_rank``: how many spatial groups run side by side on different
+      samples (data parallelism), and which one this rank's is (``rank // S``).
+    - ``data_group``: the ``D`` ranks with this ``spatial_rank``, one from each spatial group
+      (global ranks ``spatial_rank, spatial_rank + S, ...``): the group a gradient is
+      averaged over after its sum over the spatial group, as DDP would (``sync_gradients``).
     """
 
     world_size: int

@@ -8,33 +8,15 @@ and a test fails when either file drifts from this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator
-from typing import Any, cast
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from harness.equivalence import SpatialCase
-from harness.errors import ConfigError
+from harness.steppers.faults import check_faults
+
+__all__ = ["check_faults"]  # kept here too: it lived here before the steppers' own module
 
 Maker = Callable[..., SpatialCase]
-
-
-def check_faults(faults: Any, known: Collection[str], stepper: str) -> frozenset[str]:
-    """``faults`` (one id or several) as a frozenset of ``stepper``'s fault ids, or a
-    ``ConfigError`` listing the valid ones.
-
-    >>> sorted(check_faults("a", {"a", "b"}, "toy"))
-    ['a']
-    >>> check_faults({"c"}, {"a", "b"}, "toy")
-    Traceback (most recent call last):
-    ...
-    harness.errors.ConfigError: unknown toy fault(s) ['c']; valid ids: a, b
-    """
-    ids = cast(frozenset[str], frozenset((faults,) if isinstance(faults, str) else faults))
-    unknown = ids - frozenset(known)
-    if unknown:
-        raise ConfigError(
-            f"unknown {stepper} fault(s) {sorted(unknown)}; valid ids: {', '.join(sorted(known))}"
-        )
-    return ids
 
 
 def _mlp(**kw: Any) -> SpatialCase:

@@ -59,7 +59,7 @@ from harness.collectives import all_gather_uneven, reduce_loss, sync_gradients
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.partition import CellPartition, cell_of
-from harness.steppers import catalogue
+from harness.steppers import faults as _faults
 from harness.topology import Topology, cached_groups
 
 HEALPIX_FAULTS = frozenset(
@@ -114,7 +114,7 @@ _DEPTH = 4
 
 def check_faults(faults: Any) -> frozenset[str]:
     """``faults`` as a frozenset of known HEALPix fault ids, or a ``ConfigError``."""
-    return catalogue.check_faults(faults, HEALPIX_FAULTS, "HEALPix")
+    return _faults.check_faults(faults, HEALPIX_FAULTS, "HEALPix")
 
 
 # ---------------------------------------------------------------------- gathers

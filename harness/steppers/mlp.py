@@ -20,7 +20,7 @@ from torch import nn
 from harness.collectives import reduce_loss, spatial_sum, sync_gradients
 from harness.divergence import Positions
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
-from harness.steppers.catalogue import check_faults
+from harness.steppers.faults import check_faults
 from harness.topology import Topology
 
 FAULTS = ("no-grad-sync", "wrong-shard-index", "non-differentiable-reduce")

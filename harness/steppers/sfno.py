@@ -46,7 +46,7 @@ from harness.collectives import apply, reduce_gradient, reduce_loss, spatial_sum
 from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.partition import LatLonPartition, sht_split_rule
-from harness.steppers import catalogue
+from harness.steppers import faults as _faults
 from harness.topology import Topology
 
 _UNEVEN_LAT = {"nlat": 30, "nlon": 16, "h": 4, "w": 1}  # bands [8, 8, 8, 6], unequal areas
@@ -92,7 +92,7 @@ GRIDS = ("equiangular", "legendre-gauss")
 
 def check_faults(faults: Any) -> frozenset[str]:
     """``faults`` as a frozenset of known SFNO fault ids, or a ``ConfigError``."""
-    return catalogue.check_faults(faults, SFNO_FAULTS, "SFNO")
+    return _faults.check_faults(faults, SFNO_FAULTS, "SFNO")
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ def _deadlock(spatial, fn) -> RankDeadlock:
 
 
 @pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
 def test_different_collectives_at_the_same_point_are_a_deadlock_naming_both(spatial):
     err = _deadlock(spatial, mismatched_operations)
     assert [p.rank for p in err.problems if p.kind == "deadlock"] == [0, 1, 2, 3]
@@ -95,6 +96,7 @@ def test_different_collectives_at_the_same_point_are_a_deadlock_naming_both(spat
 
 
 @pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
 def test_one_collective_with_different_sizes_is_a_deadlock_naming_the_sizes(spatial):
     err = _deadlock(spatial, mismatched_sizes)
     stuck = [p for p in err.problems if p.kind == "deadlock"]
@@ -109,6 +111,7 @@ def test_one_collective_with_different_sizes_is_a_deadlock_naming_the_sizes(spat
 
 
 @pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
 def test_a_rank_gone_while_the_others_wait_in_work_wait_is_a_deadlock(spatial):
     err = _deadlock(spatial, gone_while_others_wait_in_work_wait)
     assert err.returned == [1] and err.ranks == [0, 2, 3]
@@ -119,6 +122,7 @@ def test_a_rank_gone_while_the_others_wait_in_work_wait_is_a_deadlock(spatial):
 
 
 @pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
 def test_a_rank_gone_while_the_others_wait_in_ddps_backward_is_a_deadlock(spatial):
     err = _deadlock(spatial, gone_while_others_wait_in_ddp_backward)
     assert err.returned == [2] and err.ranks == [0, 1, 3]
@@ -146,6 +150,7 @@ def test_collectives_in_opposite_orders_on_two_groups_are_a_deadlock_cycle(spati
 
 
 @pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
 def test_a_timeout_without_proof_blames_nobody(spatial):
     # rank 0 is only late for a collective of ranks 0-2; rank 3, no member, returned at once
     with pytest.raises(RankTimeout) as info:
@@ -234,6 +239,7 @@ def late_rank(how: str, seconds: float) -> float:
 
 @pytest.mark.parametrize("how", ["sleep", "subprocess", "lock", "file", "compute"])
 @pytest.mark.spatial(timeout=120)
+@pytest.mark.assumes_ranks(4)
 def test_a_late_rank_is_waited_for_and_never_blamed(spatial, how):
     assert spatial.run(late_rank, how, LATE) == [4.0] * 4
 
@@ -247,6 +253,7 @@ def late_between_many_collectives(seconds: float) -> int:
 
 
 @pytest.mark.spatial(timeout=120)
+@pytest.mark.assumes_ranks(4)
 def test_a_rank_late_in_the_middle_of_many_collectives_is_waited_for(spatial):
     assert spatial.run(late_between_many_collectives, LATE) == [20] * 4
 
@@ -260,6 +267,7 @@ def async_waited_late(seconds: float) -> float:
 
 
 @pytest.mark.spatial(timeout=120)
+@pytest.mark.assumes_ranks(4)
 def test_async_work_waited_on_late_passes_without_a_warning(spatial, recwarn):
     assert spatial.run(async_waited_late, LATE) == [4.0] * 4
     assert not [w for w in recwarn if issubclass(w.category, UnwaitedWork)]
@@ -283,6 +291,7 @@ def isend_received_late(seconds: float) -> list[float]:
 # the post-run audit of work left in flight (and UnwaitedWork) is the pool's, not a launcher's
 @pytest.mark.spatial_pool
 @pytest.mark.spatial(timeout=120)
+@pytest.mark.assumes_ranks(4)
 def test_matched_async_work_that_completes_after_return_is_not_pending(spatial):
     never = r"rank 0, 1, 2, 3: all_reduce issued at .*test_hangs.py:\d+ in async_never_waited was"
     with pytest.warns(UnwaitedWork, match=never):

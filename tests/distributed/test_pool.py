@@ -147,6 +147,7 @@ def test_run_returns_every_ranks_result_in_rank_order(spatial, ranks):
 
 
 @pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
 def test_a_rank_that_raises_is_named_with_its_traceback_and_the_pool_survives(spatial):
     with pytest.raises(RankError) as info:
         spatial.run(raise_on, 2)
@@ -162,6 +163,7 @@ def test_a_rank_that_raises_is_named_with_its_traceback_and_the_pool_survives(sp
     [("exit", "exited with code 7"), ("SIGKILL", "killed by SIGKILL"), ("SIGSEGV", "SIGSEGV")],
 )
 @pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
 def test_a_rank_that_dies_is_named_within_a_second_and_the_pool_restarts(spatial, how, says):
     pool = spatial.pool(4)
     spatial.run(rank_and_sum, 0.0)  # warm
@@ -185,6 +187,7 @@ def test_a_rank_that_dies_is_named_within_a_second_and_the_pool_restarts(spatial
 
 @pytest.mark.spatial(timeout=100)
 @pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
 def test_a_skipped_collective_is_a_deadlock_found_long_before_the_timeout(spatial):
     t0 = time.monotonic()
     with pytest.raises(RankDeadlock) as info:
@@ -252,6 +255,7 @@ def many_small_collectives(seconds: float) -> int:
 
 
 @pytest.mark.spatial(timeout=60)
+@pytest.mark.assumes_ranks(4)
 def test_a_rank_computing_longer_than_the_window_is_not_a_deadlock(spatial):
     assert spatial.run(compute_then_reduce, 5.0) == [4.0] * 4
 
@@ -263,6 +267,7 @@ def test_a_long_loop_of_completing_collectives_is_not_a_deadlock(spatial):
 
 
 @pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
 def test_a_busy_loop_times_out_on_every_rank(spatial):
     with pytest.raises(RankTimeout) as info:
         spatial.run(spin_forever, timeout=1.5)
@@ -316,6 +321,7 @@ def test_what_ranks_print_is_kept_per_rank(spatial):
     ],
     ids=["s4d1", "s2d2", "s1d4"],
 )
+@pytest.mark.assumes_ranks(4)
 def test_topology_groups_consecutive_ranks_into_spatial_groups(spatial, spatial_size, expected):
     got = spatial.run(topology_of, spatial_size)
     assert [(g["spatial_rank"], g["data_rank"], g["spatial_sum"]) for g in got] == expected
@@ -345,6 +351,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
 def test_a_collective_left_pending_fails_its_own_run_and_not_the_next(spatial):
     with pytest.raises(RankPending) as info:
         spatial.run(leave_collective_pending, 2)
@@ -372,6 +379,7 @@ def test_an_unmatched_isend_fails_its_own_run_and_not_the_next(spatial):
     assert spatial.run(send_and_receive, timeout=20)[1] == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.assumes_ranks(4)
 def test_uneven_but_matched_point_to_point_passes_and_so_does_the_next_run(spatial):
     for _ in range(2):
         assert spatial.run(uneven_point_to_point) == [0, 1, 2, 3]
@@ -388,6 +396,7 @@ def test_environment_variables_set_by_a_run_do_not_reach_the_next(spatial):
 
 @pytest.mark.spatial_pool
 @pytest.mark.parametrize("victim", [0, 3])
+@pytest.mark.assumes_ranks(4)
 def test_a_rank_killed_while_idle_is_replaced_silently(spatial, victim):
     pool = spatial.pool(4)
     for _ in range(5):  # at once after the kill: the race that used to fail every time
@@ -473,6 +482,7 @@ def send_behind_the_watch() -> int:
 
 
 @pytest.mark.spatial_pool  # group reuse between runs is the pool's; a launcher keeps its one group
+@pytest.mark.assumes_ranks(4)
 def test_a_group_whose_members_counts_differ_is_never_reused(spatial):
     spatial.run(rank_and_sum, 0.0)
     assert min(spatial.run(sequence_at_start)) > 0  # in step: the next run reuses the group

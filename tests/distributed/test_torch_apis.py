@@ -31,6 +31,7 @@ def halo_ring_with_batch_isend_irecv() -> tuple[list[float], list[float]]:
     return from_left.tolist(), from_right.tolist()
 
 
+@pytest.mark.assumes_ranks(4)
 def test_batch_isend_irecv_with_p2pop_exchanges_a_halo(spatial, recwarn):
     got = spatial.run(halo_ring_with_batch_isend_irecv)
     for rank, (from_left, from_right) in enumerate(got):
@@ -71,6 +72,7 @@ def work_objects() -> dict[str, object]:
     }
 
 
+@pytest.mark.assumes_ranks(4)
 def test_work_objects_and_async_op_behave_as_torch_documents(spatial):
     for answer in spatial.run(work_objects):
         assert answer == {
@@ -99,6 +101,7 @@ def autograd_all_reduce() -> tuple[list[float], list[float]]:
     return y.tolist(), x.grad.tolist()
 
 
+@pytest.mark.assumes_ranks(4)
 def test_torch_distributed_nn_collectives_and_their_backward_work(spatial):
     for value, grad in spatial.run(autograd_all_reduce):
         assert value == [10.0, 10.0]  # 1 + 2 + 3 + 4
@@ -113,6 +116,7 @@ def ddp_step() -> list[float]:
     return model.module.weight.grad.reshape(-1).tolist()
 
 
+@pytest.mark.assumes_ranks(4)
 def test_ddp_averages_gradients_over_the_ranks(spatial):
     grads = spatial.run(ddp_step)
     assert grads == [[1.5, 1.5, 1.5]] * 4  # mean over ranks of x = rank: (0+1+2+3)/4
@@ -129,6 +133,7 @@ def device_mesh_and_dtensor() -> tuple[list[int], list[float]]:
     return list(sharded.to_local().shape), doubled.to_local().reshape(-1).tolist()
 
 
+@pytest.mark.assumes_ranks(4)
 def test_device_mesh_and_dtensor_redistribute_as_without_the_harness(spatial):
     for shape, values in spatial.run(device_mesh_and_dtensor):
         assert shape == [2, 2]
@@ -170,6 +175,7 @@ def reduce_scatter_twice() -> tuple[list[float], bool]:
     return out.tolist(), work.is_completed()
 
 
+@pytest.mark.assumes_ranks(4)
 def test_a_work_that_never_says_it_completed_is_done_once_its_wait_returned(spatial):
     # gloo's emulated reduce_scatter: its work's is_completed() stays False after wait()
     # (torch 2.13 and 2.14); a wait that returned is what completion means

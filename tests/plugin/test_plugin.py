@@ -473,6 +473,24 @@ def test_a_spatial_test_that_never_runs_anything_is_warned_about(pytester):
     )
 
 
+def test_a_spatial_test_that_skips_itself_before_the_ranks_is_not_warned_about(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+
+        def test_skips(spatial):
+            pytest.skip("needs 4 ranks")
+
+        @pytest.mark.xfail(reason="known", strict=True)
+        def test_xfails(spatial):
+            raise AssertionError
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(skipped=1, xfailed=1)
+    assert "SpatialUnusedWarning" not in result.stdout.str()
+
+
 def test_goldens_are_counted_on_the_controller_under_xdist(pytester):
     pytester.makepyfile(
         **{

@@ -822,3 +822,19 @@ def test_raise_if_failed_raises_an_assertion_error_carrying_the_whole_report():
 def test_raise_if_failed_is_silent_on_a_passing_report():
     report = _failed_report([])
     assert report.ok and report.raise_if_failed() is None
+
+
+def test_a_quantity_is_its_text_wherever_text_was_used():
+    import pickle
+
+    from harness.compare import FAILURES, NUMERIC, REMEDIES, Quantity
+
+    assert Quantity.GRAD == "grad" and f"{Quantity.GRAD}" == "grad"
+    assert REMEDIES["grad"] is REMEDIES[Quantity.GRAD]
+    assert set(REMEDIES) == set(Quantity)  # a remedy for every quantity, none for another
+    assert Tolerance.for_dtype(torch.float64).bound(Quantity.FIELD).rtol == 1e-10
+    assert set(NUMERIC) | set(FAILURES) < set(Quantity)
+    # a Mismatch given a Quantity keeps plain text: its rows travel to xdist's controller
+    m = Mismatch(Quantity.GRAD, "w", 0, 1)
+    assert type(m.quantity) is str and m.quantity == "grad"
+    assert type(pickle.loads(pickle.dumps(m)).quantity) is str

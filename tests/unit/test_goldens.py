@@ -411,3 +411,57 @@ def test_a_golden_that_cannot_be_written_names_the_path(tmp_path, monkeypatch):
     with pytest.raises(GoldenError, match=r"could not be written \(PermissionError: \[Errno 13\]"):
         GoldenStore(tmp_path, update=True).check(path, tensors(), bound=EXACT)
     assert list(tmp_path.iterdir()) == []
+
+
+def _report(ok: bool, scale: float = 1.0):
+    """What the golden policy reads of an EquivalenceReport."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        ok=ok,
+        reference=tensors(scale),
+        case="toy",
+        ranks=2,
+        spatial_size=2,
+        partition="halves",
+        dtype="torch.float64",
+        steps=1,
+    )
+
+
+def test_the_golden_policy_writes_only_after_a_passing_check_with_its_provenance(tmp_path):
+    from harness.goldens import GoldenStatus, check_report
+
+    path = tmp_path / "g.pt"
+    store = GoldenStore(tmp_path, update=True)
+    kept = check_report(store, path, _report(ok=False))
+    assert kept.status is GoldenStatus.NOT_UPDATED and not path.exists()
+    written = check_report(store, path, _report(ok=True), provenance={"seed": 3})
+    assert written.status == "written"  # a str enum: its text compares equal
+    provenance = store.load(path)["provenance"]
+    assert (provenance["case"], provenance["partition"], provenance["seed"]) == ("toy", "halves", 3)
+    # compared with the field tolerance of the reference's dtype (float64: rtol 1e-10)
+    reader = GoldenStore(tmp_path)
+    assert check_report(reader, path, _report(ok=True, scale=1 + 1e-13)).status == "passed"
+    assert check_report(reader, path, _report(ok=True, scale=1 + 1e-8)).status == "failed"
+
+
+def test_the_tally_counts_each_status_and_says_what_to_do(tmp_path):
+    from harness.goldens import GoldenTally, unused_goldens
+
+    tally = GoldenTally.of(["written", "unchanged", "not updated", "written"])
+    assert (tally.written, tally.updated, tally.unchanged) == (2, 0, 1)
+    assert tally.lines(tmp_path) == [
+        "4 goldens: 2 written, 1 unchanged, 1 not updated (check failed).",
+        "Goldens are only written from passing, finite checks: fix the failing tests, then "
+        "run --update-goldens again.",
+        f"Review and commit the changes under {tmp_path}.",
+    ]
+    assert GoldenTally.of([]).lines(tmp_path) == []
+    store = GoldenStore(tmp_path, update=True)
+    for nodeid, name in [("t/test_a.py::test_x", None), ("t/test_a.py::test_x", "loss"),
+                         ("t/test_a.py::test_gone", None)]:  # fmt: skip
+        store.check(store.path_for(nodeid, name), tensors(), bound=Bound(0, 0))
+    assert unused_goldens(tmp_path, ["t/test_a.py::test_x"]) == [
+        str(tmp_path / "t/test_a/test_gone.pt")
+    ]

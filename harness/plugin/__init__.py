@@ -1,0 +1,168 @@
+"""The pytest side of the harness: options, marker, fixtures, header and summary.
+
+The only package that knows pytest hooks, and nothing of the harness imports it: pytest
+loads it through the ``pytest11`` entry point ``harness.plugin``. Each hook is thin and
+hands off to library objects (``PoolRegistry``, ``GoldenStore``, ``check_equivalence``)
+that work without pytest. One job per module:
+
+- ``options``: the options' declarations, and ``Settings``, parsed and checked once;
+- ``fixtures``: ``spatial`` and ``golden``, and what a test sees of them;
+- ``session``: the session's summary (goldens, the equivalence table), on the controller;
+- ``launched``: torchrun/srun mode, a plugin object registered only under a launcher;
+- this module: configure, the header, closing the pools.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import pytest
+
+from harness.goldens import GoldenStore
+from harness.launcher import LauncherRegistry, launcher_env
+from harness.plugin._keys import _registry_key, _session_key, _settings_key, _skipped_key
+from harness.plugin.fixtures import (
+    OUTPUT_LIMIT,
+    GoldenFixture,
+    SpatialFixture,
+    SpatialUnusedWarning,
+    golden,
+    spatial,
+    write_error_maps,
+)
+from harness.plugin.launched import LauncherMode, launcher_registry
+from harness.plugin.options import DEFAULT_RANKS, Settings, parse_seconds, pytest_addoption
+from harness.plugin.session import HarnessSession
+from harness.pool import PoolRegistry
+
+__all__ = [
+    "DEFAULT_RANKS",
+    "OUTPUT_LIMIT",
+    "GoldenFixture",
+    "HarnessSession",
+    "LauncherMode",
+    "Settings",
+    "SpatialFixture",
+    "SpatialUnusedWarning",
+    "golden",
+    "parse_seconds",
+    "pytest_addoption",
+    "spatial",
+    "write_error_maps",
+]
+
+
+@pytest.hookimpl(tryfirst=True)  # before Hypothesis' plugin loads --hypothesis-profile
+def pytest_configure(config: pytest.Config) -> None:
+    from harness.strategies import register_profiles
+
+    register_profiles()
+    config.addinivalue_line(
+        "markers",
+        "spatial(ranks=None, timeout=None, fresh=False): run this test's spatial jobs on "
+        "`ranks` rank processes (default --spatial-ranks) with a per-run `timeout` in "
+        "seconds; fresh=True: on brand-new rank processes (no module state of other tests).",
+    )
+    config.addinivalue_line(
+        "markers",
+        "spatial_pool: the test exercises the rank pool itself (crashes, timeouts, spawning); "
+        "skipped when pytest runs under torchrun or srun.",
+    )
+    settings = Settings.parse(config)
+    config.stash[_settings_key] = settings
+    _interrupt_on_sigterm(config)
+    env = launcher_env()
+    if env is not None and not hasattr(config, "workerinput"):
+        config.stash[_registry_key] = launcher_registry(config, env, settings.timeout)
+    else:
+        config.stash[_registry_key] = PoolRegistry(
+            default_ranks=settings.ranks,
+            timeout=settings.timeout,
+            start_method=settings.start_method,
+            deadlock_window=settings.deadlock_window,
+            preload=list(settings.preload),
+        )
+    _register_mutants(config, settings)
+    session = HarnessSession(
+        GoldenStore(settings.golden_dir, update=settings.update_goldens),
+        show_unused=settings.goldens_unused,
+    )
+    config.stash[_session_key] = session
+    config.pluginmanager.register(session, "harness-session")
+    if not hasattr(config, "workerinput"):  # once per session: the controller, not each worker
+        session.swept = session.goldens.sweep()
+
+
+def _register_mutants(config: pytest.Config, settings: Settings) -> None:
+    """``--spatial-mutants``: the mutation run's plugin object, only when asked for."""
+    if not settings.mutants:
+        return
+    registry = config.stash[_registry_key]
+    if isinstance(registry, LauncherRegistry):
+        raise pytest.UsageError(
+            "--spatial-mutants injects bugs on the harness's own rank pool, which torchrun/srun "
+            "mode does not use; run it without the launcher"
+        )
+    from harness.plugin_mutants import MutantSession
+
+    config.pluginmanager.register(
+        MutantSession(config, registry, settings.mutants_min_score), "harness-mutants"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome: Any = yield
+    if call.when == "call" and outcome.get_result().skipped:
+        item.stash[_skipped_key] = True
+
+
+def _interrupt_on_sigterm(config: pytest.Config) -> None:
+    """SIGTERM (a cancelled CI job) ends the session as Ctrl-C does: tests stop, the pools
+    close and every temporary directory goes. Only where nobody else handles SIGTERM."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+    try:
+        signal.signal(signal.SIGTERM, _sigterm)
+    except ValueError:  # not the main thread
+        return
+    config.add_cleanup(_default_sigterm)
+
+
+def _default_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    registry = config.stash.get(_registry_key, None)
+    if registry is not None:
+        registry.close()  # no rank process outlives the session, pass, fail or Ctrl-C
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    import torch
+
+    registry = config.stash[_registry_key]
+    if isinstance(registry, LauncherRegistry):
+        how = (
+            f"launched ranks {registry.default_ranks} (torchrun/srun, in place), "
+            f"backend {registry.runner.backend}"
+        )
+        if registry.runner.rendezvous is not None:
+            how += f", rendezvous {registry.runner.rendezvous}"
+    else:
+        how = (
+            f"spatial ranks {registry.default_ranks}, backend gloo, "
+            f"start method {registry.start_method}"
+        )
+        window = registry.deadlock_window
+        how += f", deadlock detection {f'after {window:g}s' if window else 'off'}"
+        if registry.preload:
+            how += f", preload {','.join(registry.preload)}"
+    return f"harness: {how}, timeout {registry.timeout:g}s, torch {torch.__version__}"

@@ -1,0 +1,23 @@
+"""What the plugin's parts share through pytest's stash and test reports."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:  # the stash keys' types, named in strings
+    from harness.launcher import LauncherRegistry  # noqa: F401
+    from harness.plugin.options import Settings  # noqa: F401
+    from harness.plugin.session import HarnessSession  # noqa: F401
+    from harness.pool import PoolRegistry  # noqa: F401
+
+_registry_key = pytest.StashKey["PoolRegistry | LauncherRegistry"]()
+_session_key = pytest.StashKey["HarnessSession"]()
+_settings_key = pytest.StashKey["Settings"]()
+#: set on an item whose call phase was skipped (pytest.skip, xfail): its unused fixture is no news
+_skipped_key = pytest.StashKey[bool]()
+
+# Results travel from xdist workers to the controller as user_properties of test reports.
+_GOLDEN_PROP = "harness_golden"
+_EQUIV_PROP = "harness_equivalence"

@@ -1,0 +1,451 @@
+"""The ``spatial`` and ``golden`` fixtures and what they hand to a test."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    import torch
+
+from harness.compare import Bound, Tolerance
+from harness.equivalence import SpatialCase, check_equivalence
+from harness.errors import ConfigError, GoldenError
+from harness.goldens import (
+    GoldenResult,
+    GoldenStore,
+    check_report,
+    golden_stem,
+)
+from harness.launcher import LauncherRegistry, WorldSizeMismatch
+from harness.plugin._keys import (
+    _EQUIV_PROP,
+    _GOLDEN_PROP,
+    _registry_key,
+    _session_key,
+    _settings_key,
+    _skipped_key,
+)
+from harness.plugin_mutants import collect_sites
+from harness.pool import (
+    MIN_TIMEOUT,
+    PoolRegistry,
+    RankPool,
+    check_oversubscription,
+    check_seconds,
+)
+from harness.report import EquivalenceReport
+
+
+class SpatialFixture:
+    """What a test sees as ``spatial``: the rank count and a way to run on the ranks."""
+
+    def __init__(
+        self,
+        registry: PoolRegistry | LauncherRegistry,
+        node: pytest.Item,
+        ranks: int,
+        timeout: float,
+        golden: GoldenFixture,
+        *,
+        fresh: bool = False,
+    ) -> None:
+        self._registry = registry
+        self._golden = golden
+        self._node = node
+        self.ranks = ranks
+        self.timeout = timeout
+        self.fresh = fresh
+        self._used: dict[int, Any] = {}  # world size -> pool, for fresh tests
+        self.used = False  # did the test run anything on the ranks?
+        self._tmp: pytest.TempPathFactory | None = None
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        ranks: int | None = None,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run module-level ``fn(*args, **kwargs)`` on every rank; results in rank order."""
+        __tracebackhide__ = True
+        pool = self._pool(ranks)
+        try:
+            results: list[Any] = pool.run(fn, *args, timeout=self._timeout(timeout), **kwargs)
+            return results
+        finally:
+            self._attach_output(pool.last_outputs)
+            collect_sites(self._node, pool)
+
+    def check(
+        self,
+        case: SpatialCase,
+        *,
+        golden: bool | str = False,
+        ranks: int | None = None,
+        timeout: float | None = None,
+        locate: bool | None = None,
+        **kwargs: Any,
+    ) -> EquivalenceReport:
+        """``check_equivalence`` on the warm pool; fail with its table if not equivalent.
+
+        With ``golden=True`` (or a name) the reference's loss, gradients, fields and
+        parameters are then checked against this test's golden file; when both fail, the
+        failure says both. ``locate``: as for ``check_equivalence`` (default: on failure, or
+        always with ``--spatial-locate``).
+        """
+        __tracebackhide__ = True
+        ranks = ranks or self.ranks
+        pool = self._pool(ranks)
+        settings = self._node.config.stash[_settings_key]
+        if locate is None and (settings.calibrate or settings.locate):
+            locate = True
+        if getattr(self._registry, "mutant", None) is not None:
+            locate = False  # a mutant's rerun only asks whether the check fails
+        try:
+            report = check_equivalence(
+                case,
+                ranks=ranks,
+                pool=pool,
+                timeout=self._timeout(timeout),
+                locate=locate,
+                **kwargs,
+            )
+        finally:
+            self._attach_output(pool.last_outputs)
+            collect_sites(self._node, pool)
+        row = report.summary_row()
+        row["test"] = self._node.nodeid
+        if settings.calibrate and report.location is not None and report.tolerance is not None:
+            rtols = {q: report.tolerance.bound(q).rtol for q in ("loss", "grad", "field")}
+            row["calibration"] = report.location.calibration_lines(rtols)
+        golden_failure = ""  # said with the report's own failure, so neither hides the other
+        if golden:
+            name = golden if isinstance(golden, str) else None
+            try:
+                result = self._golden.check_report(
+                    report,
+                    name=name,
+                    allow_nonfinite=kwargs.get("allow_nonfinite") or case.expect_nonfinite,
+                    provenance={"seed": kwargs.get("seed", 0)},
+                )
+            except pytest.fail.Exception as exc:  # a corrupt or foreign golden
+                golden_failure = str(exc.msg)
+            else:
+                row["golden"] = str(result.status)  # plain text: rows travel to the controller
+                golden_failure = "" if result.ok else str(result)
+        self._node.user_properties.append((_EQUIV_PROP, row))
+        failures = []
+        if not report.ok:
+            text = str(report)
+            plots = self._node.config.getoption("spatial_plots")
+            if plots and report.field_errors:
+                maps = write_error_maps(report, plots, self._node.nodeid)
+                text += "\n\nError maps:\n" + "\n".join(f"  {p}" for p in maps)
+            failures.append(text)
+        if golden_failure:
+            lead = "The golden check failed too:\n" if failures else ""
+            failures.append(lead + golden_failure)
+        if failures:
+            pytest.fail("\n\n".join(failures), pytrace=False)
+        return report
+
+    def _timeout(self, timeout: float | None) -> float:
+        seconds = timeout or self.timeout
+        cap = getattr(self._registry, "timeout_cap", None)  # a mutant rerun
+        return min(seconds, cap) if cap else seconds
+
+    def pool(self, ranks: int | None = None) -> Any:
+        """The warm ``RankPool`` (or, under torchrun/srun, the in-place runner) for ``ranks``.
+
+        Pass it as ``pool=`` to ``check_equivalence`` to get the report without failing.
+        """
+        return self._pool(ranks)
+
+    @property
+    def launcher(self) -> bool:
+        """True when pytest runs under torchrun or srun (functions run in place)."""
+        return isinstance(self._registry, LauncherRegistry)
+
+    def _pool(self, ranks: int | None) -> Any:
+        self.used = True
+        size = ranks or self.ranks
+        try:
+            pool = self._registry.get(size)
+        except WorldSizeMismatch as exc:
+            pytest.skip(f"{exc} (run it without torchrun/srun, or with that many ranks)")
+        if self.fresh and size not in self._used and isinstance(pool, RankPool):
+            pool.discard()  # brand-new rank processes: no module globals of earlier tests
+            self._used[size] = pool
+        return pool
+
+    def discard_used(self) -> None:
+        """After a fresh test: its rank processes go with it."""
+        for pool in self._used.values():
+            pool.discard()
+        self._used.clear()
+
+    def _attach_output(self, outputs: list[str]) -> None:
+        """What each rank printed, as a report section; long output is cut to its first and
+        last lines, and the whole of it saved to a file that the section names."""
+        self.used = True
+        for rank, text in enumerate(outputs):
+            if not text.strip():
+                continue
+            if len(text) > OUTPUT_LIMIT:
+                path = (
+                    self._output_dir() / f"{golden_stem(self._node.nodeid).replace('/', '.')}"
+                    f".rank{rank}.txt"
+                )
+                path.write_text(text)
+                text = _cut(text, path)
+            self._node.add_report_section("call", f"rank {rank} stdout", text)
+
+    def _output_dir(self) -> Path:
+        assert self._tmp is not None
+        path = self._tmp.getbasetemp() / "spatial-output"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+#: Rank output longer than this (characters) is cut in the report; the whole is saved.
+OUTPUT_LIMIT = 8000
+
+
+def _cut(text: str, path: Path) -> str:
+    """The head and tail of a long output, and where the whole of it is."""
+    head, tail = text[: OUTPUT_LIMIT // 4], text[-(OUTPUT_LIMIT * 3 // 4) :]
+    left_out = len(text) - len(head) - len(tail)
+    return (
+        f"{head}\n... {left_out} characters left out; the whole output ({len(text)} "
+        f"characters) is in {path} ...\n{tail}"
+    )
+
+
+class SpatialUnusedWarning(pytest.PytestWarning):
+    """A test asked for the ``spatial`` fixture but never ran anything on the ranks."""
+
+
+def _marker_options(
+    request: pytest.FixtureRequest, marker: pytest.Mark, ranks: int, timeout: float
+) -> tuple[int, float, bool]:
+    """``@pytest.mark.spatial(ranks=, timeout=, fresh=)``, each checked as the command
+    line's options are (the same oversubscription rule for ranks); one clear line naming
+    the marker otherwise."""
+    __tracebackhide__ = True
+    unknown = set(marker.kwargs) - {"ranks", "timeout", "fresh"}
+    if unknown:
+        pytest.fail(
+            f"@pytest.mark.spatial got unknown option(s) {sorted(unknown)}; it takes ranks=, "
+            "timeout= and fresh=",
+            pytrace=False,
+        )
+    raw = marker.kwargs.get("ranks", marker.args[0] if marker.args else None)
+    if raw is not None:
+        if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
+            pytest.fail(
+                f"@pytest.mark.spatial(ranks={raw!r}): ranks must be an integer >= 1, e.g. ranks=4",
+                pytrace=False,
+            )
+        try:
+            check_oversubscription(
+                raw,
+                allow=request.config.getoption("spatial_oversubscribe"),
+                how="pass --spatial-oversubscribe",
+            )
+        except ConfigError as exc:
+            pytest.fail(f"@pytest.mark.spatial(ranks={raw}): {exc}", pytrace=False)
+        ranks = raw
+    raw_timeout = marker.kwargs.get("timeout")
+    if raw_timeout is not None:
+        try:
+            timeout = check_seconds(raw_timeout, "timeout", minimum=MIN_TIMEOUT)
+        except ConfigError as exc:
+            pytest.fail(f"@pytest.mark.spatial(timeout={raw_timeout!r}): {exc}", pytrace=False)
+    return ranks, timeout, bool(marker.kwargs.get("fresh", False))
+
+
+@pytest.fixture
+def spatial(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SpatialFixture]:
+    """Run functions on a warm group of gloo ranks: ``spatial.run(fn, *args)``."""
+    registry = request.config.stash[_registry_key]
+    marker = request.node.get_closest_marker("spatial")
+    ranks = registry.default_ranks
+    timeout = registry.timeout
+    fresh = False
+    if marker is not None:
+        ranks, timeout, fresh = _marker_options(request, marker, ranks, timeout)
+    if fresh and isinstance(registry, LauncherRegistry):
+        pytest.skip(
+            "spatial(fresh=True) needs brand-new rank processes; under torchrun/srun "
+            "the ranks are the launcher's"
+        )
+    fixture = SpatialFixture(
+        registry, request.node, ranks, timeout, _golden_fixture(request), fresh=fresh
+    )
+    fixture._tmp = tmp_path_factory
+    yield fixture
+    fixture.discard_used()  # a fresh test's module globals stay with it
+    # a test that skipped itself (pytest.skip before the ranks, an xfail) ran nothing on purpose
+    if not fixture.used and not request.node.stash.get(_skipped_key, False):
+        request.node.warn(
+            SpatialUnusedWarning(
+                "this test takes the spatial fixture but never ran anything on the ranks (no "
+                "spatial.run, spatial.check or spatial.pool): it checked nothing partitioned. "
+                "Call spatial.check(case), or drop the fixture."
+            )
+        )
+
+
+class GoldenFixture:
+    """What a test sees as ``golden``: ``golden.check(tensors, name=None, tolerance=None)``."""
+
+    def __init__(self, store: GoldenStore, node: pytest.Item) -> None:
+        self._store = store
+        self._node = node
+
+    def check(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        name: str | None = None,
+        tolerance: Bound | tuple[float, float] | None = None,
+        allow_nonfinite: bool = False,
+    ) -> GoldenResult:
+        """Compare ``tensors`` ({name: tensor}) with this test's golden; fail if they differ.
+
+        ``tolerance`` is a ``Bound`` or ``(rtol, atol)``; the default is the field tolerance
+        of the tensors' dtype (``Tolerance.for_dtype``). A NaN or inf on either side fails
+        (and is never written) unless ``allow_nonfinite``.
+        """
+        __tracebackhide__ = True
+        if not tensors:
+            raise ConfigError("golden.check needs at least one tensor")
+        if tolerance is None:
+            bound = Tolerance.for_dtype(next(iter(tensors.values())).dtype).field
+        else:
+            bound = tolerance if isinstance(tolerance, Bound) else Bound(*tolerance)
+        result = self.check_tensors(
+            tensors, name=name, bound=bound, allow_nonfinite=allow_nonfinite
+        )
+        if not result.ok:
+            pytest.fail(str(result), pytrace=False)
+        return result
+
+    def check_tensors(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        name: str | None,
+        bound: Bound,
+        provenance: dict[str, Any] | None = None,
+        refuse_update: str | None = None,
+        allow_nonfinite: bool = False,
+    ) -> GoldenResult:
+        __tracebackhide__ = True
+        path = self._store.path_for(self._node.nodeid, name)
+        if refuse_update and self._store.update:
+            result = self._store.not_updated(path, refuse_update)
+        else:
+            try:
+                result = self._store.check(
+                    path,
+                    tensors,
+                    bound=bound,
+                    provenance=provenance,
+                    allow_nonfinite=allow_nonfinite,
+                )
+            except GoldenError as exc:  # corrupt, foreign, a directory, a full disk
+                pytest.fail(str(exc), pytrace=False)
+        self._record(path, result)
+        return result
+
+    def check_report(
+        self,
+        report: EquivalenceReport,
+        *,
+        name: str | None,
+        allow_nonfinite: bool,
+        provenance: dict[str, Any],
+    ) -> GoldenResult:
+        """``report``'s reference against this test's golden, by the one golden policy
+        (``harness.goldens.check_report``)."""
+        __tracebackhide__ = True
+        path = self._store.path_for(self._node.nodeid, name)
+        try:
+            result = check_report(
+                self._store, path, report, provenance=provenance, allow_nonfinite=allow_nonfinite
+            )
+        except GoldenError as exc:  # corrupt, foreign, a directory, a full disk
+            pytest.fail(str(exc), pytrace=False)
+        self._record(path, result)
+        return result
+
+    def _record(self, path: Path, result: GoldenResult) -> None:
+        # plain text: user properties travel to xdist's controller
+        self._node.user_properties.append((_GOLDEN_PROP, (str(path), str(result.status))))
+
+
+def write_error_maps(report: EquivalenceReport, directory: str, nodeid: str) -> list[str]:
+    """One PNG per failing field of ``report`` under ``directory``; returns the paths."""
+    import numpy as np
+
+    from harness import plots
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = golden_stem(nodeid).replace("/", ".")
+    paths = []
+    for fe in report.field_errors:
+        owners = fe.owners.numpy()
+        first = int(owners.min()) if owners.size else 0
+        title = f"{report.case}: |partitioned - reference| of {fe.name!r}, step {fe.step}"
+        path = out / f"{stem}.{fe.name}.step{fe.step}.png"
+        err = fe.error.numpy()
+        if fe.grid is not None:
+            rows, cols = fe.grid
+            grid = owners.reshape(rows, cols)
+            paths.append(
+                str(
+                    plots.plot_latlon_error(
+                        err.reshape(rows, cols),
+                        path,
+                        lat_sizes=_run_lengths(grid[:, 0]),
+                        lon_sizes=_run_lengths(grid[0, :]),
+                        title=title,
+                        latitudes=report.latitudes,
+                    )
+                )
+            )
+        elif fe.unit == "cell":
+            counts = np.bincount(owners - first, minlength=report.spatial_size)
+            bounds = [0, *np.cumsum(counts).tolist()]
+            paths.append(str(plots.plot_healpix_error(err, path, bounds=bounds, title=title)))
+    return paths
+
+
+def _run_lengths(values: Any) -> list[int]:
+    """Lengths of the runs of equal values: ``[0, 0, 1, 1, 1] -> [2, 3]``."""
+    lengths: list[int] = []
+    for i, v in enumerate(values):
+        if i and v == values[i - 1]:
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    return lengths
+
+
+def _golden_fixture(request: pytest.FixtureRequest) -> GoldenFixture:
+    return GoldenFixture(request.config.stash[_session_key].goldens, request.node)
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest) -> GoldenFixture:
+    """Check tensors against this test's ``.pt`` golden: ``golden.check({"loss": t})``."""
+    return _golden_fixture(request)

@@ -1,0 +1,287 @@
+"""The plugin's options: declared (``pytest_addoption``) and parsed once, into ``Settings``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.errors import ConfigError
+from harness.pool import (
+    DEADLOCK_WINDOW,
+    DEFAULT_TIMEOUT,
+    MIN_TIMEOUT,
+    OVERSUBSCRIBE_LIMIT,
+    START_METHODS,
+    check_oversubscription,
+)
+
+DEFAULT_RANKS = 4
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Long on purpose: declarations only, one per option, in the order --help shows them.
+    group = parser.getgroup("harness", "spatial equivalence (harness)")
+    group.addoption(
+        "--spatial-ranks",
+        dest="spatial_ranks",
+        default=None,
+        metavar="N",
+        help=f"ranks per partitioned run (integer >= 1; default: ini spatial_ranks or "
+        f"{DEFAULT_RANKS})",
+    )
+    group.addoption(
+        "--spatial-timeout",
+        dest="spatial_timeout",
+        default=None,
+        metavar="SECONDS",
+        help=f"per-run timeout before every rank's stack is dumped (default {DEFAULT_TIMEOUT:g})",
+    )
+    group.addoption(
+        "--update-goldens",
+        action="store_true",
+        dest="update_goldens",
+        help="write golden files (atomically) instead of comparing with them",
+    )
+    group.addoption(
+        "--spatial-plots",
+        dest="spatial_plots",
+        default=None,
+        metavar="DIR",
+        help="write a PNG error map of each failing field to DIR (needs matplotlib)",
+    )
+    group.addoption(
+        "--spatial-deadlock-window",
+        dest="spatial_deadlock_window",
+        default=None,
+        metavar="SECONDS",
+        help=f"fail a run as a deadlock once every running rank has waited this long inside "
+        f"torch.distributed with nothing completing (default {DEADLOCK_WINDOW:g}; 0: off, "
+        "wait for the timeout)",
+    )
+    group.addoption(
+        "--spatial-preload",
+        dest="spatial_preload",
+        default=None,
+        metavar="MODULES",
+        help="comma-separated modules the rank processes import once, before any test "
+        "(your model package and its heavy dependencies)",
+    )
+    group.addoption(
+        "--spatial-oversubscribe",
+        action="store_true",
+        dest="spatial_oversubscribe",
+        help=f"allow more than {OVERSUBSCRIBE_LIMIT} rank processes per CPU core",
+    )
+    group.addoption(
+        "--spatial-mutants",
+        action="store_true",
+        dest="spatial_mutants",
+        help="after the tests pass, rerun them with bugs injected at each torch.distributed "
+        "call site they reach in your code; print which tests kill which mutant, and the score",
+    )
+    group.addoption(
+        "--spatial-mutants-min-score",
+        dest="spatial_mutants_min_score",
+        default=None,
+        metavar="PERCENT",
+        help="with --spatial-mutants: fail the session when fewer than PERCENT %% of the "
+        "mutants are killed",
+    )
+    group.addoption(
+        "--spatial-locate",
+        action="store_true",
+        dest="spatial_locate",
+        help="locate the first diverging module of every check, passing ones too (failing "
+        "checks are always located; ini spatial_locate = true)",
+    )
+    group.addoption(
+        "--spatial-calibrate",
+        action="store_true",
+        dest="spatial_calibrate",
+        help="locate every check and print, per quantity, the rounding noise measured, the "
+        "partitioned run's error and the rtol they support",
+    )
+    group.addoption(
+        "--goldens-unused",
+        action="store_true",
+        dest="goldens_unused",
+        help="list golden files that no test of this run used",
+    )
+    parser.addini(
+        "golden_dir", "directory of .pt golden files (default: goldens)", default="goldens"
+    )
+    parser.addini("spatial_ranks", f"default for --spatial-ranks ({DEFAULT_RANKS})", default=None)
+    parser.addini("spatial_timeout", "default for --spatial-timeout", default=None)
+    parser.addini("spatial_locate", "default for --spatial-locate", type="bool", default=False)
+    parser.addini("spatial_deadlock_window", "default for --spatial-deadlock-window", default=None)
+    parser.addini(
+        "spatial_preload",
+        "modules the rank processes import once, before any test (one per line or "
+        "comma-separated): default for --spatial-preload",
+        type="linelist",
+        default=[],
+    )
+    parser.addini(
+        "spatial_start_method",
+        f"how rank processes start: one of {', '.join(START_METHODS)} (default forkserver: "
+        "torch is imported once and each rank forks from it, ~0.1 s instead of ~6 s)",
+        default="forkserver",
+    )
+
+
+def _setting(config: pytest.Config, name: str) -> Any:
+    value = config.getoption(name)
+    if value is None:
+        value = config.getini(name) or None
+    return value
+
+
+def _parse_ranks(raw: Any) -> int:
+    if raw is None:
+        return DEFAULT_RANKS
+    text = str(raw).strip()
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise pytest.UsageError(
+        f"--spatial-ranks must be an integer >= 1, got {raw!r}; e.g. --spatial-ranks 4"
+    )
+
+
+#: option -> (default, least value, whether 0 means off)
+_SECONDS = {
+    "--spatial-timeout": (DEFAULT_TIMEOUT, MIN_TIMEOUT, False),
+    "--spatial-deadlock-window": (DEADLOCK_WINDOW, 0.05, True),
+}
+
+
+def parse_seconds(raw: Any, option: str) -> float:
+    """``--spatial-timeout`` and ``--spatial-deadlock-window``: finite seconds, one clear
+    line otherwise."""
+    default, low, allow_zero = _SECONDS[option]
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = math.nan
+    if allow_zero and value == 0:
+        return 0.0
+    if math.isfinite(value) and value >= low:
+        return value
+    zero = " or 0 (off)" if allow_zero else ""
+    raise pytest.UsageError(
+        f"{option} must be a finite number of seconds >= {low:g}{zero}, got {raw!r}; "
+        f"e.g. {option} {default:g}"
+    )
+
+
+def _parse_preload(config: pytest.Config) -> list[str]:
+    """The modules to preload, each checked to exist now (the fork server would silently
+    skip one it cannot import)."""
+    import importlib.util
+
+    raw = config.getoption("spatial_preload")
+    names = raw.split(",") if raw is not None else config.getini("spatial_preload")
+    modules = [n.strip() for item in names for n in str(item).split(",") if n.strip()]
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise pytest.UsageError(
+                f"--spatial-preload: no module named {name!r} in this environment; install "
+                "it, or check the name (a dotted module path, e.g. my_model.networks)"
+            )
+    return modules
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every option of the plugin, parsed and checked once (``Settings.parse``)."""
+
+    ranks: int
+    timeout: float
+    deadlock_window: float
+    start_method: str
+    preload: tuple[str, ...]
+    oversubscribe: bool
+    plots: str | None
+    update_goldens: bool
+    goldens_unused: bool
+    golden_dir: Path
+    mutants: bool
+    mutants_min_score: float | None
+    #: locate every check's first divergence, passing ones too (failing ones always are)
+    locate: bool = False
+    #: print each check's measured rounding noise and the tolerance it supports
+    calibrate: bool = False
+
+    @classmethod
+    def parse(cls, config: pytest.Config) -> Settings:
+        """The settings of this session, or a ``pytest.UsageError`` naming the bad one."""
+        ranks = _parse_ranks(_setting(config, "spatial_ranks"))
+        oversubscribe = bool(config.getoption("spatial_oversubscribe"))
+        try:
+            check_oversubscription(ranks, allow=oversubscribe, how="pass --spatial-oversubscribe")
+        except ConfigError as exc:
+            raise pytest.UsageError(f"--spatial-ranks {ranks}: {exc}") from None
+        plots = config.getoption("spatial_plots")
+        if plots:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise pytest.UsageError(
+                    "--spatial-plots needs matplotlib, which is not installed; "
+                    'pip install "pytest-spatial-harness[plots]" (or matplotlib), or drop '
+                    "--spatial-plots"
+                ) from None
+        start_method = config.getini("spatial_start_method") or "forkserver"
+        if start_method not in START_METHODS:
+            raise pytest.UsageError(
+                f"spatial_start_method must be one of {START_METHODS}, got {start_method!r}"
+            )
+        mutants = bool(config.getoption("spatial_mutants"))
+        min_score = _parse_min_score(config.getoption("spatial_mutants_min_score"), mutants)
+        root = config.inipath.parent if config.inipath else config.rootpath
+        return cls(
+            ranks=ranks,
+            timeout=parse_seconds(_setting(config, "spatial_timeout"), "--spatial-timeout"),
+            deadlock_window=parse_seconds(
+                _setting(config, "spatial_deadlock_window"), "--spatial-deadlock-window"
+            ),
+            start_method=start_method,
+            preload=tuple(_parse_preload(config)),
+            oversubscribe=oversubscribe,
+            plots=plots,
+            update_goldens=bool(config.getoption("update_goldens")),
+            goldens_unused=bool(config.getoption("goldens_unused")),
+            golden_dir=root / config.getini("golden_dir"),
+            mutants=mutants,
+            mutants_min_score=min_score,
+            locate=bool(config.getoption("spatial_locate") or config.getini("spatial_locate")),
+            calibrate=bool(config.getoption("spatial_calibrate")),
+        )
+
+
+def _parse_min_score(raw: Any, mutants: bool) -> float | None:
+    if raw is None:
+        return None
+    if not mutants:
+        raise pytest.UsageError(
+            "--spatial-mutants-min-score needs --spatial-mutants; add it, or drop the score"
+        )
+    try:
+        score = float(raw)
+    except ValueError:
+        score = math.nan
+    if not 0 <= score <= 100:
+        raise pytest.UsageError(
+            f"--spatial-mutants-min-score must be a percentage from 0 to 100, got {raw!r}; "
+            "e.g. --spatial-mutants-min-score 90"
+        )
+    return score

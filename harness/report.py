@@ -1,0 +1,376 @@
+"""What a check found, as a person reads it: ``EquivalenceReport``, its tables, the remedies.
+
+The comparison itself (``Tolerance``, ``Bound``, ``Mismatch``, ``compare_tensors``) is in
+``harness.compare``; the hints that name a likely cause are in ``harness.hints``. This module
+renders: a report's text, the mismatch table, the session's equivalence table, and what to do
+about each ``Quantity`` (``REMEDIES``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypedDict
+
+import torch
+
+from harness.compare import NUMERIC, Mismatch, Quantity, QuantityStats, Tolerance
+from harness.errors import EquivalenceFailure
+
+if TYPE_CHECKING:
+    from harness.divergence import Divergence, Location
+
+
+class SummaryRow(TypedDict, total=False):
+    """One check's line of the equivalence table (``EquivalenceReport.summary_row``): a
+    plain dict, so it travels from an xdist worker to the controller; ``test`` and
+    ``golden`` are added by whoever ran the check."""
+
+    case: str
+    ranks: int
+    spatial: int
+    partition: str
+    dtype: str
+    worst: dict[str, float | None]  # quantity -> worst relative error (None: not compared)
+    ok: bool
+    problems: list[str]
+    seconds: float
+    test: str
+    golden: str
+    calibration: list[str]  # --spatial-calibrate: the measured noise per quantity
+
+
+#: What to do about each quantity; keyed on ``Quantity`` (so plain text finds it too).
+REMEDIES: dict[str, str] = {
+    Quantity.LOSS: (
+        "The loss differs: reduce per-rank loss parts with reduce_loss over the spatial "
+        "group (weighted sums and weight sums separately, not a mean of means), average over data "
+        "groups only, and slice area weights or masks to the rank's rows."
+    ),
+    Quantity.GRAD: (
+        "Gradients differ: sum parameter gradients over the spatial group "
+        "(sync_gradients), use spatial_sum for global values inside the model and reduce_loss "
+        "only for the loss, and gather with an autograd-aware gather."
+    ),
+    Quantity.FIELD: (
+        "Outputs differ: check the split rule used to scatter data (the SHT's ceil "
+        "split), the order shards are gathered in (sample-major, spatial group only), "
+        "neighbour tables in global indices, and noise drawn for the global field."
+    ),
+    Quantity.COVERAGE: (
+        "Some positions are owned by no rank or by several: each global position must "
+        "appear in exactly one rank's Shard index (for Shard.keyed: each of the reference's "
+        "keys held by exactly one rank, samples keyed by their global index)."
+    ),
+    Quantity.PARAM: (
+        "Parameters after an optimizer step differ from the reference: follow the first "
+        "gradient mismatch, or check initialisation is seeded identically on every rank (a "
+        "parameter a rank holds only part of: name it in parameter_shards, its values taken "
+        "from the reference's positions)."
+    ),
+    Quantity.SYNC: (
+        "Ranks of one spatial group hold different parameters after a step: their "
+        "gradients were not synchronised (sum over the spatial group before stepping)."
+    ),
+    Quantity.BUFFER: (
+        "A buffer was modified in place during a step while the reference's was not: "
+        "DDP-style broadcast_buffers copies into buffers between forwards."
+    ),
+    Quantity.NONFINITE: (
+        "A NaN or inf: no comparison can vouch for a value that is not finite. If "
+        "the reference is not finite, make the case finite (inputs, initialisation, lr); if only "
+        "ranks are, look for a division by a per-rank count that is zero on an empty rank, or an "
+        "uninitialised halo or padding. If the model is meant to produce them, set "
+        "expect_nonfinite = True on the case: then they must match position for position."
+    ),
+    Quantity.CRASH: ("A rank process died: its exit code or signal and last output are above."),
+    Quantity.ERROR: (
+        "A rank raised: its traceback is above (listed first: the rank that failed "
+        "first; ranks that lost a peer in a collective follow)."
+    ),
+    Quantity.TIMEOUT: (
+        "A rank did not finish in time, and nothing proved a deadlock: it computes or "
+        "waits on something the harness cannot see (a spin loop, a lock, a file), or the work is "
+        "slower than the timeout. Every rank's stack is above."
+    ),
+    Quantity.DEADLOCK: (
+        "The run can never finish: each waiting rank says what it waits in (operation, "
+        "group, number, size, line) and which rank never did its part, by skipping a collective, "
+        "a send or a receive, or by calling a different one (an empty domain that skips a "
+        "reduction or a gather?). Every waiting rank's stack is above."
+    ),
+    Quantity.BATCH: (
+        "The reference's batch is not the data groups' batches together: size the "
+        "global batch without topo.data_size (the reference always has data_size 1) and give "
+        "each data group its share with data_share(n, topo)."
+    ),
+    Quantity.PENDING: (
+        "A rank returned with an operation that can never complete: a collective "
+        "some member never entered, or an isend nobody receives. Match every collective on every "
+        "member and every send with a receive before returning."
+    ),
+    Quantity.VACUOUS: (
+        "The check proves nothing about the parallel code: give each rank only its part "
+        "of the domain, return its part of each field as a Shard, and communicate what the model "
+        "needs from the others; if the case is meant to be replicated, say why with vacuous_ok = "
+        '"reason" on the case.'
+    ),
+}
+
+
+@dataclass
+class FieldError:
+    """Where a reassembled field differs: the largest error at each global position.
+
+    ``error`` and ``owners`` (the rank that owns each position) run along the sharded
+    dimension; with ``grid`` (rows, cols) they are flattened lat x lon, and with
+    ``unit == "cell"`` they are HEALPix cells in nested order. What error maps are drawn from.
+    """
+
+    name: str
+    step: int
+    data_group: int
+    error: torch.Tensor
+    owners: torch.Tensor
+    grid: tuple[int, int] | None
+    unit: str
+
+
+@dataclass(repr=False)
+class EquivalenceReport:
+    """What ``check_equivalence`` found. ``ok`` is true when nothing mismatched.
+
+    ``str(report)`` is a table: problem, evidence, remedy.
+    """
+
+    case: str
+    ranks: int
+    spatial_size: int
+    partition: str
+    steps: int
+    dtype: str
+    tolerance: Tolerance | None
+    mismatches: list[Mismatch] = field(default_factory=list)
+    stats: dict[str, QuantityStats] = field(default_factory=dict)
+    reference: dict[str, torch.Tensor] = field(default_factory=dict)
+    field_errors: list[FieldError] = field(default_factory=list)
+    seconds: float = 0.0
+    likely: str = ""  # the one line most likely to name the bug, if the evidence says
+    latitudes: list[float] | None = None  # the case's, for error maps (SpatialCase.latitudes)
+    #: what the run did that a reader must know to trust the verdict, one line each (e.g.
+    #: shards loaded from the reference); shown under the report's first line
+    notes: list[str] = field(default_factory=list)
+    #: where the partitioned run first departs from the reference (``harness.locate``):
+    #: ``None`` when nothing was located, or locating did not run
+    first_divergence: Divergence | None = None
+    location: Location | None = None  # what locating found (and could not compare)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def quantities(self) -> set[str]:
+        """The quantities that mismatched."""
+        return {m.quantity for m in self.mismatches}
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __repr__(self) -> str:
+        # ``assert report.ok, report`` shows the repr: make it the table, not the fields
+        return str(self)
+
+    def raise_if_failed(self) -> None:
+        """Raise ``EquivalenceFailure`` (an ``AssertionError``) with the whole report as its
+        message if anything mismatched.
+
+        ``assert report.ok, report`` works too, but pytest renders an assertion's message
+        object through ``saferepr``, which can cut it to one line of 240 characters
+        (depending on its version and verbosity; inside a Hypothesis test, the falsifying
+        example's report is then lost); a raised message is shown whole.
+        """
+        __tracebackhide__ = True  # pytest: the failure is the report's, not this line's
+        if not self.ok:
+            raise EquivalenceFailure(str(self), self)
+
+    def worst(self, quantity: str) -> float | None:
+        s = self.stats.get(quantity)
+        return s.max_rel if s and s.compared else None
+
+    def summary_row(self) -> SummaryRow:
+        """A picklable summary for terminal tables (one row per check)."""
+        return {
+            "case": self.case,
+            "ranks": self.ranks,
+            "spatial": self.spatial_size,
+            "partition": self.partition,
+            "dtype": self.dtype,
+            "worst": {str(q): self.worst(q) for q in NUMERIC},  # plain text keys: rows travel
+            "ok": self.ok,
+            "problems": sorted(self.quantities),
+            "seconds": round(self.seconds, 2),
+        }
+
+    def __str__(self) -> str:
+        layout = f"spatial {self.spatial_size}"
+        if self.partition and self.partition != layout:
+            layout += f", {self.partition}"
+        steps = f"{self.steps} step" + ("" if self.steps == 1 else "s")
+        head = f"{self.case} on {self.ranks} ranks ({layout}), {steps}, {self.dtype}: "
+        if self.ok:
+            worst = ", ".join(
+                f"{q} {self.worst(q):.1e}" for q in NUMERIC if self.worst(q) is not None
+            )
+            verdict = head + f"equivalent to the reference (worst relative error: {worst})"
+            located = self.location.lines() if self.location is not None else []
+            return "\n".join([verdict, *(f"Note: {n}" for n in self.notes), *located])
+        lines = [
+            head + f"{len(self.mismatches)} mismatch(es) with the reference",
+            *(f"Note: {n}" for n in self.notes),
+            f"First: {self.mismatches[0].headline()}",
+            *(self.location.lines() if self.location is not None else []),
+            *([f"Likely cause: {self.likely}"] if self.likely else []),
+            "",
+        ]
+        table = mismatch_table(self.mismatches)
+        lines += table[:42]
+        if len(table) > 42:
+            lines.append(f"... and {len(table) - 42} more rows")
+        details = [m for m in self.mismatches if m.detail or m.hint][:6]
+        for m in details:
+            lines += ["", m.headline()]
+            if m.hint:
+                lines.append(f"  -> {m.hint}")
+            if m.detail:
+                lines += ["  " + line for line in m.detail.rstrip().splitlines()[-40:]]
+        lines.append("")
+        if self.tolerance is not None:
+            lines.append(f"Tolerance: {_tol_text(self.tolerance)}")
+        lines.append("What to do:")
+        seen: list[str] = []
+        for m in self.mismatches:
+            if m.quantity not in seen:
+                seen.append(m.quantity)
+                lines.append(f"  {m.quantity}: {REMEDIES[m.quantity]}")
+        return "\n".join(lines)
+
+
+def _tol_text(t: Tolerance) -> str:
+    return "; ".join(f"{q} rtol {t.bound(q).rtol:g} atol {t.bound(q).atol:g}" for q in NUMERIC)
+
+
+def _fmt(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.2e}"
+
+
+def _rank_text(ranks: list[int | None]) -> str:
+    if any(r is None for r in ranks):
+        return "all"
+    rs = sorted(set(r for r in ranks if r is not None))
+    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}"
+    return ",".join(map(str, rs))
+
+
+def _collapse(mismatches: Sequence[Mismatch]) -> list[tuple[Mismatch, list[int | None]]]:
+    """One row per (quantity, run, name, step): the worst rank's numbers, every rank listed."""
+    rows: dict[tuple[Any, ...], tuple[Mismatch, list[int | None]]] = {}
+    for m in mismatches:
+        key = (m.quantity, m.run, m.of, m.name, m.step)
+        if key not in rows:
+            rows[key] = (m, [m.rank])
+            continue
+        worst, ranks = rows[key]
+        ranks.append(m.rank)
+        if not math.isnan(m.max_abs) and not (m.max_abs <= worst.max_abs):
+            rows[key] = (m, ranks)
+    return list(rows.values())
+
+
+def format_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], *, free_last: bool = False
+) -> list[str]:
+    """Left-aligned columns two spaces apart, a dashed rule under the header.
+
+    ``free_last``: the last column is free-form text, so it sets no width.
+
+    >>> format_table(("a", "bb"), [("xyz", "1")])
+    ['a    bb', '---  --', 'xyz  1']
+    """
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(header)]
+    if free_last:
+        widths[-1] = len(header[-1])
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+
+
+def mismatch_table(mismatches: Sequence[Mismatch]) -> list[str]:
+    """The report's table: one row per quantity, name and step; ranks collapsed."""
+    header = ("quantity", "name", "step", "rank", "max abs", "max rel", "over tol", "worst at")
+    rows = []
+    for m, ranks in _collapse(mismatches):
+        owner = (
+            f" (rank {m.rank})"
+            if len(set(ranks)) > 1 and m.rank is not None and "rank" not in m.where
+            else ""
+        )
+        rows.append(
+            (
+                m.quantity,
+                m.label,
+                "build" if m.step is None else str(m.step),
+                m.run or _rank_text(ranks),
+                _fmt(m.max_abs),
+                _fmt(m.max_rel),
+                f"{m.count}/{m.total}" if m.total else "-",
+                (m.where or "-") + owner,
+            )
+        )
+    return format_table(header, rows, free_last=True)
+
+
+def equivalence_table(
+    rows: list[SummaryRow], width: int | None = None, *, show_ranks: bool = True
+) -> list[str]:
+    """The terminal table of every equivalence checked: one line per check.
+
+    With ``width``, the partition column is shortened (ending in "...") until each line
+    fits, down to 12 characters. ``show_ranks=False`` leaves out the ranks column (when
+    every row has the same).
+    """
+    header: tuple[str, ...] = ("case", "ranks", "partition", "dtype", *NUMERIC, "golden", "verdict")
+    body: list[tuple[str, ...]] = []
+    for r in rows:
+        w = r["worst"]
+        body.append(
+            (
+                r["case"],
+                f"{r['ranks']}",
+                r["partition"],
+                r["dtype"],
+                *("-" if w.get(q) is None else f"{w[q]:.1e}" for q in NUMERIC),
+                r.get("golden", "-"),
+                "equivalent" if r["ok"] else "MISMATCH: " + ",".join(r["problems"]),
+            )
+        )
+    if not show_ranks:
+        header = (header[0], *header[2:])
+        body = [(b[0], *b[2:]) for b in body]
+    p = header.index("partition")
+    if width is not None and body:
+        longest = max(len(line) for line in format_table(header, body))
+        room = max(12, max(len(b[p]) for b in body) - max(0, longest - width))
+        body = [(*b[:p], _shorten(b[p], room), *b[p + 1 :]) for b in body]
+    return [
+        "worst relative error per quantity, partitioned vs reference:",
+        *format_table(header, body),
+    ]
+
+
+def _shorten(text: str, room: int) -> str:
+    return text if len(text) <= room else text[: room - 3] + "..."
