@@ -462,6 +462,13 @@ def name_the_stuck(run: Run, verdict: Verdict | None) -> NoReturn:
         # at the deadline: is a deadlock proven now? Then say so (it is the better report)
         views, slots = run.watch.views(run)
         verdict = deadlock.decide(views, run.groups(slots))
+    if verdict is not None and run.watch.window:
+        # a proof names the ranks whose waits were seen when it was made; under load a
+        # peer's answer may land just after: look once more, and name every proven rank
+        views, slots = run.watch.views(run)
+        again = deadlock.decide(views, run.groups(slots))
+        if again is not None and set(again.ranks) > set(verdict.ranks):
+            verdict = again
     stuck = sorted(run.pending)
     stacks = run.ranks.stacks(stuck)
     waited = time.monotonic() - run.t0
@@ -475,7 +482,9 @@ def name_the_stuck(run: Run, verdict: Verdict | None) -> NoReturn:
         elif timed_out or verdict is not None:
             kind = "timeout" if timed_out else "stopped"
             why = f"still running after {waited:.1f}s" + (
-                f" (timeout {run.timeout:g}s)" if timed_out else " (not part of the deadlock)"
+                f" (timeout {run.timeout:g}s)"
+                if timed_out
+                else " (not proven part of the deadlock: its wait was not seen in time)"
             )
             if slot.run_id == run.run_id and slot.state == State.WAITING:
                 why += (

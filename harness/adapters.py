@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from harness.equivalence import SpatialCase
+from harness.case import SpatialCase
 from harness.errors import ConfigError
 
 #: The entry-point group adapters are registered under.

@@ -42,7 +42,7 @@ from harness.records import detached
 from harness.topology import Topology
 
 if TYPE_CHECKING:
-    from harness.equivalence import SpatialCase
+    from harness.case import SpatialCase
     from harness.pool import Runner
 
 #: the nudge: each value times (1 +- NUDGE_ULPS * eps), signs drawn from a private generator
@@ -187,7 +187,7 @@ class Recorder:
                     'return a Shard, "whole", "skip" or None (infer it from partition)'
                 )
             return said, tensor
-        from harness.equivalence import _shard_index
+        from harness.case import _shard_index
 
         values = detached(said.values)
         index = _shard_index(self.case, f"activation of {name!r}", said)
@@ -295,7 +295,7 @@ class Recorder:
         positions in the reference's parameter, the dim they run along)."""
         if self.topo.is_reference:
             return {}
-        from harness.equivalence import parameter_shards
+        from harness.case import parameter_shards
 
         assert self.model is not None
         return {
@@ -317,7 +317,7 @@ def _traced(
     backward: bool,
     reference_init: dict[str, torch.Tensor] | None = None,
 ) -> Trace:
-    from harness.equivalence import _strip, run_case
+    from harness.case import _strip, run_case
 
     recorder = Recorder(case, topo, step, nudge=nudge, backward=backward)
     record = run_case(case, topo, step + 1, lr, seed, watch=recorder, reference_init=reference_init)

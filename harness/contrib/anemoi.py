@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 
 from harness.adopt import check_group, patch, pending, undo
-from harness.equivalence import Outputs, Shard, SpatialCase, data_share
+from harness.case import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.topology import Topology
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from harness.adopt import adopt_distributed_manager, check_group, on_undo, patch, pending, undo
-from harness.equivalence import Outputs, Shard, SpatialCase, data_share
+from harness.case import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.topology import Topology
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from harness.equivalence import SpatialCase
+from harness.case import SpatialCase
 from harness.steppers.faults import check_faults
 
 __all__ = ["check_faults"]  # kept here too: it lived here before the steppers' own module

@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.case import Outputs, Shard, SpatialCase, data_share
 from harness.collectives import all_gather_uneven, reduce_loss, sync_gradients
-from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.partition import CellPartition, cell_of
 from harness.steppers import faults as _faults

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.case import Outputs, Shard, SpatialCase, data_share
 from harness.collectives import reduce_loss, spatial_sum, sync_gradients
 from harness.divergence import Positions
-from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.steppers.faults import check_faults
 from harness.topology import Topology
 

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness._compat import restore_transposes, use_uneven_transposes
+from harness.case import Outputs, Shard, SpatialCase, data_share
 from harness.collectives import apply, reduce_gradient, reduce_loss, spatial_sum, sync_gradients
-from harness.equivalence import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.partition import LatLonPartition, sht_split_rule
 from harness.steppers import faults as _faults

@@ -125,7 +125,13 @@ def test_a_rank_gone_while_the_others_wait_in_work_wait_is_a_deadlock(spatial):
 @pytest.mark.assumes_ranks(4)
 def test_a_rank_gone_while_the_others_wait_in_ddps_backward_is_a_deadlock(spatial):
     err = _deadlock(spatial, gone_while_others_wait_in_ddp_backward)
-    assert err.returned == [2] and err.ranks == [0, 1, 3]
+    # a rank idle inside torch is seen through its probe: on a loaded machine a peer's answer
+    # may come after the proof, which then names the ranks it saw (never one outside 0, 1, 3)
+    # and says of the others that they were not proven part of it
+    assert err.returned == [2] and err.ranks and set(err.ranks) <= {0, 1, 3}
+    unseen = [p for p in err.problems if p.kind == "stopped"]
+    assert {p.rank for p in unseen} == {0, 1, 3} - set(err.ranks)
+    assert all("not proven part of the deadlock" in p.summary for p in unseen)
     stuck = [p for p in err.problems if p.kind == "deadlock"]
     assert all(p.summary.startswith("is blocked inside torch (") for p in stuck)
     assert all("rank 2 returned after" in p.summary for p in stuck)
@@ -197,12 +203,12 @@ def collective_longer_than(target: float, cap: int) -> tuple[float, int]:
 
 @pytest.mark.spatial_pool
 def test_a_collective_longer_than_the_window_is_in_progress_not_a_deadlock():
-    # A window of 0.05 s and one all_reduce of up to 64 M floats (256 MB a rank) that lasts
-    # 0.5 s or more: the watch (reading the board every 0.1 s) sees every rank inside it for
+    # A window of 0.05 s and one all_reduce of up to 128 M floats (512 MB a rank; 64 M took
+    # only 0.46 s on a quiet machine) that lasts 0.5 s or more: the watch (reading the board every 0.1 s) sees every rank inside it for
     # ten windows, and must let it finish.
     window = 0.05
     with RankPool(4, start_method="forkserver", deadlock_window=window, timeout=300) as pool:
-        took = pool.run(collective_longer_than, 10 * window, 1 << 26)
+        took = pool.run(collective_longer_than, 10 * window, 1 << 27)
     assert min(t for t, _ in took) >= 10 * window, "not long enough to prove anything"
 
 

@@ -1,0 +1,780 @@
+"""The downstream contract and one run of it: ``SpatialCase``, ``Outputs``, ``Shard``,
+``data_share``, and ``run_case``, which builds a case and trains it for a few steps on one
+process (the reference, ``Topology.single()``) or on one rank, filling a ``RunRecord``.
+
+``harness.equivalence`` (``check_equivalence``) and ``harness.locate`` (the hooked rerun
+that finds the first divergence) both run cases through ``run_case``; this module imports
+neither.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from harness._dtypes import OutputDtypes, collective_dtypes
+from harness._state import CallerState
+from harness.compare import Tolerance
+from harness.errors import ConfigError
+from harness.records import FieldRecord, ParamShard, RunRecord, StepRecord, detached
+from harness.topology import Topology
+
+# ---------------------------------------------------------------------- contract
+
+
+@dataclass
+class Shard:
+    """A rank's part of a global field: ``values`` at global positions ``index`` along ``dim``.
+
+    ``index`` is a 1-D LongTensor (or a ``slice``) of positions along ``dim`` of the global
+    field. ``unit`` names a position in reports ("cell" for HEALPix cells). ``grid_shape``
+    (rows, cols), set by ``Shard.grid``, says positions are ``row * cols + col`` of the
+    field's last two dimensions flattened, so reports can name (lat, lon). ``Shard.keyed``
+    makes the other kind: a set of items named by integer ``keys`` (``index`` is ``None``).
+    """
+
+    values: torch.Tensor
+    index: torch.Tensor | slice | None
+    dim: int = -1
+    grid_shape: tuple[int, int] | None = None
+    unit: str = "position"
+    keys: Any = None  # Shard.keyed: one integer key (or key row) per item along dim 0
+    cell_column: int | None = None  # Shard.keyed: the key column that holds a HEALPix cell
+
+    @classmethod
+    def grid(cls, values: torch.Tensor, rows: slice, cols: slice, nrows: int, ncols: int) -> Shard:
+        """The block ``values`` = field[..., rows, cols] of a (..., nrows, ncols) field.
+
+        The last two dimensions are flattened; the reference's full field is flattened the
+        same way when compared.
+        """
+        r = torch.arange(nrows)[rows]
+        c = torch.arange(ncols)[cols]
+        if tuple(values.shape[-2:]) != (len(r), len(c)):
+            raise ConfigError(
+                f"Shard.grid: values end in shape {tuple(values.shape[-2:])} but the block "
+                f"rows {rows} x cols {cols} of a {nrows}x{ncols} grid is {len(r)}x{len(c)}"
+            )
+        index = (r[:, None] * ncols + c[None, :]).reshape(-1)
+        return cls(values.reshape(*values.shape[:-2], -1), index, -1, (nrows, ncols))
+
+    @classmethod
+    def keyed(cls, values: torch.Tensor, keys: Any, *, cell_column: int | None = None) -> Shard:
+        """Items named by integer keys, in any packing order: ``values[i]`` is item
+        ``keys[i]``.
+
+        Items run along dim 0 of ``values`` (tokens packed along dim 0, as a decoder emits
+        them); ``keys`` is 1-D (one key per item) or 2-D (one key row per item, e.g.
+        ``(sample, cell, token)``). The reference returns ``Shard.keyed`` of the whole field
+        in its own packing order, and the ranks' items are matched with its items by key:
+        every reference key must be held by exactly one rank, across all data groups (key
+        samples by their global index). ``cell_column``: the key column holding the item's
+        HEALPix cell (NESTED), so reports name the cell and error maps can be drawn.
+        Checked when ``forward`` returns (the error then names the field).
+        """
+        unit = "position" if cell_column is None else "cell"
+        return cls(values, None, 0, None, unit, keys=keys, cell_column=cell_column)
+
+
+@dataclass
+class Outputs:
+    """What one forward pass produced: the global loss and named output fields.
+
+    ``loss`` is a scalar already reduced to the global value on every rank. ``fields`` maps a
+    name to a ``Shard`` (partitioned) or a full tensor (the reference, or a replicated value).
+    """
+
+    loss: torch.Tensor
+    fields: dict[str, torch.Tensor | Shard] = field(default_factory=dict)
+
+
+class SpatialCase:
+    """One model under test. Subclass it and write ``build``, ``batch`` and ``forward``.
+
+    The harness seeds torch, numpy and ``random`` identically on every rank before ``build``
+    and before each ``batch``, sets the default dtype to ``dtype`` (if given) and runs plain
+    SGD with the given ``lr`` after each ``forward`` + ``loss.backward()``. Gradient
+    synchronisation is the case's job (e.g. ``harness.collectives.sync_gradients`` in
+    ``build``): that is what is under test. The case object is pickled to the ranks, so
+    define the class at module level.
+    """
+
+    name: str | None = None
+    dtype: torch.dtype | None = None
+    #: The latitude (degrees) of each row of the case's lat x lon fields, north first or
+    #: south first: error maps then put north at the top. ``None``: row 0 drawn at the top.
+    latitudes: Any = None
+    #: Set to True if the model is meant to produce NaN or inf (a masked field, say). Then
+    #: non-finite values are not findings, but they must match the reference's position
+    #: for position. Otherwise any NaN or inf, in the reference or on a rank, fails the check.
+    expect_nonfinite: bool = False
+    #: The case's own tolerance, used when ``check_equivalence`` is given none (a model with a
+    #: known float32 step in a float64 run, say). ``None``: ``Tolerance.for_dtype``.
+    tolerance: Tolerance | None = None
+    #: Why this case may partition and communicate nothing (a test of replicated code):
+    #: without a reason such a check fails as ``vacuous``, since it proves nothing.
+    vacuous_ok: str | None = None
+    #: Set to True if the ranks initialise their parameter shards independently (each draws
+    #: its own slice, so no seed can make them the reference's): the reference's initial
+    #: values are then copied into every rank's shard (``parameter_shards``) before the
+    #: first step, and the report says so. Their initial values are then not checked.
+    load_reference_shards: bool = False
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def batch(self, topo: Topology, step: int) -> Any:
+        raise NotImplementedError
+
+    def forward(self, model: torch.nn.Module, batch: Any, topo: Topology) -> Outputs:
+        raise NotImplementedError
+
+    def describe(self, topo: Topology | None = None) -> str:
+        """A short description of the partition for reports (override to say more)."""
+        return ""
+
+    def parameter_shards(self, model: torch.nn.Module, topo: Topology) -> dict[str, Shard]:
+        """The parameters this rank holds only a part of, each as a ``Shard`` of the
+        reference's parameter: ``{name: Shard(param, index, dim)}``.
+
+        ``name`` as in ``model.named_parameters()`` (a leading ``module.`` may be left out);
+        ``index`` the global positions (a 1-D LongTensor or a ``slice``) along ``dim`` of the
+        reference's parameter that the rank's values hold. ``values`` is the parameter
+        itself: the harness records the parameter (after build, its gradient, after each
+        step), so ``values`` only has to have its shape. Called after ``build``, on every rank
+        and for the reference (whose parameters are whole: return ``{}`` there, or shards
+        covering everything; the reference's are not read). Sharded parameters are compared
+        with the reference's at their positions; the ranks of a spatial group must cover
+        every position once (ranks holding the same positions hold copies, which must stay
+        bitwise equal, as must the same shard in every data group). Default: nothing sharded.
+        """
+        return {}
+
+    def partition(self, topo: Topology) -> Any:
+        """How this rank's part of the domain is laid out: a ``LatLonPartition``, a
+        ``CellPartition``, ``harness.Positions`` (one dimension), a list of them, or ``None``.
+
+        Read on the ranks when a check locates its first divergence: a module's tensor whose
+        dims are this rank's block of one of them (the last two dims for a lat x lon grid;
+        the cells or positions at any dim; a block plus a halo) is compared with that block
+        of the reference's, one of the global size with the whole. ``None`` (the default):
+        only tensors of the reference's shape are compared.
+        """
+        return None
+
+    def activation_shard(self, name: str, tensor: torch.Tensor, topo: Topology) -> Any:
+        """Where a module's tensor on this rank sits in the reference's, when
+        ``partition`` cannot say: a ``Shard`` (its values at global positions along one dim,
+        or ``Shard.grid``), ``"whole"`` (replicated: the reference's tensor as is), ``"skip"``
+        (not comparable, and not to be listed), or ``None`` (infer it from ``partition``).
+
+        ``name`` is the module's qualified name (``model.named_modules()``); ``tensor`` one of
+        its inputs, outputs or gradients on this rank.
+        """
+        return None
+
+    def teardown(self, model: torch.nn.Module | None, topo: Topology) -> None:
+        """Undo what ``build`` changed outside the model (patched libraries, module globals),
+        after every run, on every rank and for the reference, even when the run failed
+        (``model`` is ``None`` when ``build`` itself raised). Rank processes are reused by
+        the next test: leave them as you found them. (RNG states, default dtype, grad mode,
+        cwd and environment variables are restored by the harness already.)"""
+
+    @property
+    def label(self) -> str:
+        return self.name or type(self).__name__
+
+
+def data_share(n: int, topo: Topology) -> slice:
+    """The samples ``[start, stop)`` of ``n`` that data group ``topo.data_rank`` gets.
+
+    The rule the harness assumes when it compares the fields of several data groups with the
+    reference's: contiguous, equal shares (``n`` must divide evenly).
+
+    >>> data_share(4, Topology.single())
+    slice(0, 4, None)
+    """
+    if n % topo.data_size:
+        raise ConfigError(
+            f"{n} samples do not split evenly over {topo.data_size} data groups; "
+            f"use a batch size that is a multiple of {topo.data_size}"
+        )
+    k = n // topo.data_size
+    return slice(topo.data_rank * k, (topo.data_rank + 1) * k)
+
+
+# ---------------------------------------------------------------------- running a case
+
+Progress = Callable[[str, "int | None"], None]
+
+
+class Watch(Protocol):
+    """What ``run_case`` tells an observer (``harness.locate.Recorder``)."""
+
+    def attach(self, model: torch.nn.Module) -> None: ...
+
+    def phase(self, name: str, step: int | None) -> None: ...
+
+
+def _seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + 7919 * (step + 1)) % 2**31
+
+
+def _strip(name: str) -> str:
+    return name[len("module.") :] if name.startswith("module.") else name
+
+
+def _field_record(case: SpatialCase, name: str, value: Any) -> FieldRecord:
+    if isinstance(value, Shard) and (value.keys is not None or value.index is None):
+        return _keyed_record(case, name, value)
+    if isinstance(value, Shard):
+        index = value.index
+        if not isinstance(index, slice):
+            index = detached(_shard_index(case, name, value))
+        return FieldRecord(detached(value.values), index, value.dim, value.grid_shape, value.unit)
+    if isinstance(value, torch.Tensor):
+        return FieldRecord(detached(value))
+    raise ConfigError(
+        f"{case.label}.forward: Outputs.fields[{name!r}] is a {type(value).__name__}; give a "
+        "torch.Tensor (the whole field) or a harness.Shard (this rank's part of it)"
+    )
+
+
+KEYED_FORM = (
+    "Shard.keyed(values, keys): values with one item per row along dim 0, keys a 1-D "
+    "integer tensor (one key per item) or a 2-D one (one key row per item)"
+)
+
+
+def _keyed_record(case: SpatialCase, name: str, shard: Shard) -> FieldRecord:
+    """A keyed shard's record, its keys as an ``(items, width)`` LongTensor; anything else is
+    one clear error naming the field (the rank is named by the failure that carries it)."""
+    if shard.keys is None:
+        raise ConfigError(
+            f"{case.label}.forward: Shard of field {name!r} has no index (None); give "
+            f"Shard(values, index, dim) for positions, or {KEYED_FORM}"
+        )
+    where = f"{case.label}.forward: Shard.keyed of field {name!r}"
+    values = shard.values
+    if not isinstance(values, torch.Tensor) or values.dim() == 0:
+        got = "a 0-d tensor" if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ConfigError(f"{where} has values that are {got}; give {KEYED_FORM}")
+    try:
+        keys = torch.as_tensor(shard.keys)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(
+            f"{where} has keys of type {type(shard.keys).__name__}; give {KEYED_FORM}"
+        ) from None
+    if keys.dtype == torch.bool or keys.is_floating_point() or keys.is_complex():
+        raise ConfigError(
+            f"{where} has {str(keys.dtype).replace('torch.', '')} keys; keys must be integers "
+            "(torch.long): items are matched by exact key, so cast the ids you pack, not "
+            "values computed from them"
+        )
+    if keys.dim() not in (1, 2) or (keys.dim() == 2 and keys.shape[1] == 0):
+        raise ConfigError(f"{where} has keys of shape {tuple(keys.shape)}; give {KEYED_FORM}")
+    if keys.shape[0] != values.shape[0]:
+        raise ConfigError(
+            f"{where} has {keys.shape[0]} keys but {values.shape[0]} items along dim 0 of its "
+            f"values (shape {tuple(values.shape)}); one key (row) per item: items run along "
+            "dim 0, so move the item dim first (values.movedim(d, 0))"
+        )
+    if keys.dim() == 1:
+        keys = keys[:, None]  # one column: every key is a row, also when there are no items
+    column = shard.cell_column
+    if column is not None and not (
+        isinstance(column, int) and not isinstance(column, bool) and 0 <= column < keys.shape[1]
+    ):
+        raise ConfigError(
+            f"{where} has cell_column={column!r} but its keys have {keys.shape[1]} column(s); "
+            f"give the index of the column holding the cell, 0..{keys.shape[1] - 1}"
+        )
+    if column is not None and keys.numel() and int(keys[:, column].min()) < 0:
+        raise ConfigError(
+            f"{where} has a negative cell ({int(keys[:, column].min())}) in key column "
+            f"{column}; cells are HEALPix NESTED ids counting from 0"
+        )
+    return FieldRecord(detached(values), None, 0, None, shard.unit, detached(keys.long()), column)
+
+
+def _shard_index(case: SpatialCase, name: str, shard: Shard) -> torch.Tensor:
+    """A shard's index as a 1-D LongTensor of non-negative positions, one per value along
+    ``dim``; anything else is one clear error naming the field (the rank is named by the
+    failure that carries it)."""
+    where = f"{case.label}.forward: Shard of field {name!r}"
+    try:
+        index = torch.as_tensor(shard.index)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(
+            f"{where} has an index of type {type(shard.index).__name__}; give a 1-D "
+            "LongTensor of global positions, or a slice"
+        ) from None
+    if index.dtype == torch.bool:
+        raise ConfigError(
+            f"{where} has a bool index (a mask); give the positions themselves: "
+            "mask.nonzero().flatten() (or torch.arange(n)[mask])"
+        )
+    if index.is_floating_point() or index.is_complex():
+        raise ConfigError(
+            f"{where} has a {str(index.dtype).replace('torch.', '')} index; positions must be "
+            "integers (torch.long): a float index would be truncated, silently moving values"
+        )
+    if index.dim() != 1:
+        raise ConfigError(
+            f"{where} has an index of shape {tuple(index.shape)}; it must be 1-D (positions "
+            "along one dim). For a 2-D block of a lat x lon grid use Shard.grid(values, rows, "
+            "cols, nrows, ncols); for items named by several keys, Shard.keyed"
+        )
+    dim = shard.dim if shard.dim >= 0 else shard.values.dim() + shard.dim
+    if not 0 <= dim < max(shard.values.dim(), 1):
+        raise ConfigError(
+            f"{where}: dim={shard.dim} but its values have {shard.values.dim()} dimension(s)"
+        )
+    if index.numel() != shard.values.shape[dim]:
+        block = shard.values.dim() >= 2 and index.numel() == shard.values.shape[-2:].numel()
+        raise ConfigError(
+            f"{where} has {index.numel()} positions in its index but {shard.values.shape[dim]} "
+            f"values along dim {shard.dim} (values of shape {tuple(shard.values.shape)}); one "
+            "position per value"
+            + (
+                ": its last two dims are a (rows, cols) block, not flattened: use "
+                "Shard.grid(values, rows, cols, nlat, nlon)"
+                if block
+                else ""
+            )
+        )
+    if index.numel() and int(index.min()) < 0:
+        raise ConfigError(
+            f"{where} has a negative position ({int(index.min())}) in its index; positions "
+            "are global and count from 0"
+        )
+    return index.long()
+
+
+# ---------------------------------------------------------------------- sharded parameters
+
+
+def parameter_shards(
+    case: SpatialCase, model: torch.nn.Module, topo: Topology
+) -> dict[str, ParamShard]:
+    """``case.parameter_shards`` checked against the model and recorded as ``ParamShard``s.
+
+    Anything that cannot be a shard of one of the model's parameters is one ``ConfigError``
+    naming the parameter, the rank and the fix; whether the positions fit the reference's
+    parameter is for the comparison to say (only it sees the reference).
+    """
+    given = case.parameter_shards(model, topo)
+    where = f"{case.label}.parameter_shards {_whose(topo)}"
+    if not isinstance(given, dict):
+        raise ConfigError(
+            f"{where} returned a {type(given).__name__}; return a dict "
+            "{parameter name: Shard(param, index, dim)} ({} when nothing is sharded)"
+        )
+    params = {_strip(n): p for n, p in model.named_parameters()}
+    out: dict[str, ParamShard] = {}
+    for key, shard in given.items():
+        name = _strip(key) if isinstance(key, str) else key
+        if name not in params:
+            close = difflib.get_close_matches(str(name), list(params), n=3)
+            raise ConfigError(
+                f"{where} names {key!r}, which is not a parameter of the model; name "
+                "parameters as model.named_parameters() does"
+                + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
+            )
+        out[name] = _param_shard(f"{where}: parameter {name!r}", params[name], shard)
+    return out
+
+
+def _whose(topo: Topology) -> str:
+    return "for the reference" if topo.is_reference else f"on rank {topo.rank}"
+
+
+def _param_shard(where: str, param: torch.Tensor, shard: Any) -> ParamShard:
+    """One parameter's ``Shard`` as its positions along a non-negative dim, or an error."""
+    if not isinstance(shard, Shard):
+        raise ConfigError(
+            f"{where} is given as a {type(shard).__name__}; give Shard(param, index, dim): "
+            "the global positions along dim of the reference's parameter that it holds"
+        )
+    if tuple(shard.values.shape) != tuple(param.shape):
+        raise ConfigError(
+            f"{where}: Shard.values has shape {tuple(shard.values.shape)} but the parameter "
+            f"is {tuple(param.shape)}; give the parameter itself, Shard(param, index, dim) "
+            "(the harness records the parameter's own values)"
+        )
+    ndim = param.dim()
+    dim = shard.dim + ndim if shard.dim < 0 else shard.dim
+    if not 0 <= dim < ndim:
+        raise ConfigError(
+            f"{where}: dim={shard.dim} but the parameter has {ndim} dimension(s) "
+            f"(shape {tuple(param.shape)}); give the dim along which it is sharded"
+        )
+    n = int(param.shape[dim])
+    if isinstance(shard.index, slice):
+        index = _slice_positions(where, shard.index, n, dim)
+    else:
+        try:
+            index = torch.as_tensor(shard.index)
+        except (TypeError, ValueError, RuntimeError):
+            raise ConfigError(
+                f"{where} has an index of type {type(shard.index).__name__}; give a 1-D "
+                "LongTensor of global positions, or a slice"
+            ) from None
+        if index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
+            raise ConfigError(
+                f"{where} has a {str(index.dtype).replace('torch.', '')} index; give the "
+                "global positions themselves as integers (torch.long)"
+            )
+        if index.dim() > 1 or index.numel() != n:
+            raise ConfigError(
+                f"{where} has {index.numel()} positions in an index of shape "
+                f"{tuple(index.shape)}, but the parameter has {n} values along dim {dim} "
+                f"(shape {tuple(param.shape)}); give one global position per value"
+            )
+        index = index.detach().to("cpu", torch.long).reshape(-1)
+    if index.numel() and int(index.min()) < 0:
+        raise ConfigError(
+            f"{where} has a negative position ({int(index.min())}); positions are global "
+            "positions in the reference's parameter and count from 0"
+        )
+    if int(torch.unique(index).numel()) != index.numel():
+        raise ConfigError(
+            f"{where} repeats a position in its index; each value holds a position of its own"
+        )
+    return ParamShard(index.clone(), dim)
+
+
+def _slice_positions(where: str, index: slice, n: int, dim: int) -> torch.Tensor:
+    """A slice's positions for ``n`` local values: no global length is needed, so the start
+    must be given as a position (>= 0) and the step positive."""
+    start, step = index.start or 0, index.step or 1
+    if start < 0 or step < 1:
+        raise ConfigError(
+            f"{where} has index {index}; give a slice with a non-negative start and a "
+            "positive step (global positions), or a LongTensor"
+        )
+    positions = start + step * torch.arange(n)
+    if index.stop is not None and len(range(start, index.stop, step)) != n:
+        raise ConfigError(
+            f"{where} has index {index}, {len(range(start, index.stop, step))} positions, but "
+            f"the parameter has {n} values along dim {dim}; give one position per value"
+        )
+    return positions
+
+
+def load_shards(
+    case: SpatialCase,
+    model: torch.nn.Module,
+    topo: Topology,
+    shards: dict[str, ParamShard],
+    reference_init: dict[str, torch.Tensor],
+) -> list[str]:
+    """Copy the reference's initial values into each parameter shard (the case's
+    ``load_reference_shards``); the names loaded."""
+    where = f"{case.label}.load_reference_shards {_whose(topo)}"
+    if not shards:
+        raise ConfigError(
+            f"{where}: parameter_shards returned no shards, so there is nothing to load; "
+            "name the sharded parameters in parameter_shards, or drop load_reference_shards"
+        )
+    params = {_strip(n): p for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, shard in shards.items():
+            ref = reference_init.get(name)
+            param = params[name]
+            expected = list(param.shape)
+            if ref is not None and ref.dim() == param.dim():
+                expected[shard.dim] = int(ref.shape[shard.dim])
+            fits = (
+                ref is not None
+                and list(ref.shape) == expected
+                and (not shard.index.numel() or int(shard.index.max()) < ref.shape[shard.dim])
+            )
+            if not fits:
+                what = "no such parameter" if ref is None else f"shape {tuple(ref.shape)}"
+                raise ConfigError(
+                    f"{where}: the shard of {name!r} ({shard.text()}, "
+                    f"shape {tuple(param.shape)}) does not fit the reference's parameter "
+                    f"({what}); its other dims must match and its positions lie inside"
+                )
+            param.copy_(ref.index_select(shard.dim, shard.index))  # type: ignore[union-attr]
+    return sorted(shards)
+
+
+def _check_batch(case: SpatialCase, batch: Any, step: int) -> Any:
+    if batch is None or isinstance(batch, (str, bytes)):
+        got = "None" if batch is None else f"a {type(batch).__name__}"
+        raise ConfigError(
+            f"{case.label}.batch returned {got} for step {step}; it must return this rank's "
+            "share of the step's batch (a tensor, or a dict, tuple or dataclass of tensors) "
+            "for forward to use (a missing `return`?)"
+        )
+    return batch
+
+
+def _check_model(case: SpatialCase, model: Any) -> torch.nn.Module:
+    if model is None:
+        raise ConfigError(
+            f"{case.label}.build returned None; it must return the torch.nn.Module under test "
+            "(a missing `return model`?)"
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"{case.label}.build returned a {type(model).__name__}; it must return a "
+            "torch.nn.Module (wrap a function in a Module whose forward calls it)"
+        )
+    return model
+
+
+def _check_loss(case: SpatialCase, out: Any, trainable: bool) -> torch.Tensor:
+    if not isinstance(out, Outputs):
+        raise ConfigError(
+            f"{case.label}.forward must return harness.Outputs(loss, fields), got "
+            f"{type(out).__name__}"
+        )
+    loss = out.loss
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            f"{case.label}.forward: Outputs.loss is a {type(loss).__name__}; it must be a "
+            "scalar torch.Tensor (keep it a tensor: the harness back-propagates it)"
+        )
+    if loss.numel() != 1:
+        raise ConfigError(
+            f"{case.label}.forward: Outputs.loss has shape {tuple(loss.shape)}; it must be a "
+            "scalar: reduce it to the one global loss (identical on every rank), e.g. with "
+            "reduce_loss(local.sum(), topo) / count"
+        )
+    if trainable and not loss.requires_grad:
+        raise ConfigError(
+            f"{case.label}.forward: Outputs.loss does not depend on any trainable parameter "
+            "(requires_grad is False): was it detached, computed under torch.no_grad(), or "
+            "reduced from detached values? The harness back-propagates it to compare gradients"
+        )
+    return loss
+
+
+def run_case(
+    case: SpatialCase,
+    topo: Topology,
+    steps: int,
+    lr: float,
+    seed: int,
+    *,
+    progress: Progress | None = None,
+    reference_init: dict[str, torch.Tensor] | None = None,
+    watch: Watch | None = None,
+) -> RunRecord:
+    """Build, then ``steps`` times: batch, forward, backward, record, SGD step.
+
+    Runs the same way for the reference (``Topology.single()``) and on each rank, and leaves
+    the calling process's RNG states and default dtype as it found them. ``progress(phase,
+    step)`` is told each phase as it starts ("build", "step 0 batch", "step 0 forward",
+    "step 0 backward", "step 0 optimizer step"), so failures can say where they happened; an
+    exception leaves with that phase in ``exc.harness_phase``. With ``reference_init`` (a
+    rank of a case with ``load_reference_shards``), the reference's initial values are
+    copied into the rank's parameter shards after build. ``watch`` (locating) is given
+    the model after build and told each phase too.
+    """
+    phase: list[Any] = ["build", None]
+
+    def enter(name: str, step: int | None = None) -> None:
+        phase[:] = [name, step]
+        if watch is not None:
+            watch.phase(name, step)
+        if progress is not None:
+            progress(name, step)
+
+    saved = CallerState.save()
+    if case.dtype is not None:
+        torch.set_default_dtype(case.dtype)
+    model: torch.nn.Module | None = None
+    try:
+        enter("build")
+        mutation = _case_mutation(case)
+        _seed(seed + (7919 * (topo.rank + 1) if mutation.get("build") == "rng-per-rank" else 0))
+        model = _check_model(case, case.build(topo))
+        if watch is not None:
+            watch.attach(model)
+        _note_buffers(case, model)
+        params = dict(model.named_parameters())
+        shards = parameter_shards(case, model, topo)
+        loaded = (
+            [] if reference_init is None else load_shards(case, model, topo, shards, reference_init)
+        )
+        record = RunRecord(init={_strip(n): detached(p) for n, p in params.items()})
+        record.param_shards, record.loaded_shards = shards, loaded
+        outputs = OutputDtypes(model)  # evidence for precision hints: what came out of modules
+        try:
+            for step in range(steps):
+                record.steps.append(_train_step(case, model, topo, step, lr, seed, enter, mutation))
+        finally:
+            outputs.close()
+        # a collective's sighting names the line that issued it: it wins over a module's
+        record.dtypes = {**outputs.seen(), **collective_dtypes(torch.get_default_dtype())}
+        enter("teardown")
+        case.teardown(model, topo)
+        return record
+    except BaseException as exc:
+        _mark_phase(exc, str(phase[0]))
+        if phase[0] != "teardown":
+            try:
+                case.teardown(model, topo)  # undo build's patches even when the run failed
+            except Exception as teardown_exc:  # noqa: BLE001 - the run's own error comes first
+                if sys.version_info >= (3, 11):
+                    exc.add_note(f"(and teardown raised {teardown_exc!r})")
+        raise
+    finally:
+        saved.restore()
+
+
+def _train_step(
+    case: SpatialCase,
+    model: torch.nn.Module,
+    topo: Topology,
+    step: int,
+    lr: float,
+    seed: int,
+    enter: Callable[[str, int], None],
+    mutation: dict[str, str] | None = None,
+) -> StepRecord:
+    """One step: batch, forward, backward, plain SGD; what it recorded."""
+    mutation = mutation or {}
+    params = dict(model.named_parameters())
+    enter(f"step {step} batch", step)
+    per_rank = topo.rank + 1 if mutation.get("batch") == "rng-per-rank" else 0
+    _seed(_step_seed(seed, step) + per_rank)
+    batch = _check_batch(case, case.batch(topo, step), step)
+    model.zero_grad(set_to_none=True)
+    buffers = {n: (b, b._version, detached(b)) for n, b in model.named_buffers()}
+    enter(f"step {step} forward", step)
+    if mutation.get("build") == "buffers-broadcast":
+        _broadcast_buffers(model, topo)
+    out = case.forward(model, batch, topo)
+    loss = _check_loss(case, out, any(p.requires_grad for p in params.values()))
+    fields = {k: _field_record(case, k, v) for k, v in out.fields.items()}
+    if loss.requires_grad:  # a model without parameters has nothing to differentiate
+        enter(f"step {step} backward", step)
+        loss.backward()
+    grads = {
+        _strip(n): (None if p.grad is None else detached(p.grad))
+        for n, p in params.items()
+        if p.requires_grad
+    }
+    enter(f"step {step} optimizer step", step)
+    with torch.no_grad():
+        for p in params.values():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+    mutated = sorted(
+        _strip(n)
+        for n, (b, version, before) in buffers.items()
+        if b._version != version or not torch.equal(b.detach().cpu(), before)
+    )
+    return StepRecord(
+        loss=detached(loss),
+        grads=grads,
+        fields=fields,
+        params={_strip(n): detached(p) for n, p in params.items()},
+        mutated_buffers=mutated,
+    )
+
+
+def _case_mutation(case: SpatialCase) -> dict[str, str]:
+    """On a rank of a ``--spatial-mutants`` run: the case-level mutant to inject at
+    ``build`` or ``batch`` (``{}`` for the reference and every other run)."""
+    from harness import _mutate
+    from harness._intercept import TRACKER
+
+    if not TRACKER.active:
+        return {}
+    kinds = {m: _mutate.case_mutant(TRACKER, case, m) for m in ("build", "batch")}
+    return {m: k for m, k in kinds.items() if k}
+
+
+def _note_buffers(case: SpatialCase, model: torch.nn.Module) -> None:
+    from harness import _mutate
+    from harness._intercept import TRACKER
+
+    if TRACKER.active and TRACKER.recording:
+        stats = TRACKER.sites.get(_mutate.case_site(case, "build"))
+        if stats is not None:
+            stats.buffers |= any(True for _ in model.buffers())
+
+
+def _broadcast_buffers(model: torch.nn.Module, topo: Topology) -> None:
+    """The ``buffers-broadcast`` mutant: DDP's broadcast_buffers, in place, from the spatial
+    group's first rank."""
+    import torch.distributed as dist
+
+    if topo.spatial_group is None:
+        return
+    with torch.no_grad():
+        for b in model.buffers():
+            dist.broadcast(b, src=topo.spatial_ranks[0], group=topo.spatial_group)
+
+
+def _mark_phase(exc: BaseException, phase: str) -> None:
+    """Say on the exception where in the run it was raised (once: the innermost wins)."""
+    if getattr(exc, "harness_phase", None) is None:
+        try:
+            exc.harness_phase = phase  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type with __slots__
+            return
+        if sys.version_info >= (3, 11):
+            exc.add_note(f"(harness: raised in {phase})")
+
+
+def _rank_entry(
+    case: SpatialCase,
+    spatial_size: int | None,
+    steps: int,
+    lr: float,
+    seed: int,
+    reference_init: dict[str, torch.Tensor] | None = None,
+) -> RunRecord:
+    """What every rank of the pool runs (module level, so the pool can pickle it).
+    ``reference_init``: the reference's parameters after build, for a case that loads them
+    into its shards (``SpatialCase.load_reference_shards``)."""
+    from harness.adopt import check_operations
+    from harness.pool import report_progress
+
+    checks = check_operations()
+    topo = Topology.create(spatial_size)
+    record = run_case(
+        case, topo, steps, lr, seed, progress=report_progress, reference_init=reference_init
+    )
+    record.spatial_rank, record.data_rank = topo.spatial_rank, topo.data_rank
+    record.spatial_size, record.data_size = topo.spatial_size, topo.data_size
+    record.describe = case.describe(topo)
+    issued = _operations_issued()
+    # harness.adopt.check_group's agreement is the harness's talk, not the model's
+    record.communicated = None if issued is None else issued - (check_operations() - checks)
+    return record
+
+
+def _operations_issued() -> int | None:
+    """How many torch.distributed operations this rank issued in the run (collectives from
+    Python or C++, sends and receives), as the pool's watcher counted them."""
+    from harness._intercept import TRACKER
+
+    if TRACKER.board is None:  # not in a pool's rank (under torchrun): not watched
+        return None
+    counts = TRACKER.counts()
+    if counts is None:
+        return None
+    return (
+        sum(counts.collectives.values()) + sum(counts.sends.values()) + sum(counts.recvs.values())
+    )
