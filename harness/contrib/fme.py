@@ -44,6 +44,7 @@ import torch
 from harness.adopt import adopt_distributed_manager, check_group, on_undo, patch, pending, undo
 from harness.case import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
+from harness.partition import LatLonPartition
 from harness.topology import Topology
 
 __all__ = [
@@ -251,6 +252,13 @@ class FmeCase(SpatialCase):
         rows, cols = dist.get_local_slices((cfg.nlat, cfg.nlon))
         shards = {k: Shard.grid(v, rows, cols, cfg.nlat, cfg.nlon) for k, v in fields.items()}
         return Outputs(loss, dict(shards))
+
+    def partition(self, topo: Topology) -> LatLonPartition:
+        """Where a rank's activations sit, for locating a first divergence: the lat x lon
+        block of the rank in fme's h x w mesh, split as torch-harmonics splits (fme
+        scatters its data with that split, ``get_local_slices``)."""
+        cfg = self.config
+        return LatLonPartition(cfg.nlat, cfg.nlon, cfg.h, cfg.w)
 
     def describe(self, topo: Topology | None = None) -> str:
         cfg = self.config
