@@ -204,8 +204,8 @@ def collective_longer_than(target: float, cap: int) -> tuple[float, int]:
 @pytest.mark.spatial_pool
 def test_a_collective_longer_than_the_window_is_in_progress_not_a_deadlock():
     # A window of 0.05 s and one all_reduce of up to 128 M floats (512 MB a rank; 64 M took
-    # only 0.46 s on a quiet machine) that lasts 0.5 s or more: the watch (reading the board every 0.1 s) sees every rank inside it for
-    # ten windows, and must let it finish.
+    # only 0.46 s on a quiet machine) that lasts 0.5 s or more: the watch (reading the board
+    # every 0.1 s) sees every rank inside it for ten windows, and must let it finish.
     window = 0.05
     with RankPool(4, start_method="forkserver", deadlock_window=window, timeout=300) as pool:
         took = pool.run(collective_longer_than, 10 * window, 1 << 27)
