@@ -310,16 +310,15 @@ def _keyed_record(case: SpatialCase, name: str, shard: Shard) -> FieldRecord:
     return FieldRecord(detached(values), None, 0, None, shard.unit, detached(keys.long()), column)
 
 
-def _shard_index(case: SpatialCase, name: str, shard: Shard) -> torch.Tensor:
-    """A shard's index as a 1-D LongTensor of non-negative positions, one per value along
-    ``dim``; anything else is one clear error naming the field (the rank is named by the
-    failure that carries it)."""
-    where = f"{case.label}.forward: Shard of field {name!r}"
+def _integer_index(where: str, raw: Any) -> torch.Tensor:
+    """``raw`` as a tensor of integer positions, or one clear error naming ``where``: a mask,
+    a float index (which indexing would truncate) and a non-tensor are each refused. Shared
+    by field shards and parameter shards."""
     try:
-        index = torch.as_tensor(shard.index)
+        index = torch.as_tensor(raw)
     except (TypeError, ValueError, RuntimeError):
         raise ConfigError(
-            f"{where} has an index of type {type(shard.index).__name__}; give a 1-D "
+            f"{where} has an index of type {type(raw).__name__}; give a 1-D "
             "LongTensor of global positions, or a slice"
         ) from None
     if index.dtype == torch.bool:
@@ -332,6 +331,15 @@ def _shard_index(case: SpatialCase, name: str, shard: Shard) -> torch.Tensor:
             f"{where} has a {str(index.dtype).replace('torch.', '')} index; positions must be "
             "integers (torch.long): a float index would be truncated, silently moving values"
         )
+    return index
+
+
+def _shard_index(case: SpatialCase, name: str, shard: Shard) -> torch.Tensor:
+    """A shard's index as a 1-D LongTensor of non-negative positions, one per value along
+    ``dim``; anything else is one clear error naming the field (the rank is named by the
+    failure that carries it)."""
+    where = f"{case.label}.forward: Shard of field {name!r}"
+    index = _integer_index(where, shard.index)
     if index.dim() != 1:
         raise ConfigError(
             f"{where} has an index of shape {tuple(index.shape)}; it must be 1-D (positions "
@@ -426,18 +434,7 @@ def _param_shard(where: str, param: torch.Tensor, shard: Any) -> ParamShard:
     if isinstance(shard.index, slice):
         index = _slice_positions(where, shard.index, n, dim)
     else:
-        try:
-            index = torch.as_tensor(shard.index)
-        except (TypeError, ValueError, RuntimeError):
-            raise ConfigError(
-                f"{where} has an index of type {type(shard.index).__name__}; give a 1-D "
-                "LongTensor of global positions, or a slice"
-            ) from None
-        if index.dtype == torch.bool or index.is_floating_point() or index.is_complex():
-            raise ConfigError(
-                f"{where} has a {str(index.dtype).replace('torch.', '')} index; give the "
-                "global positions themselves as integers (torch.long)"
-            )
+        index = _integer_index(where, shard.index)
         if index.dim() > 1 or index.numel() != n:
             raise ConfigError(
                 f"{where} has {index.numel()} positions in an index of shape "

@@ -341,7 +341,7 @@ BAD = [
     ),
     (
         lambda m: {"weight": Shard(m.weight, torch.tensor([True, False, True]), 0)},
-        "parameter 'weight' has a bool index; give the global positions themselves",
+        "parameter 'weight' has a bool index (a mask); give the positions themselves",
     ),
     (
         lambda m: {"weight": Shard(m.weight, slice(0, 5), 0)},
