@@ -23,7 +23,7 @@ import torch
 from harness import Outputs, Shard, SpatialCase
 from harness.collectives import reduce_loss, sync_gradients
 
-BROKEN = {broken}
+BROKEN, SCALE = {broken}, {scale}
 
 class Scale(SpatialCase):
     dtype = torch.float64
@@ -35,7 +35,7 @@ class Scale(SpatialCase):
         return model
 
     def batch(self, topo, step):
-        x = torch.randn(8, 3)
+        x = torch.randn(8, 3) * SCALE
         n = 8 // topo.spatial_size
         return x[topo.spatial_rank * n:(topo.spatial_rank + 1) * n]
 
@@ -51,6 +51,12 @@ class Scale(SpatialCase):
 def test_scale_is_equivalent(spatial):
     spatial.check(Scale(), golden=True)
 """
+
+
+def downstream(*, broken: bool, scale: float = 1.0) -> str:
+    """The downstream test module: gradients unsynchronised with ``broken``; the batch
+    scaled by ``scale`` (so the reference, and with it a golden, changes)."""
+    return DOWNSTREAM.format(broken=broken, scale=scale)
 
 
 def _tag_env(tag: str) -> dict[str, str]:
@@ -312,7 +318,7 @@ def test_the_marker_overrides_ranks_and_timeout(pytester):
 
 def test_a_downstream_case_passes_writes_its_golden_and_then_checks_it(pytester):
     pytester.makeini("[pytest]\ngolden_dir = goldens\n")
-    pytester.makepyfile(test_down=DOWNSTREAM.format(broken=False))
+    pytester.makepyfile(test_down=downstream(broken=False))
     first = pytester.runpytest_subprocess("--spatial-ranks=2")
     first.assert_outcomes(failed=1)
     first.stdout.fnmatch_lines(["*no golden at*--update-goldens*"])
@@ -330,7 +336,7 @@ def test_a_downstream_case_passes_writes_its_golden_and_then_checks_it(pytester)
 
 
 def test_a_broken_downstream_case_fails_with_the_table(pytester):
-    pytester.makepyfile(test_down=DOWNSTREAM.format(broken=True))
+    pytester.makepyfile(test_down=downstream(broken=True))
     result = pytester.runpytest_subprocess("--spatial-ranks=2")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
@@ -346,11 +352,11 @@ def test_a_broken_downstream_case_fails_with_the_table(pytester):
 
 def test_update_goldens_never_writes_the_golden_of_a_failing_check(pytester):
     pytester.makeini("[pytest]\ngolden_dir = goldens\n")
-    pytester.makepyfile(test_down=DOWNSTREAM.format(broken=False))
+    pytester.makepyfile(test_down=downstream(broken=False))
     pytester.runpytest_subprocess("--spatial-ranks=2", "--update-goldens").assert_outcomes(passed=1)
     golden = pytester.path / "goldens" / "test_down" / "test_scale_is_equivalent.pt"
     before = golden.read_bytes()
-    pytester.makepyfile(test_down=DOWNSTREAM.format(broken=True))
+    pytester.makepyfile(test_down=downstream(broken=True))
     result = pytester.runpytest_subprocess("--spatial-ranks=2", "--update-goldens")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
@@ -696,7 +702,7 @@ def test_spatial_plots_writes_an_error_map_per_failing_field_and_names_it(pytest
 
 def test_the_summary_table_fits_the_terminal_shortening_a_long_partition(pytester, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
-    long_describe = DOWNSTREAM.format(broken=False).replace(
+    long_describe = downstream(broken=False).replace(
         "class Scale(SpatialCase):",
         "class Scale(SpatialCase):\n    def describe(self, topo=None):\n        return 'x' * 150\n",
     )
@@ -735,48 +741,13 @@ def test_a_rank_failure_is_reported_without_the_harness_own_frames(pytester):
         assert f"harness/{plumbing}" not in out, plumbing
 
 
-TWO_KNOBS = """
-import torch
-from harness import Outputs, Shard, SpatialCase
-from harness.collectives import reduce_loss, sync_gradients
-
-BROKEN, SCALE = {broken}, {scale}
-
-class Scale(SpatialCase):
-    dtype = torch.float64
-
-    def build(self, topo):
-        model = torch.nn.Linear(3, 3)
-        if not BROKEN:
-            sync_gradients(model, topo)
-        return model
-
-    def batch(self, topo, step):
-        x = torch.randn(8, 3) * SCALE
-        n = 8 // topo.spatial_size
-        return x[topo.spatial_rank * n:(topo.spatial_rank + 1) * n]
-
-    def forward(self, model, x, topo):
-        y = model(x)
-        loss = reduce_loss((y ** 2).sum(), topo) / 24
-        if topo.spatial_group is None:
-            return Outputs(loss, {{"y": y}})
-        n = x.shape[0]
-        idx = torch.arange(topo.spatial_rank * n, (topo.spatial_rank + 1) * n)
-        return Outputs(loss, {{"y": Shard(y, idx, dim=0)}})
-
-def test_scale_is_equivalent(spatial):
-    spatial.check(Scale(), golden=True)
-"""
-
-
 def test_a_failing_check_whose_golden_also_fails_says_both(pytester):
     pytester.makeini("[pytest]\ngolden_dir = goldens\n")
-    pytester.makepyfile(test_down=TWO_KNOBS.format(broken=False, scale=1.0))
+    pytester.makepyfile(test_down=downstream(broken=False))
     pytester.runpytest_subprocess("--spatial-ranks=2", "--update-goldens").assert_outcomes(passed=1)
     # the gradients go unsynchronised (the check fails) and the reference changes (the
     # golden fails): the failure says both, the report first
-    pytester.makepyfile(test_down=TWO_KNOBS.format(broken=True, scale=2.0))
+    pytester.makepyfile(test_down=downstream(broken=True, scale=2.0))
     result = pytester.runpytest_subprocess("--spatial-ranks=2")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
@@ -821,7 +792,7 @@ def test_drawn(spatial, n):
 
 def test_raise_if_failed_fails_a_hypothesis_test_with_the_whole_report(pytester):
     pytester.makepyfile(
-        test_down=TWO_KNOBS.format(broken=True, scale=1.0).split("def test_")[0],
+        test_down=downstream(broken=True).split("def test_")[0],
         test_drawn=HYPOTHESIS_REPORT,
     )
     result = pytester.runpytest_subprocess("--spatial-ranks=2")
