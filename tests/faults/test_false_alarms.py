@@ -25,6 +25,13 @@ dtypes = st.sampled_from([torch.float64, torch.float32])
 layouts = st.sampled_from([None, 2])  # one spatial group of 4, or spatial 2 x data 2
 
 
+def _check(spatial, case, spatial_size, *, locate: bool | None = None):
+    """``case`` on the warm pool, laid out as drawn (located if it fails, or on request)."""
+    return check_equivalence(
+        case, ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS), locate=locate
+    )
+
+
 @FIXTURE_OK
 @given(
     npos=st.integers(1, 40),  # fewer positions than ranks: empty ranks
@@ -34,11 +41,8 @@ layouts = st.sampled_from([None, 2])  # one spatial group of 4, or spatial 2 x d
 )
 def test_the_coupled_mlp_passes_on_every_drawn_layout(spatial, npos, batch, dtype, spatial_size):
     batch_size = batch * (RANKS // (spatial_size or RANKS))
-    report = check_equivalence(
-        CoupledMLPCase(npos=npos, batch_size=batch_size, dtype=dtype),
-        ranks=RANKS,
-        spatial_size=spatial_size,
-        pool=spatial.pool(RANKS),
+    report = _check(
+        spatial, CoupledMLPCase(npos=npos, batch_size=batch_size, dtype=dtype), spatial_size
     )
     assert report.ok, report
 
@@ -69,9 +73,7 @@ def test_the_sfno_stepper_passes_on_every_drawn_grid_and_process_grid(spatial, l
     from harness.steppers.sfno import SFNOCase
 
     spatial_size = layout.pop("spatial_size")
-    report = check_equivalence(
-        SFNOCase(**layout), ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS)
-    )
+    report = _check(spatial, SFNOCase(**layout), spatial_size)
     assert report.ok, report
 
 
@@ -96,9 +98,7 @@ def test_the_healpix_stepper_passes_on_every_drawn_partition_and_observation_set
         batch_size=per_group * (RANKS // s),
         dtype=dtype,
     )
-    report = check_equivalence(
-        case, ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS)
-    )
+    report = _check(spatial, case, spatial_size)
     assert report.ok, report
 
 
@@ -121,11 +121,10 @@ def test_no_module_of_the_coupled_mlp_departs_on_a_drawn_layout(
     spatial, npos, batch, dtype, spatial_size
 ):
     batch_size = batch * (RANKS // (spatial_size or RANKS))
-    report = check_equivalence(
+    report = _check(
+        spatial,
         CoupledMLPCase(npos=npos, batch_size=batch_size, dtype=dtype),
-        ranks=RANKS,
-        spatial_size=spatial_size,
-        pool=spatial.pool(RANKS),
+        spatial_size,
         locate=True,
     )
     _nothing_departs(report)
@@ -138,13 +137,7 @@ def test_no_module_of_the_sfno_stepper_departs_on_a_drawn_grid(spatial, layout):
     from harness.steppers.sfno import SFNOCase
 
     spatial_size = layout.pop("spatial_size")
-    report = check_equivalence(
-        SFNOCase(**layout),
-        ranks=RANKS,
-        spatial_size=spatial_size,
-        pool=spatial.pool(RANKS),
-        locate=True,
-    )
+    report = _check(spatial, SFNOCase(**layout), spatial_size, locate=True)
     _nothing_departs(report)
 
 
@@ -159,7 +152,5 @@ def test_no_module_of_the_healpix_stepper_departs_on_a_drawn_partition(
     s = spatial_size or RANKS
     part = data.draw(cell_partitions(nside=nside, ranks=s), label="partition")
     case = HealpixCase(nside=nside, bounds=part.bounds, batch_size=2 * (RANKS // s), dtype=dtype)
-    report = check_equivalence(
-        case, ranks=RANKS, spatial_size=spatial_size, pool=spatial.pool(RANKS), locate=True
-    )
+    report = _check(spatial, case, spatial_size, locate=True)
     _nothing_departs(report)
