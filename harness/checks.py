@@ -17,6 +17,7 @@ import torch
 
 from harness.compare import (
     NUMERIC,
+    Difference,
     Mismatch,
     QuantityStats,
     Tolerance,
@@ -254,6 +255,23 @@ def _shard_position(f: FieldRecord) -> Callable[[int], str] | None:
 # ---------------------------------------------------------------------- parameters after build
 
 
+def _init_mismatch(name: str, rank: int, d: Difference, where: str, hint: str) -> Mismatch:
+    """A parameter that differs right after build (no step yet): ``where`` unless the
+    comparison named a problem of its own (a shape, a dtype)."""
+    return Mismatch(
+        "param",
+        name,
+        None,
+        rank,
+        d.max_abs,
+        d.max_rel,
+        d.problem or where,
+        d.count,
+        d.total,
+        hint=hint,
+    )
+
+
 def check_init(
     reference: RunRecord, records: list[RunRecord], tolerance: Tolerance
 ) -> list[Mismatch]:
@@ -276,18 +294,7 @@ def check_init(
             d = compare_tensors(p, ref[name], tolerance.param, allow_nonfinite=True)
             if not d.ok:
                 found.append(
-                    Mismatch(
-                        "param",
-                        name,
-                        None,
-                        rank,
-                        d.max_abs,
-                        d.max_rel,
-                        d.problem or "initial value",
-                        d.count,
-                        d.total,
-                        hint=_init_hint(p, ref[name]),
-                    )
+                    _init_mismatch(name, rank, d, "initial value", _init_hint(p, ref[name]))
                 )
         for name in sorted(ref.keys() - rec.init.keys()):
             found.append(
@@ -1357,20 +1364,8 @@ def check_sharded_init(
             if d.ok:
                 continue
             at = "" if d.worst is None else " at " + _global_where(shard, p.shape)(d.worst)
-            found.append(
-                Mismatch(
-                    "param",
-                    name,
-                    None,
-                    rank,
-                    d.max_abs,
-                    d.max_rel,
-                    d.problem or f"initial value{at} ({shard.text()})",
-                    d.count,
-                    d.total,
-                    hint=SHARD_INIT_HINT,
-                )
-            )
+            where = f"initial value{at} ({shard.text()})"
+            found.append(_init_mismatch(name, rank, d, where, SHARD_INIT_HINT))
     return found
 
 
