@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.plugin.test_plugin import DOWNSTREAM
+from tests.plugin.test_plugin import downstream
 
 LOCATED = """
 
@@ -14,7 +14,7 @@ def test_a_passing_check_is_located_only_on_request(spatial):
 
 
 def test_a_failing_check_names_its_first_divergence_in_the_failure(pytester):
-    pytester.makepyfile(test_down=DOWNSTREAM.format(broken=True))
+    pytester.makepyfile(test_down=downstream(broken=True))
     result = pytester.runpytest_subprocess("--spatial-ranks=2", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     # the model is one Linear without gradient sync: its weight's gradient, in its backward
@@ -24,7 +24,7 @@ def test_a_failing_check_names_its_first_divergence_in_the_failure(pytester):
 
 
 def test_spatial_locate_and_its_ini_locate_passing_checks(pytester):
-    correct = DOWNSTREAM.format(broken=False).replace("golden=True", "")  # no golden here
+    correct = downstream(broken=False).replace("golden=True", "")  # no golden here
     pytester.makepyfile(test_down=correct + LOCATED)
     plain = pytester.runpytest_subprocess("--spatial-ranks=2", "-p", "no:cacheprovider")
     plain.assert_outcomes(passed=1, failed=1)
@@ -39,7 +39,7 @@ def test_spatial_locate_and_its_ini_locate_passing_checks(pytester):
 
 
 def test_spatial_calibrate_prints_each_quantitys_noise_error_and_supported_rtol(pytester):
-    correct = DOWNSTREAM.format(broken=False).replace("golden=True", "")
+    correct = downstream(broken=False).replace("golden=True", "")
     pytester.makepyfile(test_down=correct)
     result = pytester.runpytest_subprocess(
         "--spatial-ranks=2", "--spatial-calibrate", "-p", "no:cacheprovider"
