@@ -9,6 +9,7 @@ neither.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import random
 import sys
@@ -21,6 +22,7 @@ import torch
 
 from harness._dtypes import OutputDtypes, collective_dtypes
 from harness._state import CallerState
+from harness._values import block, describe, is_distributed, placed, plain
 from harness.compare import Tolerance
 from harness.errors import ConfigError
 from harness.records import FieldRecord, ParamShard, RunRecord, StepRecord, detached
@@ -126,6 +128,13 @@ class SpatialCase:
     #: values are then copied into every rank's shard (``parameter_shards``) before the
     #: first step, and the report says so. Their initial values are then not checked.
     load_reference_shards: bool = False
+    #: Set to True if the ranks cannot draw the reference's initial values at all: a shard
+    #: drawn at the shard's shape consumes fewer random numbers than the reference's whole
+    #: parameter, so every parameter drawn after it differs too (makani at h = 2). The
+    #: reference's initial values are then copied into every parameter, whole or sharded
+    #: (``parameter_shards``, DTensor placements), before the first step, and the report
+    #: says so. Initial values are then not checked; everything after them is.
+    load_reference_init: bool = False
 
     def build(self, topo: Topology) -> torch.nn.Module:
         raise NotImplementedError
@@ -238,6 +247,9 @@ def _strip(name: str) -> str:
 
 
 def _field_record(case: SpatialCase, name: str, value: Any) -> FieldRecord:
+    if isinstance(value, Shard) and isinstance(value.values, torch.Tensor):
+        # the case placed a DTensor's values itself: the ones this rank holds
+        value = dataclasses.replace(value, values=plain(value.values))
     if isinstance(value, Shard) and (value.keys is not None or value.index is None):
         return _keyed_record(case, name, value)
     if isinstance(value, Shard):
@@ -246,7 +258,10 @@ def _field_record(case: SpatialCase, name: str, value: Any) -> FieldRecord:
             index = detached(_shard_index(case, name, value))
         return FieldRecord(detached(value.values), index, value.dim, value.grid_shape, value.unit)
     if isinstance(value, torch.Tensor):
-        return FieldRecord(detached(value))
+        at = placed(value)  # a DTensor: as its placements place it (a plain tensor: whole)
+        if at.dim is None:
+            return FieldRecord(detached(at.values))
+        return FieldRecord(detached(at.values), at.index, at.dim)
     raise ConfigError(
         f"{case.label}.forward: Outputs.fields[{name!r}] is a {type(value).__name__}; give a "
         "torch.Tensor (the whole field) or a harness.Shard (this rank's part of it)"
@@ -372,6 +387,103 @@ def _shard_index(case: SpatialCase, name: str, shard: Shard) -> torch.Tensor:
     return index.long()
 
 
+# ---------------------------------------------------------------------- declarations
+
+ACTIVATION_FORM = 'a Shard, "whole", "skip" or None (infer it from partition)'
+
+
+def check_partition(case: SpatialCase, topo: Topology) -> None:
+    """``case.partition(topo)`` on a rank, checked up front: a value locating cannot read
+    is one ``ConfigError`` now, whether or not the check ever locates."""
+    from harness.divergence import axes_of
+
+    given = case.partition(topo)
+    try:
+        axes_of(given, topo.spatial_rank)
+    except TypeError as exc:
+        shown = repr(given)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ConfigError(
+            f"{case.label}.partition {_whose(topo)} returned {shown}: {exc}"
+        ) from None
+
+
+def check_activation_shard(case: SpatialCase, name: str, said: Any) -> Any:
+    """One answer of ``case.activation_shard`` for module ``name``: returned as is when it
+    is one the harness reads (a ``Shard`` whose index fits its values, ``"whole"``,
+    ``"skip"``, ``None``), else one ``ConfigError`` naming the module and the fix."""
+    if said is None or (isinstance(said, str) and said in ("whole", "skip")):
+        return said
+    where = f"{case.label}.activation_shard({name!r}, ...)"
+    if not isinstance(said, Shard):
+        shown = repr(said)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ConfigError(
+            f"{where} returned {shown} (a {type(said).__name__}); return {ACTIVATION_FORM}"
+        )
+    if not isinstance(said.values, torch.Tensor):
+        raise ConfigError(
+            f"{where} returned a Shard whose values are a {type(said.values).__name__}; give "
+            "the module's tensor itself as the values"
+        )
+    if said.keys is not None:
+        raise ConfigError(
+            f"{where} returned a Shard.keyed; a module's tensor is placed by positions: "
+            f"return {ACTIVATION_FORM}"
+        )
+    if not isinstance(said.index, slice):
+        _shard_index(
+            case, f"activation of {name!r}", dataclasses.replace(said, values=plain(said.values))
+        )
+    return said
+
+
+class ActivationCheck:
+    """Asks ``case.activation_shard`` about each module's first output on a rank, during
+    the first step, and checks every answer (``check_activation_shard``): a case that
+    declares layouts locating cannot read fails the check as a ``ConfigError`` up front,
+    not in a locating rerun that may never run. Nothing is hooked when the case keeps the
+    default ``activation_shard``."""
+
+    def __init__(self, case: SpatialCase, model: torch.nn.Module, topo: Topology) -> None:
+        self.case, self.topo = case, topo
+        self.handles: list[Any] = []
+        self.asked: set[str] = set()
+        if type(case).activation_shard is SpatialCase.activation_shard:
+            return
+        for name, module in model.named_modules():
+            self.handles.append(module.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if name in self.asked:
+                return
+            self.asked.add(name)
+            tensor = next(_tensors_in(output), None)
+            if tensor is not None:
+                said = self.case.activation_shard(name, tensor, self.topo)
+                check_activation_shard(self.case, name, said)
+
+        return hook
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _tensors_in(obj: Any) -> Any:
+    """The tensors in ``obj``'s tuples, lists and dicts, in order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            yield from _tensors_in(v)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v)
+
+
 # ---------------------------------------------------------------------- sharded parameters
 
 
@@ -403,6 +515,12 @@ def parameter_shards(
                 + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
             )
         out[name] = _param_shard(f"{where}: parameter {name!r}", params[name], shard)
+    for name, param in params.items():
+        at = block(param) if name not in out and is_distributed(param) else None
+        if at is not None and at[0] is not None:  # a DTensor's shard: its placements say where
+            dim, start, size = int(at[0]), at[1], at[2]
+            index = torch.arange(start, start + size)
+            out[name] = ParamShard(index, dim, describe(param))
     return out
 
 
@@ -417,12 +535,15 @@ def _param_shard(where: str, param: torch.Tensor, shard: Any) -> ParamShard:
             f"{where} is given as a {type(shard).__name__}; give Shard(param, index, dim): "
             "the global positions along dim of the reference's parameter that it holds"
         )
-    if tuple(shard.values.shape) != tuple(param.shape):
+    # a DTensor parameter's shape is the global one: its positions are of its local values
+    local = plain(param)
+    if tuple(shard.values.shape) not in (tuple(param.shape), tuple(local.shape)):
         raise ConfigError(
             f"{where}: Shard.values has shape {tuple(shard.values.shape)} but the parameter "
             f"is {tuple(param.shape)}; give the parameter itself, Shard(param, index, dim) "
             "(the harness records the parameter's own values)"
         )
+    param = local
     ndim = param.dim()
     dim = shard.dim + ndim if shard.dim < 0 else shard.dim
     if not 0 <= dim < ndim:
@@ -490,25 +611,67 @@ def load_shards(
     params = {_strip(n): p for n, p in model.named_parameters()}
     with torch.no_grad():
         for name, shard in shards.items():
+            _load_shard(where, name, params[name], shard, reference_init.get(name))
+    return sorted(shards)
+
+
+def load_init(
+    case: SpatialCase,
+    model: torch.nn.Module,
+    topo: Topology,
+    shards: dict[str, ParamShard],
+    reference_init: dict[str, torch.Tensor],
+) -> list[str]:
+    """Copy the reference's initial values into every parameter, whole or sharded (the
+    case's ``load_reference_init``); the names loaded."""
+    where = f"{case.label}.load_reference_init {_whose(topo)}"
+    params = {_strip(n): p for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, param in params.items():
             ref = reference_init.get(name)
-            param = params[name]
-            expected = list(param.shape)
-            if ref is not None and ref.dim() == param.dim():
-                expected[shard.dim] = int(ref.shape[shard.dim])
-            fits = (
-                ref is not None
-                and list(ref.shape) == expected
-                and (not shard.index.numel() or int(shard.index.max()) < ref.shape[shard.dim])
-            )
-            if not fits:
+            if name in shards:
+                _load_shard(where, name, param, shards[name], ref)
+                continue
+            local = plain(param)
+            if is_distributed(param) and block(param) is None:
+                raise ConfigError(
+                    f"{where}: parameter {name!r} is a {describe(param)} whose placements do "
+                    "not say which of the reference's values this rank holds; name its "
+                    "positions in parameter_shards, or load it in build"
+                )
+            if ref is None or tuple(ref.shape) != tuple(local.shape):
                 what = "no such parameter" if ref is None else f"shape {tuple(ref.shape)}"
                 raise ConfigError(
-                    f"{where}: the shard of {name!r} ({shard.text()}, "
-                    f"shape {tuple(param.shape)}) does not fit the reference's parameter "
-                    f"({what}); its other dims must match and its positions lie inside"
+                    f"{where}: parameter {name!r} (shape {tuple(local.shape)}) does not fit the "
+                    f"reference's ({what}); a parameter this rank holds only part of must be "
+                    "named in parameter_shards"
                 )
-            param.copy_(ref.index_select(shard.dim, shard.index))  # type: ignore[union-attr]
-    return sorted(shards)
+            local.copy_(ref)
+    return sorted(params)
+
+
+def _load_shard(
+    where: str, name: str, param: torch.Tensor, shard: ParamShard, ref: torch.Tensor | None
+) -> None:
+    """The reference's values at ``shard``'s positions, copied into ``param``'s (local)
+    values; a shard that does not fit them is one error naming it."""
+    local = plain(param)  # a DTensor's local values: copied into in place
+    expected = list(local.shape)
+    if ref is not None and ref.dim() == local.dim():
+        expected[shard.dim] = int(ref.shape[shard.dim])
+    fits = (
+        ref is not None
+        and list(ref.shape) == expected
+        and (not shard.index.numel() or int(shard.index.max()) < ref.shape[shard.dim])
+    )
+    if not fits:
+        what = "no such parameter" if ref is None else f"shape {tuple(ref.shape)}"
+        raise ConfigError(
+            f"{where}: the shard of {name!r} ({shard.text()}, "
+            f"shape {tuple(local.shape)}) does not fit the reference's parameter "
+            f"({what}); its other dims must match and its positions lie inside"
+        )
+    local.copy_(ref.index_select(shard.dim, shard.index))  # type: ignore[union-attr]
 
 
 def _check_batch(case: SpatialCase, batch: Any, step: int) -> Any:
@@ -608,17 +771,24 @@ def run_case(
         _note_buffers(case, model)
         params = dict(model.named_parameters())
         shards = parameter_shards(case, model, topo)
-        loaded = (
-            [] if reference_init is None else load_shards(case, model, topo, shards, reference_init)
-        )
-        record = RunRecord(init={_strip(n): detached(p) for n, p in params.items()})
+        if not topo.is_reference:
+            check_partition(case, topo)
+        loaded = _load_reference(case, model, topo, shards, reference_init)
+        record = RunRecord(init=_param_values(params, shards))
         record.param_shards, record.loaded_shards = shards, loaded
         outputs = OutputDtypes(model)  # evidence for precision hints: what came out of modules
+        answers = None if topo.is_reference else ActivationCheck(case, model, topo)
         try:
             for step in range(steps):
-                record.steps.append(_train_step(case, model, topo, step, lr, seed, enter, mutation))
+                record.steps.append(
+                    _train_step(case, model, topo, step, lr, seed, enter, mutation, shards)
+                )
+                if answers is not None:  # the first step's answers are the evidence
+                    answers.close()
         finally:
             outputs.close()
+            if answers is not None:
+                answers.close()
         # a collective's sighting names the line that issued it: it wins over a module's
         record.dtypes = {**outputs.seen(), **collective_dtypes(torch.get_default_dtype())}
         enter("teardown")
@@ -646,8 +816,10 @@ def _train_step(
     seed: int,
     enter: Callable[[str, int], None],
     mutation: dict[str, str] | None = None,
+    shards: dict[str, ParamShard] | None = None,
 ) -> StepRecord:
     """One step: batch, forward, backward, plain SGD; what it recorded."""
+    shards = shards or {}
     mutation = mutation or {}
     params = dict(model.named_parameters())
     enter(f"step {step} batch", step)
@@ -655,7 +827,7 @@ def _train_step(
     _seed(_step_seed(seed, step) + per_rank)
     batch = _check_batch(case, case.batch(topo, step), step)
     model.zero_grad(set_to_none=True)
-    buffers = {n: (b, b._version, detached(b)) for n, b in model.named_buffers()}
+    buffers = {n: (b, b._version, detached(plain(b))) for n, b in model.named_buffers()}
     enter(f"step {step} forward", step)
     if mutation.get("build") == "buffers-broadcast":
         _broadcast_buffers(model, topo)
@@ -666,7 +838,7 @@ def _train_step(
         enter(f"step {step} backward", step)
         loss.backward()
     grads = {
-        _strip(n): (None if p.grad is None else detached(p.grad))
+        _strip(n): (None if p.grad is None else _value(p.grad, shards.get(_strip(n))))
         for n, p in params.items()
         if p.requires_grad
     }
@@ -678,15 +850,49 @@ def _train_step(
     mutated = sorted(
         _strip(n)
         for n, (b, version, before) in buffers.items()
-        if b._version != version or not torch.equal(b.detach().cpu(), before)
+        if b._version != version or not torch.equal(plain(b).detach().cpu(), before)
     )
     return StepRecord(
-        loss=detached(loss),
+        loss=_value(loss),
         grads=grads,
         fields=fields,
-        params={_strip(n): detached(p) for n, p in params.items()},
+        params=_param_values(params, shards),
         mutated_buffers=mutated,
     )
+
+
+def _value(t: torch.Tensor, shard: ParamShard | None = None) -> torch.Tensor:
+    """What a run records of ``t``: plain CPU values that share nothing with the model, a
+    DTensor's as its placements place them (``harness._values``). A sharded parameter's
+    value that comes whole (a gradient gathered from ``Partial`` sums, a replicated one) is
+    cut to the shard's positions, as its parameter is recorded."""
+    at = placed(t)
+    values = at.values
+    if shard is not None and at.dim is None and is_distributed(t) and values.dim() > shard.dim:
+        values = values.index_select(shard.dim, shard.index.to(values.device))
+    return detached(values)
+
+
+def _param_values(
+    params: dict[str, torch.nn.Parameter], shards: dict[str, ParamShard]
+) -> dict[str, torch.Tensor]:
+    return {_strip(n): _value(p, shards.get(_strip(n))) for n, p in params.items()}
+
+
+def _load_reference(
+    case: SpatialCase,
+    model: torch.nn.Module,
+    topo: Topology,
+    shards: dict[str, ParamShard],
+    reference_init: dict[str, torch.Tensor] | None,
+) -> list[str]:
+    """On a rank given the reference's initial values: load them (every parameter with
+    ``load_reference_init``, the shards with ``load_reference_shards``); the names loaded."""
+    if reference_init is None:
+        return []
+    if case.load_reference_init:
+        return load_init(case, model, topo, shards, reference_init)
+    return load_shards(case, model, topo, shards, reference_init)
 
 
 def _case_mutation(case: SpatialCase) -> dict[str, str]:

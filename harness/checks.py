@@ -9,12 +9,15 @@ so every rule can be tested on hand-made records.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from harness._values import plain
 from harness.compare import (
     NUMERIC,
     Difference,
@@ -27,6 +30,7 @@ from harness.compare import (
     nonfinite_counts,
     nonfinite_text,
 )
+from harness.errors import exception_summary
 from harness.hints import (
     boundary_hint,
     float32_evidence,
@@ -38,6 +42,8 @@ from harness.hints import (
 from harness.partition import ownership
 from harness.records import FieldRecord, ParamShard, RunRecord, StepRecord
 from harness.report import FieldError
+
+T = TypeVar("T")
 
 SHARD_HINT = (
     "return this rank's part of a field as a Shard: Shard.grid(values, rows, cols, nlat, "
@@ -72,6 +78,8 @@ class Comparison:
     )
     field_errors: list[FieldError] = field(default_factory=list)
     likely: str = ""  # the one line most likely to name the bug (hints.likely_cause)
+    #: what a hint could not do (``Not located: ... (TypeError: ...)``): the finding stands
+    diagnoses: list[str] = field(default_factory=list)
 
 
 class Judge:
@@ -88,8 +96,10 @@ class Judge:
         layout: Layout,
         stats: dict[str, QuantityStats],
         float32_seen: str = "",
+        diagnoses: list[str] | None = None,
     ):
         self.tolerance, self.layout, self.stats = tolerance, layout, stats
+        self.diagnoses = diagnoses if diagnoses is not None else []
         #: where a float32 value was seen on the path (``hints.float32_evidence``): without
         #: it, errors of float32's size are no evidence of float32 rounding
         self.float32_seen = float32_seen
@@ -119,15 +129,57 @@ class Judge:
             loc = index_text(expected.shape, d.worst)
         hint = ""
         bound = self.tolerance.bound(quantity)
+        what = f"a hint for {quantity} '{name}'"
         if quantity in ("grad", "loss"):
-            hint = scale_hint(actual, expected, self.layout.spatial_size, bound.rtol)
+            hint = self.diagnose(
+                what, "", scale_hint, actual, expected, self.layout.spatial_size, bound.rtol
+            )
         # not a parameter after a step: its error is the gradient's scaled by lr and diluted
         # by the parameter's size, small for any bug; the gradient speaks for it
         if not hint and not d.problem and quantity != "param":
-            hint = precision_hint(actual, expected, bound.atol, self.float32_seen)
+            hint = self.diagnose(
+                what, "", precision_hint, actual, expected, bound.atol, self.float32_seen
+            )
         return Mismatch(
             quantity, name, step, rank, d.max_abs, d.max_rel, loc, d.count, d.total, hint=hint
         )
+
+    def diagnose(self, what: str, default: T, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, a diagnosis: should it raise, ``default``, and a ``Not located``
+        line saying what could not be said: a hint never takes a finding down."""
+        return diagnose(self.diagnoses, what, default, fn, *args)
+
+
+def diagnose(lines: list[str], what: str, default: T, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, or ``default`` with a ``Not located: <what> (<ExcType>: msg)`` line in
+    ``lines`` when it raises."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - any failure of a diagnosis is said, not raised
+        lines.append(f"Not located: {what} ({exception_summary(exc)})")
+        return default
+
+
+def plain_record(record: RunRecord) -> RunRecord:
+    """``record`` with every tensor a plain one (``harness._values.plain``): the ranks
+    record plain values already; a record made by hand or by an older rank may not."""
+
+    def values(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: plain(v) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
+
+    steps = [
+        dataclasses.replace(
+            st,
+            loss=plain(st.loss),
+            grads=values(st.grads),
+            params=values(st.params),
+            fields={
+                n: dataclasses.replace(f, values=plain(f.values)) for n, f in st.fields.items()
+            },
+        )
+        for st in record.steps
+    ]
+    return dataclasses.replace(record, init=values(record.init), steps=steps)
 
 
 def compare_runs(
@@ -139,9 +191,11 @@ def compare_runs(
     allow_nonfinite: bool = False,
 ) -> Comparison:
     """Judge every rank's record against the reference's, quantity by quantity."""
+    reference, records = plain_record(reference), [plain_record(r) for r in records]
     layout = Layout(len(records), spatial_size or records[0].spatial_size)
     out = Comparison()
-    judge = Judge(tolerance, layout, out.stats, float32_evidence(reference, records))
+    seen = diagnose(out.diagnoses, "the float32 evidence", "", float32_evidence, reference, records)
+    judge = Judge(tolerance, layout, out.stats, seen, out.diagnoses)
     m = out.mismatches
     if not allow_nonfinite:
         m += check_nonfinite_init(reference, records)
@@ -162,7 +216,7 @@ def compare_runs(
         m += check_params(judge, step, ref_step, steps, sharded=shards.names)
         m += check_sharded_params(judge, step, ref_step, steps, shards)
         m += check_buffers(step, ref_step, steps)
-    out.likely = likely_cause(out.mismatches)
+    out.likely = diagnose(out.diagnoses, "the likely cause", "", likely_cause, out.mismatches)
     return out
 
 
@@ -658,7 +712,16 @@ def _compare_assembled(
     err = (out - ref).abs().to(torch.float64).movedim(dim, -1).reshape(-1, size).amax(0)
     mag = ref.abs().to(torch.float64).movedim(dim, -1).reshape(-1, size).amax(0)
     bound = judge.tolerance.field
-    where_hint = boundary_hint(err, owners, bound.atol + bound.rtol * mag, job.grid, job.unit)
+    where_hint = judge.diagnose(
+        f"a boundary hint for field '{job.name}'",
+        "",
+        boundary_hint,
+        err,
+        owners,
+        bound.atol + bound.rtol * mag,
+        job.grid,
+        job.unit,
+    )
     if where_hint:
         m.hint = where_hint
     group = first // judge.layout.spatial_size

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from harness._values import plain
+
 
 class Quantity(str, Enum):
     """What a ``Mismatch`` is about. A ``str`` enum: ``Quantity.GRAD == "grad"``, and both
@@ -240,8 +242,10 @@ def compare_tensors(
 
     Floating and complex tensors use the bound; integer and bool tensors must be equal. A
     NaN or inf on either side fails the position unless ``allow_nonfinite`` (then both sides
-    must hold the same non-finite value there).
+    must hold the same non-finite value there). A DTensor or other subclass is compared by
+    the values it holds (``harness._values.plain``).
     """
+    actual, expected = plain(actual), plain(expected)
     if actual.dtype != expected.dtype:
         return _unlike(expected, f"dtype {actual.dtype} where the reference has {expected.dtype}")
     if actual.shape != expected.shape:
@@ -304,7 +308,7 @@ def _compare_exact(a: torch.Tensor, e: torch.Tensor) -> Difference:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().reshape(-1)
+    t = plain(t).detach().reshape(-1)
     if t.is_complex():
         return t.to(torch.complex128)
     return t.to(torch.float64) if t.is_floating_point() else t
@@ -346,6 +350,7 @@ def nonfinite_text(nan: int, inf: int) -> str:
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bits: NaN equals the same NaN, ``-0.0`` differs from ``0.0``."""
+    a, b = plain(a), plain(b)
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return bool(torch.equal(_bits(a), _bits(b)))
@@ -353,13 +358,14 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def bits_differ(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many elements of two same-shaped tensors differ in their bits."""
+    a, b = plain(a), plain(b)
     x = _bits(a).reshape(a.numel(), a.element_size())  # a row of bytes per element
     y = _bits(b).reshape(b.numel(), b.element_size())
     return int((x != y).any(dim=1).sum())
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return plain(t).detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 @dataclass

@@ -10,6 +10,7 @@ The contract itself (``SpatialCase``, ``Outputs``, ``Shard``) and ``run_case`` l
 from __future__ import annotations
 
 import time
+import traceback
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,13 +24,14 @@ from harness.case import (
     Watch,
     _rank_entry,
     data_share,
+    load_init,
     load_shards,
     parameter_shards,
     run_case,
 )
 from harness.checks import compare_runs
 from harness.compare import FAILURES, Mismatch, Tolerance
-from harness.errors import ConfigError, RankFailure
+from harness.errors import ConfigError, RankFailure, exception_summary
 from harness.hints import culprit_hint
 from harness.records import RunRecord
 from harness.report import EquivalenceReport
@@ -49,6 +51,7 @@ __all__ = [
     "check_equivalence",
     "data_share",
     "failure_mismatches",
+    "load_init",
     "load_shards",
     "parameter_shards",
     "run_case",
@@ -108,7 +111,10 @@ def check_equivalence(
     if pool.world_size != ranks:
         raise ConfigError(f"pool has {pool.world_size} ranks but ranks={ranks} was asked for")
 
-    reference = run_case(case, Topology.single(), steps, lr, seed)
+    try:
+        reference = run_case(case, Topology.single(), steps, lr, seed)
+    except Exception as exc:  # noqa: BLE001 - the reference's failure is the check's verdict
+        return _reference_failed(case, exc, ranks, s, steps, tolerance, t0)
     dtype = reference.steps[0].loss.dtype
     tol = tolerance or case.tolerance or Tolerance.for_dtype(dtype)
     report = EquivalenceReport(
@@ -123,7 +129,8 @@ def check_equivalence(
         latitudes=None if case.latitudes is None else [float(v) for v in case.latitudes],
     )
     # the reference ran first: its initial values can travel to ranks that load them
-    init = reference.init if case.load_reference_shards else None
+    loads = case.load_reference_shards or case.load_reference_init
+    init = reference.init if loads else None
     try:
         records = pool.run(_rank_entry, case, spatial_size, steps, lr, seed, init, timeout=timeout)
     except RankFailure as failure:
@@ -132,7 +139,7 @@ def check_equivalence(
         report.partition = _layout(case.describe(None), s, ranks // s)
     else:
         report.partition = _layout(records[0].describe, s, ranks // s)
-        report.notes += _loaded_note(records)
+        report.notes += _loaded_note(records, case.load_reference_init)
         found = compare_runs(reference, records, tol, spatial_size=s, allow_nonfinite=allow)
         report.mismatches, report.stats = found.mismatches, found.stats
         if not case.vacuous_ok:
@@ -140,29 +147,112 @@ def check_equivalence(
         report.field_errors, report.likely = found.field_errors, found.likely
     report.seconds = time.perf_counter() - t0
     if _should_locate(locate, report, pool):
-        from harness.locate import locate as locate_run
-
         steps_failed = [m.step for m in report.mismatches if m.step is not None]
-        report.location = locate_run(
-            case,
-            pool,
-            spatial_size=spatial_size,
-            step=min(steps_failed, default=0),
-            lr=lr,
-            seed=seed,
-            timeout=timeout,
-            reference_init=init,
-        )
-        report.first_divergence = report.location.first
+        try:
+            _locate(
+                case,
+                pool,
+                report,
+                spatial_size,
+                min(steps_failed, default=0),
+                lr,
+                seed,
+                timeout,
+                init,
+            )
+        except Exception as exc:  # noqa: BLE001 - a diagnosis never takes the verdict down
+            report.location = None
+            report.first_divergence = None
+            report.diagnoses.append(
+                f"Not located: the first divergence at step {min(steps_failed, default=0)} "
+                f"({exception_summary(exc)})"
+            )
     return report
 
 
-def _loaded_note(records: list[RunRecord]) -> list[str]:
-    """The report's line for shards that started from the reference's values."""
+def _locate(
+    case: SpatialCase,
+    pool: Runner,
+    report: EquivalenceReport,
+    spatial_size: int | None,
+    step: int,
+    lr: float,
+    seed: int,
+    timeout: float | None,
+    init: dict[str, torch.Tensor] | None,
+) -> None:
+    """Locate the first divergence into ``report`` (``harness.locate``)."""
+    from harness.locate import locate as locate_run
+
+    report.location = locate_run(
+        case,
+        pool,
+        spatial_size=spatial_size,
+        step=step,
+        lr=lr,
+        seed=seed,
+        timeout=timeout,
+        reference_init=init,
+    )
+    report.first_divergence = report.location.first
+    report.location.lines()  # rendered now: a line it cannot write is said here, not in str()
+
+
+def _reference_failed(
+    case: SpatialCase,
+    exc: Exception,
+    ranks: int,
+    spatial_size: int,
+    steps: int,
+    tolerance: Tolerance | None,
+    t0: float,
+) -> EquivalenceReport:
+    """The report of a check whose reference raised: one ``error`` of the reference, with
+    its phase and traceback; the ranks are not run (there is nothing to compare them with)."""
+    dtype = case.dtype or torch.get_default_dtype()
+    phase = getattr(exc, "harness_phase", None) or ""
+    step = next((int(w) for w in phase.split()[1:2] if w.isdigit()), None)
+    report = EquivalenceReport(
+        case=case.label,
+        ranks=ranks,
+        spatial_size=spatial_size,
+        partition=_layout(case.describe(None), spatial_size, ranks // spatial_size),
+        steps=steps,
+        dtype=str(dtype).replace("torch.", ""),
+        tolerance=tolerance or case.tolerance or Tolerance.for_dtype(dtype),
+        latitudes=None if case.latitudes is None else [float(v) for v in case.latitudes],
+    )
+    report.mismatches = [
+        Mismatch(
+            "error",
+            case.label,
+            step,
+            None,
+            where=exception_summary(exc),
+            detail="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            run="reference",
+            phase=phase,
+        )
+    ]
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _loaded_note(records: list[RunRecord], every: bool = False) -> list[str]:
+    """The report's line for parameters that started from the reference's values
+    (``every``: the case's ``load_reference_init``, else its ``load_reference_shards``)."""
     loaded = sorted({n for r in records for n in r.loaded_shards})
     if not loaded:
         return []
     names = ", ".join(loaded[:4]) + (f" and {len(loaded) - 4} more" if len(loaded) > 4 else "")
+    if every:
+        sharded = sorted({n for r in records for n in r.param_shards})
+        of = f", {len(sharded)} of them sharded" if sharded else ""
+        return [
+            f"reference initial values loaded: the reference's initial values were copied "
+            f"into every parameter ({len(loaded)}{of}: {names}) before the first step "
+            "(load_reference_init), so initial values are not checked"
+        ]
     return [
         f"reference shards loaded: the reference's initial values were copied into the "
         f"shards of {len(loaded)} parameter(s) ({names}) before the first step "

@@ -55,22 +55,26 @@ class ParamShard:
     ``index`` (a 1-D LongTensor, one global position per local value along ``dim``) and
     ``dim`` (non-negative) come from ``SpatialCase.parameter_shards``; the values themselves
     are the ones recorded under the parameter's name (``RunRecord.init``, ``StepRecord``).
+    ``how``: what placed it there when the case did not say, a DTensor's placements
+    (``"DTensor (Replicate(), Shard(dim=0)) on a 1x2 mesh"``); empty for a declared shard.
     """
 
     index: torch.Tensor
     dim: int
+    how: str = ""
 
     def text(self) -> str:
         """``"positions 8..15 along dim 1"`` (first..last; ``"no positions"`` when empty)."""
+        of = f" of a {self.how}" if self.how else ""
         if not self.index.numel():
-            return f"no positions along dim {self.dim}"
+            return f"no positions along dim {self.dim}{of}"
         lo, hi = int(self.index.min()), int(self.index.max())
         span = (
             f"positions {lo}..{hi}"
             if hi - lo + 1 == self.index.numel()
             else (f"{self.index.numel()} positions in {lo}..{hi}")
         )
-        return f"{span} along dim {self.dim}"
+        return f"{span} along dim {self.dim}{of}"
 
 
 @dataclass

@@ -165,6 +165,9 @@ class EquivalenceReport:
     #: ``None`` when nothing was located, or locating did not run
     first_divergence: Divergence | None = None
     location: Location | None = None  # what locating found (and could not compare)
+    #: what a diagnosis (locating, a hint) could not do, one line each, shown as written
+    #: (``Not located: ... (TypeError: ...)``): it failed, the verdict stands
+    diagnoses: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -224,13 +227,13 @@ class EquivalenceReport:
                 f"{q} {self.worst(q):.1e}" for q in NUMERIC if self.worst(q) is not None
             )
             verdict = head + f"equivalent to the reference (worst relative error: {worst})"
-            located = self.location.lines() if self.location is not None else []
+            located = self._located()
             return "\n".join([verdict, *(f"Note: {n}" for n in self.notes), *located])
         lines = [
             head + f"{len(self.mismatches)} mismatch(es) with the reference",
             *(f"Note: {n}" for n in self.notes),
             f"First: {self.mismatches[0].headline()}",
-            *(self.location.lines() if self.location is not None else []),
+            *self._located(),
             *([f"Likely cause: {self.likely}"] if self.likely else []),
             "",
         ]
@@ -255,6 +258,17 @@ class EquivalenceReport:
                 seen.append(m.quantity)
                 lines.append(f"  {m.quantity}: {REMEDIES[m.quantity]}")
         return "\n".join(lines)
+
+    def _located(self) -> list[str]:
+        """Locating's lines, then what a diagnosis could not do; a location that cannot be
+        written is one line more, never a report that cannot be read."""
+        lines: list[str] = []
+        if self.location is not None:
+            try:
+                lines = self.location.lines()
+            except Exception as exc:  # noqa: BLE001 - a diagnosis never hides the verdict
+                lines = [f"Not located: the first divergence could not be written ({exc!r})"]
+        return lines + list(self.diagnoses)
 
 
 def _tol_text(t: Tolerance) -> str:
