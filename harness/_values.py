@@ -70,9 +70,10 @@ class Placed:
 
     ``dim is None``: the whole value. Otherwise ``values`` is this rank's block of the
     ``size`` global positions from ``start`` along ``dim``, as the placements say (values of
-    another length along ``dim`` are a finding of the comparison, not of this module). ``how`` describes the value's
-    placements for reports (``"DTensor (Replicate(), Shard(dim=0)) on a 1x2 mesh"``), empty
-    for a plain tensor; ``gathered``: the values were gathered whole (``full_tensor()``).
+    another length along ``dim`` are a finding of the comparison, not of this module).
+    ``how`` describes the value's placements for reports (``"DTensor (Replicate(),
+    Shard(dim=0)) on a 1x2 mesh"``), empty for a plain tensor; ``gathered``: the values were
+    gathered whole (``full_tensor()``).
     """
 
     values: torch.Tensor
