@@ -400,27 +400,30 @@ def check_partition(case: SpatialCase, topo: Topology) -> None:
     given = case.partition(topo)
     try:
         axes_of(given, topo.spatial_rank)
-    except TypeError as exc:
-        shown = repr(given)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    except TypeError:
         raise ConfigError(
-            f"{case.label}.partition {_whose(topo)} returned {shown}: {exc}"
+            f"{case.label}.partition {_whose(topo)} returned {_shown(given)}; return a "
+            "LatLonPartition, a CellPartition, harness.Positions, a list of them, or None"
         ) from None
 
 
-def check_activation_shard(case: SpatialCase, name: str, said: Any) -> Any:
+def _shown(value: Any) -> str:
+    """``'junk' (a str)``: a value as a message quotes it, cut to a line's share."""
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} (a {type(value).__name__})"
+
+
+def check_activation_shard(case: SpatialCase, name: str, said: Any, whose: str = "") -> Any:
     """One answer of ``case.activation_shard`` for module ``name``: returned as is when it
     is one the harness reads (a ``Shard`` whose index fits its values, ``"whole"``,
-    ``"skip"``, ``None``), else one ``ConfigError`` naming the module and the fix."""
+    ``"skip"``, ``None``), else one ``ConfigError`` naming the module and the fix.
+    ``whose``: `` on rank 2`` (the error's evidence), empty where the caller says it."""
     if said is None or (isinstance(said, str) and said in ("whole", "skip")):
         return said
-    where = f"{case.label}.activation_shard({name!r}, ...)"
+    where = f"{case.label}.activation_shard({name!r}, ...){whose}"
     if not isinstance(said, Shard):
-        shown = repr(said)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise ConfigError(
-            f"{where} returned {shown} (a {type(said).__name__}); return {ACTIVATION_FORM}"
-        )
+        raise ConfigError(f"{where} returned {_shown(said)}; return {ACTIVATION_FORM}")
     if not isinstance(said.values, torch.Tensor):
         raise ConfigError(
             f"{where} returned a Shard whose values are a {type(said.values).__name__}; give "
@@ -462,7 +465,7 @@ class ActivationCheck:
             tensor = next(_tensors_in(output), None)
             if tensor is not None:
                 said = self.case.activation_shard(name, tensor, self.topo)
-                check_activation_shard(self.case, name, said)
+                check_activation_shard(self.case, name, said, f" {_whose(self.topo)}")
 
         return hook
 

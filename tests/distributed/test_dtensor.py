@@ -215,3 +215,161 @@ def test_shardtensor_like_gradients_left_unsummed_are_a_grad_report(spatial, loc
     )
     first = report.mismatches[0]
     assert (first.quantity, first.name, first.step) == ("grad", "weight", 0), str(report)
+
+
+# ---------------------------------------------------------------------- complex values, zeros
+
+
+class ComplexField(SpatialCase):
+    """A complex field whose imaginary part and every other row are exact zeros (spectral
+    coefficients that vanish), rows split over the spatial group (``fault="doubled"``: rank
+    1 returns its rows doubled)."""
+
+    name = "complex-zeros"
+    dtype = torch.float64
+
+    def __init__(self, fault: str | None = None) -> None:
+        self.fault = fault
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        model = torch.nn.Linear(IN, OUT)
+        sync_gradients(model, topo)
+        return model
+
+    def batch(self, topo: Topology, step: int) -> torch.Tensor:
+        x = torch.randn(N, IN)
+        x[::2] = 0.0  # every other row: an exact zero all the way to the field
+        return x[_rows(topo)]
+
+    def forward(self, model: torch.nn.Module, batch: Any, topo: Topology) -> Outputs:
+        y = model(batch) * (batch[:, :1] != 0)
+        z = torch.complex(y, torch.zeros_like(y))
+        if self.fault == "doubled" and topo.spatial_rank == 1:
+            z = 2 * z
+        loss = reduce_loss(z.abs().pow(2).sum(), topo) / (N * OUT)
+        if topo.spatial_group is None:
+            return Outputs(loss, {"z": z})
+        rows = _rows(topo)
+        return Outputs(loss, {"z": Shard(z, torch.arange(rows.start, rows.stop), dim=0)})
+
+    def partition(self, topo: Topology) -> Any:
+        rows = _rows(topo)
+        return Positions(N, range(rows.start, rows.stop))
+
+
+def test_a_complex_field_with_exact_zeros_is_equivalent_and_its_bug_a_field_report(spatial):
+    pool = spatial.pool(RANKS)
+    assert check_equivalence(ComplexField(), ranks=RANKS, pool=pool).ok
+    report = check_equivalence(ComplexField("doubled"), ranks=RANKS, pool=pool, locate=True)
+    m = next(m for m in report.mismatches if m.quantity == "field")
+    assert m.name == "z" and "on rank 1" in m.where, str(report)
+    assert "z" in str(report)  # the whole report renders, complex zeros and all
+
+
+# ---------------------------------------------------------------------- the reference raises
+
+
+class BrokenReference(DTensorLinear):
+    """The reference's forward raises at step 1; the ranks would run fine."""
+
+    calls = 0
+
+    def forward(self, model: torch.nn.Module, batch: Any, topo: Topology) -> Outputs:
+        if topo.is_reference:
+            self.calls += 1
+            if self.calls == 2:
+                raise ValueError("the reference's own bug")
+        return super().forward(model, batch, topo)
+
+
+def test_a_reference_that_raises_is_an_error_of_the_reference_with_its_traceback(spatial):
+    report = check_equivalence(BrokenReference(), ranks=RANKS, pool=spatial.pool(RANKS))
+    (m,) = report.mismatches
+    assert (m.quantity, m.run, m.rank, m.step, m.phase) == (
+        "error",
+        "reference",
+        None,
+        1,
+        "step 1 forward",
+    )
+    assert m.where == "ValueError: the reference's own bug"
+    assert "Traceback" in m.detail and "BrokenReference" not in m.where
+    assert "in forward" in m.detail
+    assert str(report).splitlines()[1] == (
+        "First: the reference: error 'dtensor-replicate' in step 1 forward: "
+        "ValueError: the reference's own bug"
+    )
+
+
+# ---------------------------------------------------------------------- locating that raises
+
+
+def test_a_locating_that_raises_leaves_the_verdict_and_says_so(spatial, monkeypatch):
+    import harness.locate
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("aten.sub.Tensor got mixed torch.Tensor and DTensor")
+
+    monkeypatch.setattr(harness.locate, "locate", broken)
+    case = DTensorLinear("replicate", fault="no-grad-sync")
+    report = check_equivalence(case, ranks=RANKS, pool=spatial.pool(RANKS), locate=True)
+    assert report.mismatches[0].quantity == "grad"
+    assert report.location is None and report.first_divergence is None
+    line = (
+        "Not located: the first divergence at step 0 (RuntimeError: aten.sub.Tensor got mixed "
+        "torch.Tensor and DTensor)"
+    )
+    assert report.diagnoses == [line]
+    assert str(report).splitlines()[2] == line  # under the first mismatch, where locating's go
+
+
+# ---------------------------------------------------------------------- declarations
+
+
+class JunkPartition(DTensorLinear):
+    def __init__(self, junk: Any) -> None:
+        super().__init__("replicate")
+        self.junk = junk
+
+    def partition(self, topo: Topology) -> Any:
+        return self.junk
+
+
+class JunkActivation(ComplexField):
+    """Its modules are called (``model(batch)``), so locating would ask about them."""
+
+    def activation_shard(self, name: str, tensor: torch.Tensor, topo: Topology) -> Any:
+        return 7
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        (
+            JunkPartition("junk"),
+            "ConfigError: dtensor-replicate.partition on rank {r} returned 'junk' (a str); "
+            "return a LatLonPartition, a CellPartition, harness.Positions, a list of them, "
+            "or None",
+        ),
+        (
+            JunkPartition(42),
+            "ConfigError: dtensor-replicate.partition on rank {r} returned 42 (a int); "
+            "return a LatLonPartition, a CellPartition, harness.Positions, a list of them, "
+            "or None",
+        ),
+        (
+            JunkActivation(),
+            "ConfigError: complex-zeros.activation_shard('', ...) on rank {r} returned 7 "
+            '(a int); return a Shard, "whole", "skip" or None (infer it from partition)',
+        ),
+    ],
+    ids=["str", "int", "activation-int"],
+)
+@pytest.mark.parametrize("locate", [True, False], ids=["located", "not-located"])
+def test_a_declaration_locating_cannot_read_fails_the_check_as_one_config_error(
+    spatial, case, says, locate
+):
+    report = check_equivalence(case, ranks=RANKS, pool=spatial.pool(RANKS), locate=locate)
+    errors = sorted((m for m in report.mismatches if m.quantity == "error"), key=lambda m: m.rank)
+    assert [m.rank for m in errors] == [0, 1] and report.quantities == {"error"}, str(report)
+    assert [m.where for m in errors] == [says.format(r=r) for r in (0, 1)]
