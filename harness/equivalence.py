@@ -145,6 +145,7 @@ def check_equivalence(
         if not case.vacuous_ok:
             report.mismatches[:0] = check_vacuous(case.label, reference, records, s)
         report.field_errors, report.likely = found.field_errors, found.likely
+        report.diagnoses += found.diagnoses
     report.seconds = time.perf_counter() - t0
     if _should_locate(locate, report, pool):
         steps_failed = [m.step for m in report.mismatches if m.step is not None]
