@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
 
+from harness import ConfigError, Positions, Shard, SpatialCase, Topology
+from harness.case import check_activation_shard, check_partition
 from harness.checks import (
     BATCH_HINT,
     SHARD_HINT,
@@ -28,6 +31,7 @@ from harness.checks import (
 )
 from harness.compare import NUMERIC, Mismatch, QuantityStats, Tolerance
 from harness.records import FieldRecord, RunRecord, StepRecord
+from harness.vacuous import check_vacuous
 
 F64 = torch.float64
 TOL = Tolerance.for_dtype(F64)
@@ -1438,3 +1442,115 @@ def test_a_nonfinite_value_in_a_slice_shard_is_named_by_its_global_position():
         check_nonfinite_step(0, step(), [st]),
         Mismatch("nonfinite", "y", 0, 0, where="[0] cell 3 (1 NaN)", count=1, total=2, of="field"),
     )
+
+
+# ---------------------------------------------------------------- values of any tensor type
+
+
+def test_records_holding_dtensor_like_values_are_compared_by_the_values_they_hold():
+    from torch.distributed.tensor import Shard as DShard
+
+    from tests.unit.test_compare import Distributed, Mesh
+
+    whole = torch.tensor([[0.0, 1.0, 2.0, 3.0]], dtype=F64)
+
+    def held(rank):  # a field whose .shape is the global (1, 4), its values the rank's half
+        local = whole[:, 2 * rank : 2 * rank + 2]
+        value = Distributed(whole, local, [DShard(1)], Mesh((2,), (rank,)))
+        return FieldRecord(value, torch.tensor([2 * rank, 2 * rank + 1]), -1)
+
+    ref = run(step(fields={"y": field(whole)}))
+    ranks = [run(step(fields={"y": held(r)})) for r in (0, 1)]
+    found = compare_runs(ref, ranks, TOL, spatial_size=2)
+    assert found.mismatches == [] and found.diagnoses == []
+
+
+def test_a_hint_that_raises_is_a_not_located_line_and_the_finding_stands(monkeypatch):
+    import harness.checks
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(harness.checks, "scale_hint", broken)
+    monkeypatch.setattr(harness.checks, "likely_cause", broken)
+    bad = run(step(grad=torch.tensor([1.0, 3.0], dtype=F64)))
+    found = compare_runs(run(), [run(), bad], TOL, spatial_size=2)
+    assert quantities(found.mismatches) == [("grad", 1)]
+    assert found.mismatches[0].where == "(1,)" and found.likely == ""
+    assert found.diagnoses == [
+        "Not located: a hint for grad 'w' (RuntimeError: boom)",
+        "Not located: the likely cause (RuntimeError: boom)",
+    ]
+
+
+def test_a_keyed_shard_with_duplicated_keys_does_not_hold_the_whole_field():
+    # 2 ranks each hold 4 items of a 4-item field, but rank 1 holds item 0 twice and item 3
+    # not at all: it does not hold the whole field, so the check is not vacuous
+    keys = torch.arange(4)[:, None]
+    values = torch.arange(4, dtype=F64)[:, None]
+    ref = RunRecord(init={}, steps=[step(fields={"y": FieldRecord(values, None, 0, keys=keys)})])
+    doubled = torch.tensor([[0], [1], [2], [0]])
+    whole = [
+        RunRecord(init={}, steps=[step(fields={"y": FieldRecord(values, None, 0, keys=k)})])
+        for k in (keys, keys)
+    ]
+    assert check_vacuous("case", ref, whole, 2) != []  # both hold all four: vacuous
+    held = [
+        RunRecord(init={}, steps=[step(fields={"y": FieldRecord(values, None, 0, keys=k)})])
+        for k in (keys, doubled)
+    ]
+    assert check_vacuous("case", ref, held, 2) == []
+
+
+# ---------------------------------------------------------------- declarations up front
+
+
+class Declares(SpatialCase):
+    """Answers partition and activation_shard with what it is given."""
+
+    def __init__(self, partition=None, said=None):
+        self.given, self.said = partition, said
+
+    def partition(self, topo):
+        return self.given
+
+
+@pytest.mark.parametrize(
+    ("given", "shown"),
+    [
+        ("junk", "'junk' (a str)"),
+        (42, "42 (a int)"),
+        (
+            [Positions(4, range(2)), 3.5],
+            "[Positions(size=4, index=range(0, 2), unit='position'), 3.5] (a list)",
+        ),
+    ],
+    ids=["str", "int", "list-with-junk"],
+)
+def test_a_partition_locating_cannot_read_is_one_config_error(given, shown):
+    with pytest.raises(ConfigError) as info:
+        check_partition(Declares(given), Topology.single())
+    assert str(info.value) == (
+        f"Declares.partition for the reference returned {shown}; return a LatLonPartition, "
+        "a CellPartition, harness.Positions, a list of them, or None"
+    )
+    check_partition(Declares(Positions(4, range(2))), Topology.single())  # a good one passes
+    check_partition(Declares(None), Topology.single())
+
+
+@pytest.mark.parametrize(
+    ("said", "says"),
+    [
+        (7, 'returned 7 (a int); return a Shard, "whole", "skip" or None'),
+        ("halo", "returned 'halo' (a str); return a Shard"),
+        (Shard(torch.zeros(3), torch.tensor([0, 1]), 0), "has 2 positions in its index but 3"),
+        (Shard(torch.zeros(2), torch.tensor([0.0, 1.0]), 0), "has a float32 index"),
+        (Shard.keyed(torch.zeros(2, 1), torch.arange(2)), "returned a Shard.keyed"),
+    ],
+    ids=["int", "str", "index-length", "float-index", "keyed"],
+)
+def test_an_activation_shard_answer_locating_cannot_read_is_one_config_error(said, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        check_activation_shard(Declares(), "block", said, " on rank 1")
+    for good in (None, "whole", "skip", Shard(torch.zeros(2), torch.tensor([3, 5]), 0)):
+        assert check_activation_shard(Declares(), "block", good) is good

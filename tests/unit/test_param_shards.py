@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from harness import ConfigError, Outputs, Shard, SpatialCase, Topology
+from harness.case import load_init, parameter_shards
 from harness.checks import (
     PARAM_SHARD_HINT,
     SHARD_INIT_HINT,
@@ -402,3 +403,83 @@ def test_loading_without_shards_or_into_a_shard_that_does_not_fit_is_refused():
             load=True,
             reference_init={"weight": torch.zeros(6, 2, dtype=F64)},
         )
+
+
+# ---------------------------------------------------------------- DTensor parameters
+
+
+def _dtensor_model(placements, span, coordinate=(1,)):
+    """A Linear(2, 4) whose weight (4, 2) is a DTensor-like holding rows ``span``."""
+    from tests.unit.test_compare import Distributed, Mesh
+
+    model = torch.nn.Linear(2, 4).double()
+    whole = model.weight.detach().clone()
+    dim, start, size = span
+    local = whole if dim is None else whole.narrow(dim, start, size).clone()
+    model._parameters["weight"] = Distributed(
+        whole, local, placements, Mesh((2,), coordinate, ("spatial",))
+    )
+    return model, whole
+
+
+def test_a_dtensor_parameter_is_a_shard_its_placements_describe():
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as DShard
+
+    model, _ = _dtensor_model([DShard(0)], (0, 2, 2))
+    shards = parameter_shards(Sharded(), model, SINGLE)
+    assert list(shards) == ["weight"] and shards["weight"].index.tolist() == [2, 3]
+    assert shards["weight"].text() == (
+        "positions 2..3 along dim 0 of a Distributed (Shard(dim=0)) on a 2 mesh ('spatial',)"
+    )
+    replicated, _ = _dtensor_model([Replicate()], (None, 0, 0))
+    assert parameter_shards(Sharded(), replicated, SINGLE) == {}
+
+
+def test_a_declared_shard_of_a_dtensor_parameter_counts_its_local_values():
+    from torch.distributed.tensor import Shard as DShard
+
+    model, _ = _dtensor_model([DShard(0)], (0, 2, 2))
+    # Shard.values given as the parameter: its .shape is the global (4, 2), its values 2 rows
+    case = Sharded(lambda m: {"weight": Shard(m.weight, torch.tensor([3, 2]), 0)})
+    shards = parameter_shards(case, model, SINGLE)
+    assert shards["weight"].index.tolist() == [3, 2] and shards["weight"].how == ""
+    wrong = Sharded(lambda m: {"weight": Shard(m.weight, torch.arange(4), 0)})
+    with pytest.raises(ConfigError, match=r"has 4 positions .* but the parameter has 2 values"):
+        parameter_shards(wrong, model, SINGLE)
+
+
+def test_the_reference_init_is_loaded_into_every_parameter_whole_or_sharded():
+    from torch.distributed.tensor import Shard as DShard
+
+    model, _ = _dtensor_model([DShard(0)], (0, 2, 2))
+    ref = {
+        "weight": torch.arange(8, dtype=F64).reshape(4, 2),
+        "bias": torch.tensor([9.0, 8.0, 7.0, 6.0], dtype=F64),
+    }
+    case = Sharded()
+    shards = parameter_shards(case, model, SINGLE)
+    assert load_init(case, model, SINGLE, shards, ref) == ["bias", "weight"]
+    assert torch.equal(model.weight.to_local(), ref["weight"][2:4])  # its own rows, in place
+    assert torch.equal(model.bias.detach(), ref["bias"])
+
+
+def test_loading_the_reference_init_into_a_parameter_of_another_shape_is_refused():
+    model = torch.nn.Linear(2, 3).double()
+    with pytest.raises(ConfigError) as info:
+        load_init(Sharded(), model, SINGLE, {}, {"weight": torch.zeros(6, 2), "bias": None})
+    assert str(info.value) == (
+        "Sharded.load_reference_init for the reference: parameter 'weight' (shape (3, 2)) does "
+        "not fit the reference's (shape (6, 2)); a parameter this rank holds only part of must "
+        "be named in parameter_shards"
+    )
+
+
+def test_run_case_loads_the_reference_init_before_recording_it():
+    case = Sharded(lambda m: {"weight": Shard(m.weight, slice(3, 6), 0)})
+    case.load_reference_init = True
+    full = torch.arange(12, dtype=F64).reshape(6, 2)
+    bias = torch.arange(3, dtype=F64)
+    rec = run_case(case, SINGLE, 1, 0.1, 0, reference_init={"weight": full, "bias": bias})
+    assert torch.equal(rec.init["weight"], full[3:6]) and torch.equal(rec.init["bias"], bias)
+    assert rec.loaded_shards == ["bias", "weight"]
