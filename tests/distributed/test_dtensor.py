@@ -373,3 +373,90 @@ def test_a_declaration_locating_cannot_read_fails_the_check_as_one_config_error(
     errors = sorted((m for m in report.mismatches if m.quantity == "error"), key=lambda m: m.rank)
     assert [m.rank for m in errors] == [0, 1] and report.quantities == {"error"}, str(report)
     assert [m.where for m in errors] == [says.format(r=r) for r in (0, 1)]
+
+
+# ---------------------------------------------------------------------- sharded as built
+
+
+class DrawnAtShardShape(SpatialCase):
+    """A per-position ``scale`` sharded with the positions, drawn at the shard's shape on
+    the ranks (as makani draws its spectral weights at h = 2), then a replicated ``lin``.
+
+    The ranks consume fewer random numbers than the reference before ``lin`` is drawn, so
+    ``lin`` differs from the reference's too: no seed makes them equal. ``declared``: the
+    shard is named in ``parameter_shards``; ``dtensor``: it is a DTensor ``Shard(0)`` of the
+    spatial mesh, which says where it sits itself.
+    """
+
+    dtype = torch.float64
+
+    def __init__(self, kind: str, **flags: bool) -> None:
+        self.kind = kind
+        self.name = f"drawn-at-shard-shape-{kind}"
+        for key, value in flags.items():
+            setattr(self, key, value)
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import Shard as DShard
+
+        model = torch.nn.Module()
+        rows = _rows(topo)
+        scale = torch.randn(rows.stop - rows.start)  # the shard's shape: fewer draws
+        mesh = device_mesh(topo)
+        if self.kind == "dtensor" and mesh is not None:
+            scale = DTensor.from_local(scale, mesh["spatial"], [DShard(0)])
+        model.scale = torch.nn.Parameter(scale)
+        model.lin = torch.nn.Linear(IN, OUT)
+        sync_gradients(model.lin, topo)
+        return model
+
+    def batch(self, topo: Topology, step: int) -> torch.Tensor:
+        return torch.randn(N, IN)[_rows(topo)]
+
+    def forward(self, model: torch.nn.Module, batch: Any, topo: Topology) -> Outputs:
+        scale = model.scale
+        if hasattr(scale, "to_local"):
+            scale = scale.to_local()
+        y = model.lin(batch) * scale[:, None]
+        loss = reduce_loss(y.pow(2).sum(), topo) / (N * OUT)
+        rows = _rows(topo)
+        if topo.spatial_group is None:
+            return Outputs(loss, {"y": y})
+        return Outputs(loss, {"y": Shard(y, torch.arange(rows.start, rows.stop), dim=0)})
+
+    def parameter_shards(self, model: torch.nn.Module, topo: Topology) -> dict[str, Shard]:
+        if self.kind != "declared":
+            return {}
+        rows = _rows(topo)
+        return {"scale": Shard(model.scale, torch.arange(rows.start, rows.stop), dim=0)}
+
+
+@pytest.mark.parametrize("kind", ["declared", "dtensor"])
+def test_a_shard_drawn_at_its_own_shape_passes_once_the_reference_init_is_loaded(spatial, kind):
+    pool = spatial.pool(RANKS)
+    # as built: the replicated lin differs on every rank, and rank 1's shard of scale
+    report = check_equivalence(DrawnAtShardShape(kind), ranks=RANKS, pool=pool, locate=False)
+    init = sorted((m.name, m.rank) for m in report.mismatches if m.step is None)
+    assert init == [
+        ("lin.bias", 0),
+        ("lin.bias", 1),
+        ("lin.weight", 0),
+        ("lin.weight", 1),
+        ("scale", 1),
+    ], str(report)
+    # loading the shards alone leaves lin drawn after them wrong (makani at h = 2)
+    if kind == "declared":
+        shards_only = DrawnAtShardShape(kind, load_reference_shards=True)
+        report = check_equivalence(shards_only, ranks=RANKS, pool=pool, locate=False)
+        init = sorted({m.name for m in report.mismatches if m.step is None})
+        assert init == ["lin.bias", "lin.weight"], str(report)
+    loaded = DrawnAtShardShape(kind, load_reference_init=True)
+    report = check_equivalence(loaded, ranks=RANKS, pool=pool)
+    assert report.ok, str(report)
+    assert report.notes == [
+        "reference initial values loaded: the reference's initial values were copied into "
+        "every parameter (3, 1 of them sharded: lin.bias, lin.weight, scale) before the "
+        "first step (load_reference_init), so initial values are not checked"
+    ]
+    assert f"\nNote: {report.notes[0]}" in str(report)

@@ -908,8 +908,17 @@ def test_a_replicated_dtensor_is_its_local_values_whole_with_no_gather():
         ("S0S0", (2, 2), (1, 1), (0, 4, 1)),
         ("S1", (3,), (1,), (1, 2, 2)),  # 4 columns over 3: chunks of 2, the third empty
         ("S1", (3,), (2,), (1, 4, 0)),
+        ("S0", (4,), (3,), (0, 5, 0)),  # 5 rows over 4: chunks of 2 end at rank 2's one row
     ],
-    ids=["first", "uneven-last", "nested", "nested-last", "columns", "columns-empty"],
+    ids=[
+        "first",
+        "uneven-last",
+        "nested",
+        "nested-last",
+        "columns",
+        "columns-empty",
+        "past-the-end",
+    ],
 )
 def test_a_dtensor_shard_is_the_block_torch_chunk_gives_its_coordinate(
     placements, shape, coordinate, span
