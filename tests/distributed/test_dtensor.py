@@ -38,6 +38,8 @@ class DTensorLinear(SpatialCase):
     ``layout="shard"``: every rank sees every position and holds the output features
     ``Shard(0)`` gives it (2 + 1), returning ``y`` as a DTensor ``Shard(1)`` of the field
     (``fault="wrong-placement"``: the field declared ``Shard(0)``, along the positions).
+    ``layout="two-dims"``: as ``"replicate"``, the weight sharded along both its dims (no
+    rank holds a block of one dim: it is recorded gathered), redistributed whole to use.
     """
 
     dtype = torch.float64
@@ -53,18 +55,23 @@ class DTensorLinear(SpatialCase):
         mesh = device_mesh(topo)
         if mesh is None:
             return model  # the reference: plain parameters
-        placements = [Replicate(), Shard(0) if self.layout == "shard" else Replicate()]
+        weight = {
+            "replicate": [Replicate(), Replicate()],
+            "shard": [Replicate(), Shard(0)],
+            "two-dims": [Shard(1), Shard(0)],  # its rows and its columns (a 1 x 2 mesh)
+        }[self.layout]
+        bias = [Replicate(), Shard(0) if self.layout == "shard" else Replicate()]
 
         def partition(name: str, module: torch.nn.Module, mesh: Any) -> None:
             for key, p in list(module.named_parameters(recurse=False)):
-                value = distribute_tensor(p.detach(), mesh, placements)
+                value = distribute_tensor(p.detach(), mesh, weight if key == "weight" else bias)
                 module.register_parameter(key, torch.nn.Parameter(value))
 
         return distribute_module(model, mesh, partition)
 
     def batch(self, topo: Topology, step: int) -> torch.Tensor:
         x = torch.randn(N, IN)
-        return x[_rows(topo)] if self.layout == "replicate" else x
+        return x[_rows(topo)] if self.layout != "shard" else x
 
     def forward(self, model: torch.nn.Module, batch: Any, topo: Topology) -> Outputs:
         from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -75,12 +82,14 @@ class DTensorLinear(SpatialCase):
             grads = None if self.fault == "no-grad-sync" else [Replicate(), Partial()]
             if self.layout == "shard":
                 grads = None  # a shard's gradient is its own: nothing to add up
+            if self.layout == "two-dims":  # the whole weight, its gradient summed back
+                w = w.redistribute(w.device_mesh, [Replicate(), Replicate()])
             w, b = w.to_local(grad_placements=grads), b.to_local(grad_placements=grads)
         y = F.linear(batch, w, b)
         loss = reduce_loss(y.pow(2).sum(), topo) / (N * OUT)
         if topo.spatial_group is None:
             return Outputs(loss, {"y": y})
-        if self.layout == "replicate":
+        if self.layout != "shard":
             rows = _rows(topo)
             return Outputs(loss, {"y": Shard(y, torch.arange(rows.start, rows.stop), dim=0)})
         along = DShard(0) if self.fault == "wrong-placement" else DShard(1)
@@ -92,10 +101,10 @@ class DTensorLinear(SpatialCase):
 
     def partition(self, topo: Topology) -> Any:
         rows = _rows(topo)
-        return Positions(N, range(rows.start, rows.stop)) if self.layout == "replicate" else None
+        return Positions(N, range(rows.start, rows.stop)) if self.layout != "shard" else None
 
 
-@pytest.mark.parametrize("layout", ["replicate", "shard"])
+@pytest.mark.parametrize("layout", ["replicate", "shard", "two-dims"])
 def test_a_correct_model_with_dtensor_parameters_is_equivalent(spatial, layout):
     report = check_equivalence(DTensorLinear(layout), ranks=RANKS, pool=spatial.pool(RANKS))
     assert report.ok, str(report)
