@@ -483,3 +483,18 @@ def test_run_case_loads_the_reference_init_before_recording_it():
     rec = run_case(case, SINGLE, 1, 0.1, 0, reference_init={"weight": full, "bias": bias})
     assert torch.equal(rec.init["weight"], full[3:6]) and torch.equal(rec.init["bias"], bias)
     assert rec.loaded_shards == ["bias", "weight"]
+
+
+def test_a_sharded_parameters_gradient_that_comes_whole_is_cut_to_the_shards_positions():
+    from torch.distributed.tensor import Partial
+
+    from harness.case import _value
+    from tests.unit.test_compare import Distributed, Mesh
+
+    whole = torch.arange(8, dtype=F64).reshape(4, 2)
+    # DTensor's gradient of a Shard(0) weight left as Partial sums: gathered, then cut
+    grad = Distributed(whole, whole / 2, [Partial()], Mesh((2,), (1,)))
+    shard = ParamShard(torch.tensor([2, 3]), 0)
+    assert torch.equal(_value(grad, shard), whole[2:4]) and grad.gathers == [1]
+    # a plain tensor is recorded as given, declared shard or not
+    assert torch.equal(_value(whole[2:4], shard), whole[2:4])
