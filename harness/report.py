@@ -44,25 +44,19 @@ class SummaryRow(TypedDict, total=False):
 #: What to do about each quantity; keyed on ``Quantity`` (so plain text finds it too).
 REMEDIES: dict[str, str] = {
     Quantity.LOSS: (
-        "The loss differs: the First divergence line says whether the model's values or "
-        "the loss's own reduction departs first; a global loss is the sum over the spatial "
-        "group of each rank's weighted sum and of its weight sum (not a mean of per-rank "
-        "means), averaged over data groups only, with any weights or mask taken for the "
-        "rank's own part of the domain."
+        "The loss differs: a global loss is the sum over the spatial group of each rank's "
+        "weighted sum and of its weight sum (not a mean of per-rank means), averaged over "
+        "data groups only, with any weights or mask taken for the rank's own part."
     ),
     Quantity.GRAD: (
-        "Gradients differ: the First divergence line names the module whose backward, or "
-        "the parameter whose synchronisation, departs first; every collective in the "
-        "forward needs its matching backward (a sum's sums, a gather's reduce-scatters, a "
-        "transpose's transposes back), and a replicated parameter's gradient is summed "
-        "once over the spatial group."
+        "Gradients differ: every collective in the forward needs its matching backward (a "
+        "sum's sums, a gather's reduce-scatters, a transpose's transposes back), and a "
+        "replicated parameter's gradient is summed once over the spatial group."
     ),
     Quantity.FIELD: (
-        "Outputs differ: the First divergence line names the module that departs first, "
-        "or the field when every module matches (then the positions its Shard claims); "
-        "check how the domain is split and put back together (split rule, order of the "
-        "parts, sample-major with data groups), indices that must be global, and anything "
-        "random drawn for the whole domain."
+        "Outputs differ: check how the domain is split and put back together (split rule, "
+        "order of the parts, sample-major with data groups), indices that must be global, "
+        "and anything random drawn for the whole domain."
     ),
     Quantity.COVERAGE: (
         "Some positions are owned by no rank or by several: each global position must "

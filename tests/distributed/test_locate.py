@@ -379,3 +379,60 @@ def test_a_parameter_of_the_model_itself_is_judged_where_its_gradient_is_complet
     gain = order.index(("param_grad", "", "gain"))
     assert gain > order.index(("grad_input", "pick", "0.0"))  # pick consumes x * gain
     assert gain > order.index(("param_grad", "project", "project.weight"))
+
+
+class Double(torch.nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+class DTensorModel(torch.nn.Module):
+    """On the ranks the middle of the model runs on DTensors sharded along the positions
+    (``bug``: the ranks' path scales by 3, the reference's by 2)."""
+
+    def __init__(self, topo: Topology, bug: bool) -> None:
+        super().__init__()
+        self.topo = topo
+        self.project = PointLinear()
+        self.twice = Double(3.0 if bug and topo.spatial_group is not None else 2.0)
+        self.mesh: Any = None
+        if topo.spatial_group is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self.mesh = DeviceMesh.from_group(topo.spatial_group, "cpu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.project(x)
+        if self.mesh is None:
+            return self.twice(h)
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import Shard as Sharded
+
+        h = DTensor.from_local(h, self.mesh, [Sharded(1)], run_check=False)
+        return self.twice(h).to_local()
+
+
+class DTensorCase(PointCase):
+    name = "dtensor"
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        model = DTensorModel(topo, bool(self.bugs.get("dtensor")))
+        if topo.spatial_group is not None:
+            for p in model.parameters():
+                p.register_hook(_sum_hook(topo, False))
+        return model
+
+
+def test_a_bug_on_dtensor_values_is_located_from_their_local_shards_as_placed(spatial):
+    assert check_equivalence(DTensorCase(), ranks=RANKS, pool=spatial.pool(RANKS), locate=True)
+    report = check_equivalence(DTensorCase(dtensor="x3"), ranks=RANKS, pool=spatial.pool(RANKS))
+    assert not report.ok
+    found = report.first_divergence
+    assert found is not None, report
+    assert (found.located, found.quantity) == ("forward of 'twice' (Double)", "output")
+    assert found.where.startswith(f"[0, position {4 * found.rank}") and found.max_rel > 0.1
+    assert report.location is not None and not report.location.unreadable
