@@ -436,3 +436,31 @@ def test_a_bug_on_dtensor_values_is_located_from_their_local_shards_as_placed(sp
     assert (found.located, found.quantity) == ("forward of 'twice' (Double)", "output")
     assert found.where.startswith(f"[0, position {4 * found.rank}") and found.max_rel > 0.1
     assert report.location is not None and not report.location.unreadable
+
+
+class _OneRankPool:
+    """Stands in for a pool: its one rank's trace is the reference's own."""
+
+    world_size = 1
+
+    def run(self, fn: Any, case: Any, *args: Any, timeout: Any = None) -> list[Any]:
+        from harness.locate import _traced
+
+        return [_traced(case, Topology.single(), 0, 0.1, 0, False, True)]
+
+
+def test_a_judgement_that_raises_is_a_not_located_line_never_an_exception(monkeypatch):
+    import harness.locate
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("aten.sub.Tensor got mixed torch.Tensor and DTensor")
+
+    monkeypatch.setattr(harness.locate, "first_divergence", broken)
+    found = harness.locate.locate(
+        PointCase(), _OneRankPool(), spatial_size=1, step=0, lr=0.1, seed=0
+    )  # type: ignore[arg-type]
+    assert found.first is None
+    assert found.lines() == [
+        "First divergence: not located: judging the hooked rerun raised RuntimeError: "
+        "aten.sub.Tensor got mixed torch.Tensor and DTensor"
+    ]

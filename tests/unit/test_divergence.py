@@ -492,3 +492,39 @@ def test_a_value_with_a_local_shard_is_read_through_it():
     rank = [ev("a", "output", t(1, 3).as_subclass(Sharded)), ev("b", "output", t(3, 5))]
     d = first_divergence(Trace(0, ref), None, [Trace(0, rank)]).first
     assert d is not None and d.module == "a"
+
+
+# ---------------------------------------------------------------------- what to do
+
+
+MODEL_WORDS = ("reduce_loss", "area weight", "SHT", "HEALPix", "SFNO", "sync_gradients")
+
+
+def test_what_to_do_speaks_of_the_located_module_and_of_no_particular_model():
+    from harness.compare import Mismatch
+    from harness.report import REMEDIES, EquivalenceReport
+
+    # a pencil model's transpose, located in the forward of the module that does it
+    ref, nudged, ranks = _traces(model_events(), model_events(dec_out=t(5, 7)))
+    found = first_divergence(ref, nudged, ranks).first
+    assert found is not None
+    report = EquivalenceReport("pencil", 4, 4, "", 1, "float64", None)
+    report.mismatches = [
+        Mismatch(q, "x", 0, 0, 1.0, 1.0) for q in ("loss", "grad", "field", "param")
+    ]
+    report.first_divergence = found
+    todo = str(report).split("What to do:\n")[1].splitlines()
+    assert todo[0].startswith("  forward of 'dec' (Lin): what it consumed matches and its")
+    assert not any(w in line for w in MODEL_WORDS for line in todo), todo
+    assert not any(w in text for w in MODEL_WORDS for text in REMEDIES.values())
+
+
+def test_what_to_do_about_a_synchronisation_names_the_parameter():
+    from harness.report import located_remedy
+
+    found = first_divergence(*_traces(model_events(), model_events(g_w=t(4.5, 4.5)))).first
+    assert found is not None
+    assert located_remedy(found).startswith(
+        "every activation gradient matches and the gradient of 'dec.weight' does not: look "
+        "where it is synchronised"
+    )
