@@ -618,7 +618,11 @@ def _verdicts(
     """Each rank's verdict on one quantity, in the reading that fits best (``[]``: not
     compared). What cannot be judged (a value locating cannot read) is listed in ``out``."""
     verdicts: list[_Verdict] = []
-    for k, readings in enumerate(_readings(e, ranks, by_rank)):
+    try:
+        ways = _readings(e, ranks, by_rank)
+    except Exception:  # noqa: BLE001 - values that cannot be summed: read as they are
+        ways = [{}]
+    for k, readings in enumerate(ways):
         found = []
         for r, (trace, events) in enumerate(zip(ranks, by_rank)):
             if e.kind in ("grad_output", "grad_input") and trace.forward_only:
