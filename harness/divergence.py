@@ -14,8 +14,10 @@ The rule, in the reference's execution order:
 - backward: the first module call whose gradient *into its inputs* departs while the gradient
   *at its output* matched (``backward of 'decoder'``); a gradient at an output that departs
   first was made by the code that consumed it (the enclosing module, or the loss); a
-  parameter's gradient that departs while everything before it matched (a missing sync) is
-  the backward of the module owning it;
+  parameter's gradient is judged where it is complete (accumulated, and its module's
+  backward over), and one that departs with every activation gradient matching is its
+  synchronisation (``gradient synchronisation of 'decoder.weight'``); a module call no
+  rank made (the ranks use its parameters in a functional call) is skipped and listed;
 - then the fields as the case reported them (a shard at the wrong positions).
 
 "Departs" is measured, not guessed: each quantity's noise floor is how far the nudged
