@@ -379,12 +379,18 @@ class Divergence:
 
     def _size(self) -> str:
         """``max rel 0.5 at [lat 3] on rank 1 (1e+14x its float64 noise)``."""
-        if self.zero:
+        if math.isinf(self.max_abs) and not self.dtype.startswith(("float", "complex")):
+            text = "values differ"  # integers or booleans: equal or not
+        elif math.isinf(self.max_abs):
+            text = "a NaN or inf where the reference differs"
+        elif self.zero:
             text = f"max abs {self.max_abs:.2g} where the reference is exactly zero"
         else:
             text = f"max rel {self.max_rel:.2g}"
         if self.where:
             text += f" at {self.where}"
+        if math.isinf(self.multiple):
+            return text + f" on rank {self.rank} ({self.dtype})"
         return text + f" on rank {self.rank} ({_times(self.multiple)} its {self.dtype} noise)"
 
 

@@ -285,6 +285,16 @@ def test_a_nan_on_a_rank_departs_and_matching_nans_do_not():
         [Trace(0, [ev("m", "output", t(1, math.nan))])],
     ).first
     assert d is not None and math.isinf(d.multiple)
+    assert d.line().endswith(
+        "output a NaN or inf where the reference differs at [1] on rank 0 (float64)"
+    )
+
+
+def test_integers_that_differ_are_named_as_differing_not_as_an_infinite_error():
+    ref = [ev("m", "output", torch.tensor([1, 2]))]
+    rank = Trace(0, [ev("m", "output", torch.tensor([1, 3]))])
+    d = first_divergence(Trace(0, ref), None, [rank]).first
+    assert d is not None and d.line().endswith("output values differ at [1] on rank 0 (int64)")
 
 
 def test_a_module_call_one_rank_never_made_departs_in_words():
