@@ -538,3 +538,14 @@ def test_what_to_do_about_a_synchronisation_names_the_parameter():
         "every activation gradient matches and the gradient of 'dec.weight' does not: look "
         "where it is synchronised"
     )
+
+
+def test_a_value_whose_arithmetic_raises_is_listed_and_the_rest_is_still_located():
+    # a sparse tensor reads as a plain one, but subtracting the reference from it raises
+    ref = [ev("a", "output", t(1, 2)), ev("b", "output", t(3, 4))]
+    rank = [ev("a", "output", t(1, 3).to_sparse()), ev("b", "output", t(3, 5))]
+    found = first_divergence(Trace(0, ref), None, [Trace(0, rank)])
+    assert found.first is not None and found.first.module == "b"
+    assert list(found.unreadable) == ["a"] and found.unreadable["a"][0].startswith(
+        "output: RuntimeError: "
+    )
