@@ -14,8 +14,10 @@ The rule, in the reference's execution order:
 - backward: the first module call whose gradient *into its inputs* departs while the gradient
   *at its output* matched (``backward of 'decoder'``); a gradient at an output that departs
   first was made by the code that consumed it (the enclosing module, or the loss); a
-  parameter's gradient that departs while everything before it matched (a missing sync) is
-  the backward of the module owning it;
+  parameter's gradient is judged where it is complete (accumulated, and its module's
+  backward over), and one that departs with every activation gradient matching is its
+  synchronisation (``gradient synchronisation of 'decoder.weight'``); a module call no
+  rank made (the ranks use its parameters in a functional call) is skipped and listed;
 - then the fields as the case reported them (a shard at the wrong positions).
 
 "Departs" is measured, not guessed: each quantity's noise floor is how far the nudged
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -90,23 +92,39 @@ class Axis:
     positions: torch.Tensor
     unit: str
     dim: int | None = None
+    #: which of the case's partitions it comes from: a tensor's dims are named by one
+    #: partition where it can (a spectral (l, m) tensor is not half lat, half m)
+    group: int = 0
 
 
 def axes_of(partition: Any, spatial_rank: int) -> list[Axis]:
-    """The partitioned dimensions that ``partition`` (one of a case's) gives this rank.
+    """The partitioned dimensions that ``partition`` (one of a case's) gives this rank, each
+    named by the partition's own axis names (``LatLonPartition.axes``, ``Positions.unit``).
 
     >>> [a.unit for a in axes_of(LatLonPartition(4, 8, 2, 1), 1)]
     ['lat', 'lon']
+    >>> [a.unit for a in axes_of(LatLonPartition(4, 5, 2, 1, axes=("l", "m")), 1)]
+    ['l', 'm']
     """
+    if isinstance(partition, (list, tuple)):
+        out = []
+        for group, p in enumerate(partition):
+            out += [replace(a, group=group) for a in _axes_of(p, spatial_rank)]
+        return out
+    return _axes_of(partition, spatial_rank)
+
+
+def _axes_of(partition: Any, spatial_rank: int) -> list[Axis]:
     if partition is None:
         return []
-    if isinstance(partition, (list, tuple)):
-        return [a for p in partition for a in axes_of(p, spatial_rank)]
+    if isinstance(partition, (list, tuple)):  # nested lists: one group
+        return [a for p in partition for a in _axes_of(p, spatial_rank)]
     if isinstance(partition, LatLonPartition):
         rows, cols = partition.slices(spatial_rank)
+        lat, lon = partition.axes
         return [
-            Axis(partition.nlat, torch.arange(rows.start, rows.stop), "lat", -2),
-            Axis(partition.nlon, torch.arange(cols.start, cols.stop), "lon", -1),
+            Axis(partition.nlat, torch.arange(rows.start, rows.stop), lat, -2),
+            Axis(partition.nlon, torch.arange(cols.start, cols.stop), lon, -1),
         ]
     if isinstance(partition, CellPartition):
         cells = partition.cells(spatial_rank)
@@ -156,6 +174,7 @@ def place(
     """
     if len(local) != len(ref):
         return None
+    axes = _by_fit(local, ref, axes)
     ndim, used = len(ref), set()
     index: list[torch.Tensor | None] = []
     units: list[str] = []
@@ -182,6 +201,27 @@ def place(
         index.append(found[0])
         units.append(found[1])
     return Placement(tuple(index), tuple(units))
+
+
+def _by_fit(local: Sequence[int], ref: Sequence[int], axes: Sequence[Axis]) -> list[Axis]:
+    """The axes, those of the partition that explains most of this tensor's dims first (a
+    tensor of (l, m) modes whose l count is the grid's latitude count is named l, m)."""
+    ndim = len(ref)
+
+    def fits(axis: Axis, i: int) -> bool:
+        if axis.dim is not None and axis.dim != i - ndim:
+            return False
+        if local[i] == ref[i]:
+            return axis.size == ref[i]
+        return _along(axis, local[i], ref[i]) is not None
+
+    score: dict[int, int] = {}
+    for a in axes:
+        score.setdefault(a.group, 0)
+    for g in score:
+        score[g] = sum(any(a.group == g and fits(a, i) for a in axes) for i in range(ndim))
+    order = sorted(score, key=lambda g: -score[g])  # stable: the case's order on a tie
+    return sorted(axes, key=lambda a: order.index(a.group))
 
 
 def _along(axis: Axis, n_local: int, n_ref: int) -> torch.Tensor | None:
@@ -277,6 +317,13 @@ class Divergence:
     when the departure is outside every module: then ``name`` says what (``"loss"``, the
     batch, a field). ``quantity`` is what departed (``"output"``, ``"grad_input"``,
     ``"grad 'decoder.weight'"``, ...); ``multiple`` is its error over its noise floor.
+
+    ``cause`` is what the evidence blames when it is not the module's own code:
+    ``"synchronisation"`` for a parameter's gradient that departs with every activation
+    gradient matching (``module`` is then the module owning the parameter, whose own
+    gradients match: context, not the culprit; ``name`` is the parameter), ``"absent"`` for a
+    module call some ranks never made. ``zero``: the reference is exactly zero there, so the
+    error is an absolute one (``max_rel`` is it over the check's absolute term).
     """
 
     direction: str
@@ -295,10 +342,15 @@ class Divergence:
     calls: int = 1
     upstream_rel: float | None = None  # worst relative error of what it consumed
     name: str = ""
+    cause: str = ""
+    zero: bool = False
 
     @property
     def located(self) -> str:
-        """``"forward of 'blocks.2.mixer' (GlobalMean)"``, ``"field 'out'"``, ``"loss"``."""
+        """``"forward of 'blocks.2.mixer' (GlobalMean)"``, ``"field 'out'"``, ``"loss"``,
+        ``"gradient synchronisation of 'decoder.weight'"``."""
+        if self.cause == "synchronisation":
+            return f"gradient synchronisation of {self.name!r}"
         if self.module is None:
             if self.direction == "field":
                 return f"field {self.name!r}"
@@ -308,14 +360,38 @@ class Divergence:
     def line(self) -> str:
         """The report's line: ``First divergence: forward of 'x' (T), step 0: ...``."""
         call = f" (call {self.call + 1} of {self.calls})" if self.calls > 1 else ""
+        if self.cause == "synchronisation":
+            owner = f"{self.module!r} ({self.module_type})" if self.module is not None else "?"
+            return (
+                f"First divergence: {self.located} (backward, owner {owner}), step {self.step}: "
+                f"the gradient of {self.name!r} departs with every activation gradient "
+                f"matching: its synchronisation; {self._size()}"
+            )
         head = f"First divergence: {self.located}{call}, step {self.step}: "
+        if self.cause == "absent":
+            return head + (
+                f"{_what(self.quantity)} never computed on rank {self.rank}, "
+                "where the reference (and other ranks) computed it"
+            )
         if self.upstream_rel is not None and self.quantity in _UPSTREAM:
             head += f"{_UPSTREAM[self.quantity]} (max rel {self.upstream_rel:.0e}), "
-        text = f"{_what(self.quantity)} max rel {self.max_rel:.2g}"
+        return head + f"{_what(self.quantity)} {self._size()}"
+
+    def _size(self) -> str:
+        """``max rel 0.5 at [lat 3] on rank 1 (1e+14x its float64 noise)``."""
+        if math.isinf(self.max_abs) and not self.dtype.startswith(("float", "complex")):
+            text = "values differ"  # integers or booleans: equal or not
+        elif math.isinf(self.max_abs):
+            text = "a NaN or inf where the reference differs"
+        elif self.zero:
+            text = f"max abs {self.max_abs:.2g} where the reference is exactly zero"
+        else:
+            text = f"max rel {self.max_rel:.2g}"
         if self.where:
             text += f" at {self.where}"
-        text += f" on rank {self.rank} ({_times(self.multiple)} its {self.dtype} noise)"
-        return head + text
+        if math.isinf(self.multiple):
+            return text + f" on rank {self.rank} ({self.dtype})"
+        return text + f" on rank {self.rank} ({_times(self.multiple)} its {self.dtype} noise)"
 
 
 _UPSTREAM = {
@@ -361,6 +437,10 @@ class Location:
     forward_only: bool = False
     worst_multiple: float = 0.0  # the largest multiple of a matching quantity
     calibration: dict[str, Calibration] = field(default_factory=dict)
+    #: module calls of the reference that no rank made ("'conv' (Conv2d)"): skipped
+    not_run: list[str] = field(default_factory=list)
+    #: values locating cannot read (a tensor subclass it cannot convert): module -> what
+    unreadable: dict[str, list[str]] = field(default_factory=dict)
 
     def calibration_lines(self, rtols: dict[str, float] | None = None) -> list[str]:
         """Per quantity: the rounding noise measured, the error seen, the rtol they support
@@ -392,6 +472,21 @@ class Location:
                 f"SpatialCase.activation_shard can say): {len(names)} module"
                 f"{'' if len(names) == 1 else 's'}: {shown}{more}"
             )
+        if self.not_run:
+            more = f", and {len(self.not_run) - 4} more" if len(self.not_run) > 4 else ""
+            out.append(
+                "Not compared (called in the reference, on no rank: the ranks compute it "
+                "another way, e.g. a functional call with the module's parameters): "
+                f"{', '.join(self.not_run[:4])}{more}"
+            )
+        if self.unreadable:
+            names = list(self.unreadable)
+            shown = ", ".join(f"{n!r} {'; '.join(self.unreadable[n][:1])}" for n in names[:3])
+            more = f", and {len(names) - 3} more" if len(names) > 3 else ""
+            out.append(
+                "Not compared (values locating cannot read; return plain tensors, or "
+                f"SpatialCase.activation_shard a Shard of them): {shown}{more}"
+            )
         return out
 
 
@@ -405,6 +500,8 @@ class _Verdict:
     where: str
     dtype: str
     scale: float = 0.0  # the reference's largest magnitude there
+    zero: bool = False  # the reference is exactly zero: max_rel is over the absolute term
+    absent: bool = False  # the rank never computed it
 
 
 @dataclass
@@ -434,7 +531,15 @@ def first_divergence(
     depart: float = DEPART,
 ) -> Location:
     """Walk the reference's events in order; the first that departs on some rank, judged
-    by the rule of this module's docstring."""
+    by the rule of this module's docstring.
+
+    A parameter's gradient that departs is held while the rest of the backward is judged:
+    a parameter's gradient feeds no activation gradient, so if one departs later it is the
+    module bug (and may explain the parameter's); if none does, the parameter's gradient
+    departs with every activation gradient matching, and its synchronisation is blamed.
+    A module call that no rank made (the ranks compute it another way, e.g. a functional
+    call with the module's parameters) is skipped and listed, never taken as departing.
+    """
     out = Location(step=reference.step, forward_only=any(t.forward_only for t in ranks))
     noisy = {e.key: e for e in nudged.events} if nudged is not None else {}
     by_rank = [{e.key: e for e in t.events} for t in ranks]
@@ -453,30 +558,26 @@ def first_divergence(
             if e.tensor is not None and e.kind in ("input", "output"):
                 dtypes[str(e.tensor.dtype).replace("torch.", "")] = None
     out.dtypes = tuple(dtypes)
+    # module calls that no rank made: the ranks compute them without calling the module
+    made = {(e.module, e.call) for t in ranks for e in t.events if e.kind == "output"}
+    skipped = {
+        (e.module, e.call)
+        for e in reference.events
+        if e.kind == "output" and ranks and (e.module, e.call) not in made
+    }
+    for module, _ in sorted(skipped):
+        label = f"{module!r} ({types.get(module, '')})"
+        if label not in out.not_run:
+            out.not_run.append(label)
     upstream: dict[tuple[str, int], float] = {}  # worst rel of a call's inputs / grad_outputs
     path: dict[str, None] = {}
+    held: tuple[Event, _Verdict] | None = None  # a parameter's gradient that departed
     for e in reference.events:
-        if e.tensor is None:
+        if e.tensor is None or ((e.module, e.call) in skipped and e.kind not in _OUTSIDE):
             continue
-        verdicts: list[_Verdict] = []
-        for k, readings in enumerate(_readings(e, ranks, by_rank)):
-            found = []
-            for r, (trace, events) in enumerate(zip(ranks, by_rank)):
-                if e.kind in ("grad_output", "grad_input") and trace.forward_only:
-                    continue
-                mine = readings.get(r, events.get(e.key))
-                if mine is _JUDGED_BY_GROUP:
-                    continue
-                v = _judge(e, noisy.get(e.key), mine, trace, r)
-                if v is None:
-                    if k == 0 and mine is not None and mine.placement != "skip":
-                        label = e.module if e.kind != "field" else f"field {e.slot}"
-                        shape = tuple(mine.tensor.shape) if mine.tensor is not None else ""
-                        out.not_compared.setdefault(label, []).append(f"{e.kind} {shape}")
-                    continue
-                found.append(v)
-            if found and (not verdicts or _worst(found) < _worst(verdicts)):
-                verdicts = found
+        if held is not None and e.kind not in ("grad_output", "grad_input"):
+            continue  # after a parameter's departure: only the activation gradients count
+        verdicts = _verdicts(e, noisy.get(e.key), ranks, by_rank, out)
         if not verdicts:
             continue
         for v in verdicts:
@@ -496,12 +597,72 @@ def first_divergence(
                 call = (e.module, e.call)
                 upstream[call] = max(upstream.get(call, 0.0), worst.max_rel)
             continue
+        if e.kind == "param_grad" and held is None and not out.forward_only:
+            held = (e, worst)
+            continue
         out.first = _divergence(e, worst, reference.step, calls, types, parents, upstream)
         break
+    if out.first is None and held is not None:
+        e, worst = held
+        out.first = _divergence(e, worst, reference.step, calls, types, parents, upstream)
+        out.first = replace(out.first, cause="synchronisation", name=e.slot)
     for label in list(out.not_compared):
         out.not_compared[label] = sorted(set(out.not_compared[label]))
     out.path_dtypes = tuple(d for d in path if d != "-")
     return out
+
+
+#: kinds recorded outside any module call (their module name is the model's, ``""``)
+_OUTSIDE = ("loss", "field", "param_grad")
+
+
+def _verdicts(
+    e: Event,
+    nudged: Event | None,
+    ranks: Sequence[Trace],
+    by_rank: list[dict[Any, Event]],
+    out: Location,
+) -> list[_Verdict]:
+    """Each rank's verdict on one quantity, in the reading that fits best (``[]``: not
+    compared). What cannot be judged (a value locating cannot read) is listed in ``out``."""
+    verdicts: list[_Verdict] = []
+    try:
+        ways = _readings(e, ranks, by_rank)
+    except Exception:  # noqa: BLE001 - values that cannot be summed: read as they are
+        ways = [{}]
+    for k, readings in enumerate(ways):
+        found = []
+        for r, (trace, events) in enumerate(zip(ranks, by_rank)):
+            if e.kind in ("grad_output", "grad_input") and trace.forward_only:
+                continue
+            mine = readings.get(r, events.get(e.key))
+            if mine is _JUDGED_BY_GROUP:
+                continue
+            label = e.module if e.kind != "field" else f"field {e.slot}"
+            try:
+                v = _judge(e, nudged, mine, trace, r)
+            except Exception as exc:  # noqa: BLE001 - a diagnosis never takes a verdict down
+                if k == 0:
+                    what = f"{e.kind}: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                    out.unreadable.setdefault(label, []).append(what)
+                continue
+            if v is None:
+                if k == 0 and mine is not None and mine.placement != "skip":
+                    if mine.tensor is not None and not _plain_type(mine.tensor):
+                        kind = type(mine.tensor).__name__
+                        out.unreadable.setdefault(label, []).append(f"{e.kind}: a {kind}")
+                        continue
+                    shape = tuple(mine.tensor.shape) if mine.tensor is not None else ""
+                    out.not_compared.setdefault(label, []).append(f"{e.kind} {shape}")
+                continue
+            found.append(v)
+        if found and (not verdicts or _worst(found) < _worst(verdicts)):
+            verdicts = found
+    return verdicts
+
+
+def _plain_type(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
 _JUDGED_BY_GROUP = Event("", "", 0, "", "", None)
@@ -615,6 +776,8 @@ def _divergence(
         noise=v.noise,
         multiple=v.multiple,
         dtype=v.dtype,
+        zero=v.zero,
+        cause="absent" if v.absent else "",
     )
     if e.kind == "loss":
         return Divergence("forward", None, "", "loss", name="the loss", **common)  # type: ignore[arg-type]
@@ -673,17 +836,26 @@ def _judge(
     ref: Event, nudged: Event | None, mine: Event | None, trace: Trace, rank: int
 ) -> _Verdict | None:
     """How far this rank's tensor is from the reference's, against the noise floor; ``None``
-    when it cannot be compared."""
+    when it cannot be compared.
+
+    The scale errors are relative to is the reference tensor's largest magnitude (the whole
+    tensor's, not only this rank's part: a rank whose part is exactly zero, like a block of
+    spectral modes above the truncation, is judged at the tensor's scale). A reference that
+    is exactly zero everywhere has no scale: its errors are absolute, judged against the
+    check's absolute term for the dtype (``Tolerance.for_dtype(...).atol``).
+    """
     assert ref.tensor is not None
     if mine is None or mine.tensor is None:
         if ref.kind in ("output", "loss", "field"):  # a call the rank never made
-            return _Verdict(rank, math.inf, math.inf, 0.0, math.inf, "not run on this rank", "-")
+            return _Verdict(rank, math.inf, math.inf, 0.0, math.inf, "", "-", absent=True)
         return None
     if mine.placement == "skip":
         return None
-    local = mine.tensor
-    expected = ref.tensor
-    noise_t = nudged.tensor if nudged is not None else None
+    local = _readable(mine.tensor)
+    expected = _readable(ref.tensor)
+    noise_t = _readable(nudged.tensor) if nudged is not None else None
+    if local is None or expected is None:
+        return None
     if isinstance(mine.placement, Placement):  # the case said (a sharded parameter too)
         placement: Placement | None = mine.placement
     elif ref.kind in ("param_grad", "loss") or mine.placement == "whole":
@@ -704,10 +876,12 @@ def _judge(
         return None
     if view.shape != local.shape or view.dtype != local.dtype:
         return None
+    whole = expected
     if ref.kind in ("grad_output", "grad_input") and trace.data_size > 1:
         # each data group back-propagates the mean over its own samples: d times the
         # reference's share of the same gradient (the parameters' are averaged back)
         view = view * trace.data_size
+        whole = whole * trace.data_size
         noise_view = None if noise_view is None else noise_view * trace.data_size
     dtype = str(local.dtype).replace("torch.", "")
     if not (local.is_floating_point() or local.is_complex()):
@@ -728,7 +902,8 @@ def _judge(
         return _Verdict(rank, math.inf, math.inf, 0.0, math.inf, where, dtype)
     finite = keep & ~nonfinite
     diff = torch.where(finite, diff, 0.0)
-    scale = float(torch.where(finite, e.abs(), 0.0).max()) if e.numel() else 0.0
+    w = _wide(whole).abs()
+    scale = float(torch.where(torch.isfinite(w), w, 0.0).max()) if w.numel() else 0.0
     noise = 0.0
     if noise_view is not None and noise_view.shape == view.shape:
         n = _wide(noise_view)
@@ -737,21 +912,56 @@ def _judge(
             noise = float(torch.where(ok, (n - e).abs(), 0.0).max())
     eps = torch.finfo(_real(local.dtype)).eps
     tiny = torch.finfo(_real(local.dtype)).tiny
-    floor = max(noise, MIN_ULPS * eps * scale, tiny)
+    zero = scale == 0.0
+    atol = _absolute_term(ref.kind, local.dtype)
+    if zero:  # no scale to be relative to: the check's absolute term decides
+        floor = max(noise, atol / DEPART, tiny)
+    else:
+        floor = max(noise, MIN_ULPS * eps * scale, tiny)
     max_abs = float(diff.max()) if diff.numel() else 0.0
     if max_abs == 0.0:
-        return _Verdict(rank, 0.0, 0.0, floor, 0.0, "", dtype, scale)
+        return _Verdict(rank, 0.0, 0.0, floor, 0.0, "", dtype, scale, zero)
     flat = int(torch.argmax(diff.reshape(-1)))
+    against = atol if zero else scale
     return _Verdict(
         rank,
         max_abs,
-        max_abs / scale if scale else math.inf,
+        max_abs / against if against else math.inf,
         floor,
         max_abs / floor,
         _where(flat, local.shape, placement),
         dtype,
         scale,
+        zero,
     )
+
+
+def _absolute_term(kind: str, dtype: torch.dtype) -> float:
+    """The check's absolute tolerance for this kind of quantity in this dtype: what an
+    error against an exact zero is measured by."""
+    from harness.compare import Tolerance
+
+    quantity = "loss" if kind == "loss" else "grad" if kind in _BACKWARD_KINDS else "field"
+    return float(Tolerance.for_dtype(dtype).bound(quantity).atol)
+
+
+_BACKWARD_KINDS = ("grad_output", "grad_input", "param_grad")
+
+
+def _readable(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A plain tensor of ``t``'s values on this rank, or ``None`` when locating cannot read
+    it. A DTensor (or a subclass of one, like physicsnemo's ShardTensor) that reached here
+    unconverted is read as its local shard (placed like any rank's tensor)."""
+    if t is None or _plain_type(t):
+        return t
+    to_local = getattr(t, "to_local", None)
+    if callable(to_local):
+        try:
+            local = to_local()
+        except Exception:  # noqa: BLE001 - unreadable: listed, never raised
+            return None
+        return local if isinstance(local, torch.Tensor) and _plain_type(local) else None
+    return None
 
 
 def _real(dtype: torch.dtype) -> torch.dtype:

@@ -117,6 +117,8 @@ class Recorder:
         self.stack: list[tuple[str, int]] = []
         self.outputs: dict[int, tuple[str, int, torch.Tensor]] = {}
         self.last_backward: dict[str, int] = {}
+        #: parameter -> where in the events its gradient was accumulated (complete)
+        self.accumulated: dict[str, int] = {}
         self.generator = torch.Generator().manual_seed(20_251_204)
 
     # ------------------------------------------------------------ run_case's watch protocol
@@ -127,6 +129,14 @@ class Recorder:
             self.names[id(module)] = name
             self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post))
+        if self.backward:
+            for pname, p in model.named_parameters():
+                if p.requires_grad:
+                    try:
+                        hook = p.register_post_accumulate_grad_hook(self._accumulated(pname))
+                    except (AttributeError, RuntimeError):  # an older torch, a subclass
+                        continue
+                    self.handles.append(hook)
         if self.nudge:
             with torch.no_grad():
                 for p in model.parameters():
@@ -161,12 +171,21 @@ class Recorder:
         sign = torch.randint(0, 2, t.shape, generator=self.generator).to(real) * 2 - 1
         return t * (1 + NUDGE_ULPS * eps * sign)
 
+    def _accumulated(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if self.active:
+                self.accumulated[name] = len(self.trace.events)
+
+        return hook
+
     def _event(self, module: torch.nn.Module, call: int, kind: str, slot: str, t: Any) -> Event:
         name = self.names.get(id(module), "?")
         placement: Placement | str | None = None
         tensor = None if t is None else detached(t)
         if tensor is not None and not self.topo.is_reference:
             placement, tensor = self._case_placement(name, tensor)
+            if placement is None:
+                placement, tensor = _as_placed(tensor)
             if placement is None and not (tensor.is_floating_point() or tensor.is_complex()):
                 # indexes and counts are numbered per rank by design (local cells, a data
                 # group's samples): they are judged by the values they pick, downstream
@@ -274,11 +293,18 @@ class Recorder:
                 continue
             mname, mtype = owner.get(full, ("", type(self.model).__name__))
             name = full[len("module.") :] if full.startswith("module.") else full
-            at = self.last_backward.get(mname, len(events))
+            # complete once accumulated and once its module's backward is over: a gradient
+            # judged earlier would be judged before the code that makes it (a parameter of
+            # the model itself, used in its first line, is accumulated at the very end)
+            at = max(self.last_backward.get(mname, -1), self.accumulated.get(full, -1))
+            at = len(events) if at < 0 else at
             grad = None if p.grad is None else detached(p.grad)
             if grad is None and not self.topo.is_reference:
-                grad = torch.zeros_like(p.detach()).cpu()  # None is compared as zeros here
-            event = Event(mname, mtype, 0, "param_grad", name, grad)
+                grad = torch.zeros_like(_local(p.detach())).cpu()  # None is compared as zeros
+            placement: Placement | str | None = None
+            if grad is not None and not self.topo.is_reference:
+                placement, grad = _as_placed(grad)
+            event = Event(mname, mtype, 0, "param_grad", name, grad, placement=placement)
             if grad is not None and name in sharded:  # a part of the reference's parameter
                 index, dim = sharded[name]
                 event.placement = shard_placement(index, dim, grad.dim(), None)
@@ -302,6 +328,48 @@ class Recorder:
             name: (shard.index, shard.dim)
             for name, shard in parameter_shards(self.case, self.model, self.topo).items()
         }
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's (or ShardTensor's) local shard; any other tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not callable(to_local):
+        return t
+    local = to_local()
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _as_placed(t: torch.Tensor) -> tuple[Placement | None, torch.Tensor]:
+    """A distributed tensor as its local shard, placed where its own placements put it in
+    the global tensor (no collective: its spec says where); a plain tensor unplaced.
+
+    A DTensor or a subclass of one (physicsnemo's ShardTensor) knows its global shape and
+    placements; where the offsets it implies do not match its local shard (uneven shards
+    the spec cannot say), the shard is placed from the case's partition like any tensor.
+    Anything else that is not a plain tensor is handed on as it is: judged as unreadable.
+    """
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not callable(getattr(t, "to_local", None)):
+        return None, t
+    try:
+        local = detached(_local(t))
+    except Exception:  # noqa: BLE001 - locating cannot read it: listed, never raised
+        return None, t
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        spec = t._spec  # type: ignore[attr-defined]
+        shape, offset = compute_local_shape_and_global_offset(
+            tuple(t.shape), spec.mesh, spec.placements
+        )
+    except Exception:  # noqa: BLE001 - no spec to read: inferred from the partition
+        return None, local
+    if tuple(shape) != tuple(local.shape):
+        return None, local
+    index = tuple(
+        None if n == g else torch.arange(o, o + n) for n, g, o in zip(shape, t.shape, offset)
+    )
+    units = tuple("" if i is None else "position" for i in index)
+    return Placement(index, units), local
 
 
 # ---------------------------------------------------------------------- running it
@@ -412,7 +480,11 @@ def locate(
         except Exception as exc:  # noqa: BLE001 - a model that breaks under the hooks
             problem = f"the hooked rerun of the reference raised {exc!r}"
             continue
-        location = first_divergence(reference, nudged, ranks)
+        try:
+            location = first_divergence(reference, nudged, ranks)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis never takes a verdict down
+            problem = f"judging the hooked rerun raised {type(exc).__name__}: {exc}"
+            return Location(step=step, problem=problem, seconds=time.perf_counter() - t0)
         location.seconds = time.perf_counter() - t0
         return location
     return Location(step=step, problem=problem, seconds=time.perf_counter() - t0)

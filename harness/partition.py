@@ -222,6 +222,9 @@ class LatLonPartition:
     h: int = 1
     w: int = 1
     rule: str | None = None  # split rule; None: the installed torch-harmonics' (sht_split_rule)
+    #: what reports call a position along each of the two dims: ("lat", "lon") for a grid;
+    #: ("l", "m") for spectral coefficients split the same way (a distributed SHT's modes)
+    axes: tuple[str, str] = field(default=("lat", "lon"), repr=False)
     lat_sizes: list[int] = field(init=False, repr=False, compare=False)
     lon_sizes: list[int] = field(init=False, repr=False, compare=False)
 
@@ -244,6 +247,15 @@ class LatLonPartition:
                     f"{'latitude' if dim == 'nlat' else 'longitude'}; choose {axis} <= {n} "
                     f"or a grid with {dim} >= {parts}"
                 )
+        if (
+            not isinstance(self.axes, tuple)
+            or len(self.axes) != 2
+            or not all(isinstance(a, str) and a for a in self.axes)
+        ):
+            raise ConfigError(
+                f"LatLonPartition: axes={self.axes!r}; give two names for the two dims, "
+                'e.g. axes=("l", "m") for spectral coefficients'
+            )
         object.__setattr__(self, "lat_sizes", split_sizes(self.nlat, self.h, self.rule))
         object.__setattr__(self, "lon_sizes", split_sizes(self.nlon, self.w, self.rule))
 

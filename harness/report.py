@@ -44,19 +44,19 @@ class SummaryRow(TypedDict, total=False):
 #: What to do about each quantity; keyed on ``Quantity`` (so plain text finds it too).
 REMEDIES: dict[str, str] = {
     Quantity.LOSS: (
-        "The loss differs: reduce per-rank loss parts with reduce_loss over the spatial "
-        "group (weighted sums and weight sums separately, not a mean of means), average over data "
-        "groups only, and slice area weights or masks to the rank's rows."
+        "The loss differs: a global loss is the sum over the spatial group of each rank's "
+        "weighted sum and of its weight sum (not a mean of per-rank means), averaged over "
+        "data groups only, with any weights or mask taken for the rank's own part."
     ),
     Quantity.GRAD: (
-        "Gradients differ: sum parameter gradients over the spatial group "
-        "(sync_gradients), use spatial_sum for global values inside the model and reduce_loss "
-        "only for the loss, and gather with an autograd-aware gather."
+        "Gradients differ: every collective in the forward needs its matching backward (a "
+        "sum's sums, a gather's reduce-scatters, a transpose's transposes back), and a "
+        "replicated parameter's gradient is summed once over the spatial group."
     ),
     Quantity.FIELD: (
-        "Outputs differ: check the split rule used to scatter data (the SHT's ceil "
-        "split), the order shards are gathered in (sample-major, spatial group only), "
-        "neighbour tables in global indices, and noise drawn for the global field."
+        "Outputs differ: check how the domain is split and put back together (split rule, "
+        "order of the parts, sample-major with data groups), indices that must be global, "
+        "and anything random drawn for the whole domain."
     ),
     Quantity.COVERAGE: (
         "Some positions are owned by no rank or by several: each global position must "
@@ -252,6 +252,10 @@ class EquivalenceReport:
         if self.tolerance is not None:
             lines.append(f"Tolerance: {_tol_text(self.tolerance)}")
         lines.append("What to do:")
+        if self.first_divergence is not None:
+            lines.append(
+                f"  {self.first_divergence.located}: {located_remedy(self.first_divergence)}"
+            )
         seen: list[str] = []
         for m in self.mismatches:
             if m.quantity not in seen:
@@ -269,6 +273,53 @@ class EquivalenceReport:
             except Exception as exc:  # noqa: BLE001 - a diagnosis never hides the verdict
                 lines = [f"Not located: the first divergence could not be written ({exc!r})"]
         return lines + list(self.diagnoses)
+
+
+def located_remedy(found: Divergence) -> str:
+    """What to do about a first divergence, in the words of what it names (the module, the
+    parameter, the loss, a field), never of a particular model."""
+    if found.cause == "synchronisation":
+        return (
+            f"every activation gradient matches and the gradient of {found.name!r} does "
+            "not: look where it is synchronised (summed over the spatial group once: not "
+            "averaged, not twice, not over other groups; a sharded parameter's gradient is "
+            "its own shard's, never summed with the others')."
+        )
+    if found.cause == "absent":
+        return (
+            f"rank {found.rank} never calls it while the reference does: every rank must "
+            "make the same calls (a rank with an empty part too)."
+        )
+    if found.direction == "field":
+        return (
+            "every module matches but this field does not: look at the positions its "
+            "Shard says the rank holds (index, order, grid)."
+        )
+    if found.module is None:
+        if "batch" in found.name:
+            return "the model's input differs: look at which part of the batch a rank reads."
+        if found.direction == "forward":
+            return (
+                "the model's outputs match and the loss does not: look at how the ranks' "
+                "parts of the loss are combined into the global loss."
+            )
+        return (
+            "the gradient leaving the loss departs: look at the backward of the loss's "
+            "reduction (each rank's loss is the global one: its backward passes the "
+            "gradient on once)."
+        )
+    own = "its own code (outside its submodules)" if found.quantity != "output" else "it"
+    if found.direction == "forward":
+        return (
+            f"what it consumed matches and its result does not: look in {own}, at its "
+            "communication (which parts, in which order, over which group) and at what it "
+            "computes from the rank's part."
+        )
+    return (
+        f"the gradient it received matches and the one it sends on does not: look in {own} "
+        "for a collective whose backward is missing or wrong (detached, in place, or an "
+        "identity where the gradient must be reduced or sent back)."
+    )
 
 
 def _tol_text(t: Tolerance) -> str:

@@ -251,19 +251,19 @@ DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
 #: (stepper, fault id) -> where the first divergence must point (``Divergence.located``):
 #: the module whose own code holds the bug (``''`` is the model itself: these steppers keep
 #: their gathers, losses and global means in the model's methods, outside submodules);
-#: ``"params"`` where only parameter gradients show it (a gradient sync: the backward of a
-#: module owning one); ``"coverage"`` where no value departs but items are held by no rank
+#: ``"sync"`` where a parameter's gradient departs with every activation gradient matching
+#: (its synchronisation; which parameter departs first is the run's); ``"coverage"`` where no value departs but items are held by no rank
 #: or by several (named by key); ``None`` where the run raises or hangs (its traceback says
 #: where).
 LOCATED: dict[tuple[str, str], str | None] = {
-    ("coupled-mlp", "no-grad-sync"): "params",
+    ("coupled-mlp", "no-grad-sync"): "sync",
     ("coupled-mlp", "wrong-shard-index"): "field 'out'",
     ("coupled-mlp", "non-differentiable-reduce"): "backward of '' (CoupledMLP)",
     ("sfno", "reduce-not-differentiable"): "backward of the loss",
     ("sfno", "reduce-double-count"): "backward of the loss",
     ("sfno", "coupling-identity-backward"): "backward of '' (SFNOStepper)",
-    ("sfno", "no-grad-sync"): "params",
-    ("sfno", "grad-sync-mean"): "params",
+    ("sfno", "no-grad-sync"): "sync",
+    ("sfno", "grad-sync-mean"): "sync",
     ("sfno", "buffer-broadcast"): None,
     ("sfno", "mean-of-means"): "forward of the loss",
     ("sfno", "split-mismatch"): None,
@@ -282,7 +282,7 @@ LOCATED: dict[tuple[str, str], str | None] = {
     ("healpix", "rank-local-nan-check"): None,
     ("healpix", "same-batch-violated"): "forward of the batch (the model's input)",
     ("sfno", "shard-wrong-l"): "forward of 'filters.0' (SpectralFilter)",
-    ("sfno", "shard-grad-replicated"): "params",
+    ("sfno", "shard-grad-replicated"): "sync",
     ("healpix", "local-sample-key"): "coverage",
 }
 
@@ -292,8 +292,8 @@ def located_text(stepper: str, fault: str) -> str:
     where = LOCATED[(stepper, fault)]
     if where is None:
         return "not located: the run raises or hangs"
-    if where == "params":
-        return "backward of a module owning a parameter (its gradient)"
+    if where == "sync":
+        return "gradient synchronisation (a parameter's gradient departs alone)"
     if where == "coverage":
         return "no value departs: items held by no rank or by several, named by key"
     return where.replace("''", "`''`")

@@ -55,8 +55,9 @@ def assert_located_where_the_fault_lives(report, expected):
         assert found is None, found
         return
     assert found is not None, report
-    if expected == "params":  # only the parameter gradients show it: their module's backward
-        assert found.direction == "backward" and found.quantity.startswith("grad '"), found
+    if expected == "sync":  # a parameter's gradient departs alone: its synchronisation
+        assert found.cause == "synchronisation" and found.quantity.startswith("grad '"), found
+        assert found.located == f"gradient synchronisation of {found.name!r}", found.line()
     else:
         assert found.located == expected, found.line()
     lines = [line for line in str(report).splitlines() if line.startswith("First divergence:")]

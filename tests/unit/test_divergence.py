@@ -196,13 +196,41 @@ def test_an_output_gradient_handed_on_by_its_parent_climbs_to_the_loss():
     assert d is not None and d.module is None and d.located == "backward of the loss"
 
 
-def test_a_parameter_gradient_that_departs_alone_is_the_backward_of_its_module():
+def test_a_parameter_gradient_that_departs_alone_is_blamed_on_its_synchronisation():
     d = first_divergence(*_traces(model_events(), model_events(g_w=t(4.5, 4.5)))).first
     assert d is not None and (d.direction, d.module, d.quantity) == (
         "backward",
-        "dec",
+        "dec",  # the module owning it: context, its own gradients matched
         "grad 'dec.weight'",
     )
+    assert (d.cause, d.name) == ("synchronisation", "dec.weight")
+    assert d.located == "gradient synchronisation of 'dec.weight'"
+    assert d.line().startswith(
+        "First divergence: gradient synchronisation of 'dec.weight' (backward, owner 'dec' "
+        "(Lin)), step 0: the gradient of 'dec.weight' departs with every activation gradient "
+        "matching: its synchronisation; max rel 0.5 at [0] on rank 0"
+    )
+
+
+def test_a_parameter_gradient_departing_before_an_activation_gradient_blames_the_module():
+    # the parameter's gradient is judged first, but an activation gradient departs after
+    # it: a module's backward is wrong, which no synchronisation explains
+    events = model_events(g_w=t(4.5, 4.5), g_enc_out=t(2, 9))
+    ref = model_events()
+    ref.insert(9, ref.pop(11))  # dec.weight's gradient accumulated before dec's grad_input
+    events.insert(9, events.pop(11))
+    d = first_divergence(*_traces(ref, events)).first
+    assert d is not None and d.cause == "" and d.quantity == "grad_output of 'enc'"
+    assert "synchronisation" not in d.line()
+
+
+def test_without_activation_gradients_a_parameter_gradient_is_its_modules_backward():
+    # forward hooks only (the model broke under the backward ones): no activation
+    # gradient was seen, so nothing shows they matched
+    ref, nudged, ranks = _traces(model_events(), model_events(g_w=t(4.5, 4.5)))
+    ranks[0].forward_only = True
+    d = first_divergence(ref, nudged, ranks).first
+    assert d is not None and d.cause == "" and d.located == "backward of 'dec' (Lin)"
 
 
 def test_a_field_that_departs_while_every_module_matched_is_named():
@@ -257,12 +285,48 @@ def test_a_nan_on_a_rank_departs_and_matching_nans_do_not():
         [Trace(0, [ev("m", "output", t(1, math.nan))])],
     ).first
     assert d is not None and math.isinf(d.multiple)
+    assert d.line().endswith(
+        "output a NaN or inf where the reference differs at [1] on rank 0 (float64)"
+    )
 
 
-def test_a_module_call_the_rank_never_made_departs():
+def test_integers_that_differ_are_named_as_differing_not_as_an_infinite_error():
+    ref = [ev("m", "output", torch.tensor([1, 2]))]
+    rank = Trace(0, [ev("m", "output", torch.tensor([1, 3]))])
+    d = first_divergence(Trace(0, ref), None, [rank]).first
+    assert d is not None and d.line().endswith("output values differ at [1] on rank 0 (int64)")
+
+
+def test_a_module_call_one_rank_never_made_departs_in_words():
     ref = [ev("m", "output", t(1, 2))]
-    d = first_divergence(Trace(0, ref), None, [Trace(0, [])]).first
-    assert d is not None and d.where == "not run on this rank"
+    ranks = [Trace(0, [ev("m", "output", t(1, 2))]), Trace(0, [], spatial_rank=1)]
+    d = first_divergence(Trace(0, ref), None, ranks).first
+    assert d is not None and (d.cause, d.rank) == ("absent", 1)
+    assert d.line() == (
+        "First divergence: forward of 'm' (Lin), step 0: output never computed on rank 1, "
+        "where the reference (and other ranks) computed it"
+    )
+
+
+def test_a_module_no_rank_calls_is_skipped_and_listed_not_taken_as_departing():
+    # the ranks call F.linear with the module's parameters (as DTensor's local_map does):
+    # the module's own events never happen there; the bug is in the loss
+    ref = [
+        ev("", "input", t(1, 2)),
+        ev("proj", "input", t(1, 2), parent=("", 0)),
+        ev("proj", "output", t(3, 4), parent=("", 0)),
+        ev("", "output", t(3, 4)),
+        ev("", "loss", t(7), slot="loss"),
+        ev("proj", "param_grad", t(1, 1), slot="proj.weight"),
+    ]
+    rank = [ref[0], ref[3], ev("", "loss", t(8), slot="loss"), ref[5]]
+    found = first_divergence(Trace(0, ref), None, [Trace(0, rank)])
+    assert found.first is not None and found.first.located == "forward of the loss"
+    assert found.not_run == ["'proj' (Lin)"]
+    assert found.lines()[1].startswith(
+        "Not compared (called in the reference, on no rank: the ranks compute it another way"
+    )
+    assert "inf" not in found.lines()[0]
 
 
 def test_with_data_groups_the_loss_is_their_mean_and_gradients_are_per_group():
@@ -343,4 +407,145 @@ def test_calibration_keeps_each_quantitys_noise_and_error_and_the_rtol_they_supp
     assert lines[1] == (
         "grad: rounding noise 1.0e-13, partitioned run 1.0e-12 (relative to the largest "
         "value) -> supports rtol 1e-11 (now 1e-10)"
+    )
+
+
+# ---------------------------------------------------------------------- zeros, names, subclasses
+
+
+def c(*values: complex) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.complex128)
+
+
+def test_a_rank_whose_part_of_a_complex_tensor_is_exactly_zero_is_judged_at_the_tensors_scale():
+    # spectral modes: rank 1 holds the modes above the truncation, exactly zero in the
+    # reference; rounding of 1e-17 there is no departure, and nothing reads "inf"
+    ref = [ev("sht", "output", c(1 + 1j, 2, 0, 0))]
+    axes = [Axis(4, torch.arange(0, 2), "m"), Axis(4, torch.arange(2, 4), "m")]
+    ranks = [
+        Trace(0, [ev("sht", "output", c(1 + 1j, 2))], axes=[axes[0]]),
+        Trace(0, [ev("sht", "output", c(1e-17j, 0))], spatial_rank=1, axes=[axes[1]]),
+    ]
+    found = first_divergence(Trace(0, ref), None, ranks)
+    assert found.first is None and found.worst_multiple < 1
+    ranks[1].events[0] = ev("sht", "output", c(0, 0.5))  # a real departure there
+    d = first_divergence(Trace(0, ref), None, ranks).first
+    assert d is not None and d.where == "[m 3]" and d.dtype == "complex128"
+    assert math.isclose(d.max_rel, 0.25)  # relative to the tensor's largest magnitude, 2
+
+
+def test_a_reference_that_is_exactly_zero_everywhere_is_judged_by_the_absolute_term():
+    # float64's absolute term is 1e-12: 1e-14 is rounding, 1e-9 departs, as an absolute error
+    ref = [ev("m", "output", t(0, 0))]
+    quiet = first_divergence(Trace(0, ref), None, [Trace(0, [ev("m", "output", t(0, 1e-14))])])
+    assert quiet.first is None
+    d = first_divergence(Trace(0, ref), None, [Trace(0, [ev("m", "output", t(0, 1e-9))])]).first
+    assert d is not None and d.zero and math.isfinite(d.max_rel) and math.isfinite(d.multiple)
+    assert "max abs 1e-09 where the reference is exactly zero at [1] on rank 0 (1e+06x its" in (
+        d.line()
+    )
+    assert "inf" not in d.line()
+
+
+def test_positions_are_named_by_the_partition_that_explains_the_tensor():
+    # a grid (16 x 24) and its spectral modes split the same way (16 l x 13 m): the modes'
+    # l count equals the latitude count, yet their positions are l and m, not lat and m
+    grid = LatLonPartition(16, 24, 2, 1)
+    modes = LatLonPartition(16, 13, 2, 1, axes=("l", "m"))
+    axes = axes_of([grid, modes], 1)
+    assert place((2, 8, 13), (2, 16, 13), axes).units == ("", "l", "m")
+    assert place((2, 8, 24), (2, 16, 24), axes).units == ("", "lat", "lon")
+    ref = [ev("sht", "output", torch.zeros(16, 13, dtype=F64).index_fill(0, torch.tensor(9), 1))]
+    rank = Trace(0, [ev("sht", "output", torch.zeros(8, 13, dtype=F64))], axes=axes)
+    d = first_divergence(Trace(0, ref), None, [rank]).first
+    assert d is not None and d.where == "[l 9, m 0]"
+
+
+def test_a_partitions_axis_names_must_be_two_names():
+    from harness.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r'axes=\("l", "m"\)'):
+        LatLonPartition(4, 4, axes=("l",))
+
+
+class Opaque(torch.Tensor):
+    """A tensor subclass whose arithmetic refuses plain tensors (as DTensor's does)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__):
+            raise RuntimeError("aten.sub.Tensor got mixed torch.Tensor and Opaque")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Sharded(Opaque):
+    """One with a local shard to read, as a DTensor or a ShardTensor has."""
+
+    def to_local(self) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor)
+
+
+def test_a_value_locating_cannot_read_is_listed_and_the_rest_is_still_located():
+    ref = [ev("a", "output", t(1, 2)), ev("b", "output", t(3, 4))]
+    rank = [ev("a", "output", t(1, 2).as_subclass(Opaque)), ev("b", "output", t(3, 5))]
+    found = first_divergence(Trace(0, ref), None, [Trace(0, rank)])
+    assert found.first is not None and found.first.module == "b"
+    assert found.unreadable == {"a": ["output: a Opaque"]}
+    assert found.lines()[1] == (
+        "Not compared (values locating cannot read; return plain tensors, or "
+        "SpatialCase.activation_shard a Shard of them): 'a' output: a Opaque"
+    )
+
+
+def test_a_value_with_a_local_shard_is_read_through_it():
+    ref = [ev("a", "output", t(1, 2)), ev("b", "output", t(3, 4))]
+    rank = [ev("a", "output", t(1, 3).as_subclass(Sharded)), ev("b", "output", t(3, 5))]
+    d = first_divergence(Trace(0, ref), None, [Trace(0, rank)]).first
+    assert d is not None and d.module == "a"
+
+
+# ---------------------------------------------------------------------- what to do
+
+
+MODEL_WORDS = ("reduce_loss", "area weight", "SHT", "HEALPix", "SFNO", "sync_gradients")
+
+
+def test_what_to_do_speaks_of_the_located_module_and_of_no_particular_model():
+    from harness.compare import Mismatch
+    from harness.report import REMEDIES, EquivalenceReport
+
+    # a pencil model's transpose, located in the forward of the module that does it
+    ref, nudged, ranks = _traces(model_events(), model_events(dec_out=t(5, 7)))
+    found = first_divergence(ref, nudged, ranks).first
+    assert found is not None
+    report = EquivalenceReport("pencil", 4, 4, "", 1, "float64", None)
+    report.mismatches = [
+        Mismatch(q, "x", 0, 0, 1.0, 1.0) for q in ("loss", "grad", "field", "param")
+    ]
+    report.first_divergence = found
+    todo = str(report).split("What to do:\n")[1].splitlines()
+    assert todo[0].startswith("  forward of 'dec' (Lin): what it consumed matches and its")
+    assert not any(w in line for w in MODEL_WORDS for line in todo), todo
+    assert not any(w in text for w in MODEL_WORDS for text in REMEDIES.values())
+
+
+def test_what_to_do_about_a_synchronisation_names_the_parameter():
+    from harness.report import located_remedy
+
+    found = first_divergence(*_traces(model_events(), model_events(g_w=t(4.5, 4.5)))).first
+    assert found is not None
+    assert located_remedy(found).startswith(
+        "every activation gradient matches and the gradient of 'dec.weight' does not: look "
+        "where it is synchronised"
+    )
+
+
+def test_a_value_whose_arithmetic_raises_is_listed_and_the_rest_is_still_located():
+    # a sparse tensor reads as a plain one, but subtracting the reference from it raises
+    ref = [ev("a", "output", t(1, 2)), ev("b", "output", t(3, 4))]
+    rank = [ev("a", "output", t(1, 3).to_sparse()), ev("b", "output", t(3, 5))]
+    found = first_divergence(Trace(0, ref), None, [Trace(0, rank)])
+    assert found.first is not None and found.first.module == "b"
+    assert list(found.unreadable) == ["a"] and found.unreadable["a"][0].startswith(
+        "output: RuntimeError: "
     )

@@ -11,7 +11,7 @@ import torch
 from harness import Outputs, SpatialCase, Topology
 from harness.equivalence import _culprit, run_case
 from harness.errors import RankFailure, RankProblem
-from harness.hints import boundary_hint, by_chance, precision_hint, shard_shape_hint
+from harness.hints import boundary_hint, by_chance, precision_hint, scale_hint, shard_shape_hint
 
 F64 = torch.float64
 
@@ -115,3 +115,27 @@ def test_a_shard_whose_shape_only_multiplies_out_is_not_called_an_unflattened_bl
     assert shard_shape_hint((4, 1, 3), 3, 2, expected=(4, 3), grid=(2, 3)).startswith(block)
     assert shard_shape_hint((8, 1, 3), 3, 2, expected=(4, 3), grid=(2, 3)) == ""
     assert shard_shape_hint((4, 1, 3), 3, 2, expected=(4, 3), grid=(2, 2)) == ""
+
+
+def test_errors_of_which_only_some_border_another_rank_are_no_halo_even_when_unlikely():
+    owners = torch.arange(4).repeat_interleave(16)  # 6 of 64 positions border another rank
+    error = torch.zeros(64, dtype=F64)
+    error[[15, 16, 31, 32, 47, 48]] = 1.0  # every border position...
+    error[[3, 8, 23, 40]] = 1.0  # ...and 4 inside blocks: 6 of 10 border, 60%
+    # chance alone would not put 6 of 10 on 6 in 64 (4e-4): only the 90% rule says no
+    assert by_chance(6, 10, 6 / 64) < 1e-3
+    assert boundary_hint(error, owners, 1e-6, None, "position") == ""
+    error[[3, 8, 23, 40]] = 0.0
+    assert boundary_hint(error, owners, 1e-6, None, "position") != ""
+
+
+def test_a_factor_near_the_group_size_beyond_the_tolerance_is_no_exact_factor():
+    e = torch.linspace(1, 2, 50, dtype=F64)
+    rtol = 1e-10
+    assert scale_hint(4 * e, e, 4, rtol) == (
+        "exactly 4x the reference: a reduction counted 4 times"
+    )
+    # 4 (1 + 3 rtol): three times the tolerance off the factor, in an exact multiple of e
+    assert scale_hint(4 * (1 + 3 * rtol) * e, e, 4, rtol) == ""
+    assert scale_hint(e / 4 * (1 + 3 * rtol), e, 4, rtol) == ""
+    assert scale_hint(e / 4, e, 4, rtol).startswith("exactly 1/4 of the reference")
