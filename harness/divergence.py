@@ -42,6 +42,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from harness._values import is_distributed, plain
 from harness.partition import CellPartition, LatLonPartition
 
 #: a quantity departs when a rank is this many times its noise floor away from the reference.
@@ -954,14 +955,12 @@ def _readable(t: torch.Tensor | None) -> torch.Tensor | None:
     unconverted is read as its local shard (placed like any rank's tensor)."""
     if t is None or _plain_type(t):
         return t
-    to_local = getattr(t, "to_local", None)
-    if callable(to_local):
-        try:
-            local = to_local()
-        except Exception:  # noqa: BLE001 - unreadable: listed, never raised
-            return None
-        return local if isinstance(local, torch.Tensor) and _plain_type(local) else None
-    return None
+    if not is_distributed(t):
+        return None
+    try:
+        return plain(t)
+    except Exception:  # noqa: BLE001 - unreadable: listed, never raised
+        return None
 
 
 def _real(dtype: torch.dtype) -> torch.dtype:

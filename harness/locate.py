@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harness._values import block, is_distributed, plain
 from harness.collectives import apply
 from harness.divergence import (
     Event,
@@ -300,7 +301,7 @@ class Recorder:
             at = len(events) if at < 0 else at
             grad = None if p.grad is None else detached(p.grad)
             if grad is None and not self.topo.is_reference:
-                grad = torch.zeros_like(_local(p.detach())).cpu()  # None is compared as zeros
+                grad = torch.zeros_like(plain(p.detach())).cpu()  # None is compared as zeros
             placement: Placement | str | None = None
             if grad is not None and not self.topo.is_reference:
                 placement, grad = _as_placed(grad)
@@ -330,45 +331,33 @@ class Recorder:
         }
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's (or ShardTensor's) local shard; any other tensor as it is."""
-    to_local = getattr(t, "to_local", None)
-    if type(t) in (torch.Tensor, torch.nn.Parameter) or not callable(to_local):
-        return t
-    local = to_local()
-    return local if isinstance(local, torch.Tensor) else t
-
-
 def _as_placed(t: torch.Tensor) -> tuple[Placement | None, torch.Tensor]:
     """A distributed tensor as its local shard, placed where its own placements put it in
-    the global tensor (no collective: its spec says where); a plain tensor unplaced.
+    the global tensor (``harness._values.block``: no collective, its spec says where); a
+    plain tensor unplaced.
 
-    A DTensor or a subclass of one (physicsnemo's ShardTensor) knows its global shape and
-    placements; where the offsets it implies do not match its local shard (uneven shards
-    the spec cannot say), the shard is placed from the case's partition like any tensor.
-    Anything else that is not a plain tensor is handed on as it is: judged as unreadable.
+    Where the placements do not say (``Partial``, two sharded dims) or the block they give
+    does not match the local shard (uneven shards the spec cannot say), the shard is placed
+    from the case's partition like any tensor. A value that cannot be read at all is handed
+    on as it is: judged as unreadable, listed, never raised.
     """
-    if type(t) in (torch.Tensor, torch.nn.Parameter) or not callable(getattr(t, "to_local", None)):
+    if not is_distributed(t):
         return None, t
     try:
-        local = detached(_local(t))
+        local, at = detached(plain(t)), block(t)
     except Exception:  # noqa: BLE001 - locating cannot read it: listed, never raised
         return None, t
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        spec = t._spec  # type: ignore[attr-defined]
-        shape, offset = compute_local_shape_and_global_offset(
-            tuple(t.shape), spec.mesh, spec.placements
-        )
-    except Exception:  # noqa: BLE001 - no spec to read: inferred from the partition
+    if at is None:
         return None, local
-    if tuple(shape) != tuple(local.shape):
+    dim, start, size = at
+    if dim is None:  # replicated: the whole tensor on every rank
+        return Placement((None,) * local.dim(), ("",) * local.dim()), local
+    if local.shape[dim] != size:
         return None, local
     index = tuple(
-        None if n == g else torch.arange(o, o + n) for n, g, o in zip(shape, t.shape, offset)
+        torch.arange(start, start + size) if d == dim else None for d in range(local.dim())
     )
-    units = tuple("" if i is None else "position" for i in index)
+    units = tuple("position" if d == dim else "" for d in range(local.dim()))
     return Placement(index, units), local
 
 

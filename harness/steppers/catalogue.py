@@ -252,9 +252,9 @@ DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
 #: the module whose own code holds the bug (``''`` is the model itself: these steppers keep
 #: their gathers, losses and global means in the model's methods, outside submodules);
 #: ``"sync"`` where a parameter's gradient departs with every activation gradient matching
-#: (its synchronisation; which parameter departs first is the run's); ``"coverage"`` where no value departs but items are held by no rank
-#: or by several (named by key); ``None`` where the run raises or hangs (its traceback says
-#: where).
+#: (its synchronisation; which parameter departs first is the run's); ``"coverage"`` where
+#: no value departs but items are held by no rank or by several (named by key); ``None``
+#: where the run raises or hangs (its traceback says where).
 LOCATED: dict[tuple[str, str], str | None] = {
     ("coupled-mlp", "no-grad-sync"): "sync",
     ("coupled-mlp", "wrong-shard-index"): "field 'out'",
