@@ -33,7 +33,7 @@ from harness.errors import ConfigError, RankFailure
 from harness.hints import culprit_hint
 from harness.records import RunRecord
 from harness.report import EquivalenceReport
-from harness.topology import Topology, validate_sizes
+from harness.topology import Topology, check_mesh, validate_sizes
 from harness.vacuous import check_vacuous
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ def check_equivalence(
     pool: Runner | None = None,
     allow_nonfinite: bool | None = None,
     locate: bool | None = None,
+    mesh: tuple[int, ...] | None = None,
 ) -> EquivalenceReport:
     """Run ``case`` as the reference and on ``ranks`` ranks; compare everything.
 
@@ -83,6 +84,10 @@ def check_equivalence(
     first failing step is rerun with hooks on every module to find where the partitioned
     run first departs (``report.first_divergence``, ``harness.locate``). A run that raised,
     crashed or hung is not rerun: its traceback says where.
+
+    ``mesh``: the spatial group's process grid handed to the case as ``Topology.mesh``
+    (a tuple of ``case.mesh_dims`` sizes whose product is the spatial size); ``None``: the
+    case chooses its own. ``harness.check_layouts`` runs every one.
     """
     if not isinstance(case, SpatialCase):
         raise ConfigError(
@@ -90,6 +95,12 @@ def check_equivalence(
             "subclass SpatialCase and implement build, batch and forward"
         )
     s = validate_sizes(ranks, spatial_size)
+    grid = check_mesh(mesh, s)
+    if grid and len(grid) != case.mesh_dims:
+        raise ConfigError(
+            f"mesh={grid} has {len(grid)} axes but {case.label}.mesh_dims is "
+            f"{case.mesh_dims}; give {case.mesh_dims} sizes, or set mesh_dims on the case"
+        )
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
     if case.vacuous_ok is not None and not (
@@ -125,7 +136,10 @@ def check_equivalence(
     # the reference ran first: its initial values can travel to ranks that load them
     init = reference.init if case.load_reference_shards else None
     try:
-        records = pool.run(_rank_entry, case, spatial_size, steps, lr, seed, init, timeout=timeout)
+        on_grid = {"mesh": grid} if grid else {}
+        records = pool.run(
+            _rank_entry, case, spatial_size, steps, lr, seed, init, timeout=timeout, **on_grid
+        )
     except RankFailure as failure:
         report.mismatches = failure_mismatches(failure, case.label)
         report.likely = culprit_hint(failure)
@@ -152,6 +166,7 @@ def check_equivalence(
             seed=seed,
             timeout=timeout,
             reference_init=init,
+            mesh=grid or None,
         )
         report.first_divergence = report.location.first
     return report
