@@ -60,7 +60,7 @@ class Layout:
         return (self.world_size, self.spatial_size, split, tuple(-n for n in self.mesh))
 
     def __str__(self) -> str:
-        groups = f" x {self.data_size} data groups" if self.data_size > 1 else ""
+        groups = f", {self.data_size} data groups" if self.data_size > 1 else ""
         noun = "rank" if self.world_size == 1 else "ranks"
         return f"{self.world_size} {noun}: grid {self.grid}{groups}"
 
@@ -327,3 +327,29 @@ def check_layouts(
     out.results.sort(key=lambda r: r.layout.order)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def sweep_cases(
+    cases: Iterable[tuple[str, SpatialCase]],
+    max_ranks: int,
+    pools: Callable[[int], Runner],
+    *,
+    timeout: float | None = None,
+    out: Callable[[str], None] = print,
+) -> list[str]:
+    """``harness-check --layouts N``: ``check_layouts`` of each ``(label, case)``, printed as
+    it goes (a line per layout, then the report); returns one failure line per failing case."""
+    failures = []
+    for label, case in cases:
+        out(f"\n{label}: every layout up to {max_ranks} ranks (mesh_dims {case.mesh_dims})")
+
+        def tell(result: LayoutResult) -> None:
+            out(f"  {result.status:<4}  {result.layout}")
+
+        report = check_layouts(
+            case, max_ranks=max_ranks, pools=pools, timeout=timeout, progress=tell
+        )
+        out(str(report) if not report.ok else report.summary() + "\n" + report.map())
+        if not report.ok:
+            failures.append(f"{label}: {report.summary()}")
+    return failures
