@@ -194,8 +194,7 @@ class Topology:
                     f"case asked for {dims} axes; set SpatialCase.mesh_dims = {dims}"
                 )
             return self.mesh
-        first = 1 if self.spatial_group is None else self.spatial_size
-        return (first,) + (1,) * (dims - 1)
+        return (self.spatial_size,) + (1,) * (dims - 1)  # the reference's: (1, ..., 1)
 
     @property
     def is_reference(self) -> bool:

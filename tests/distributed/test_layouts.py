@@ -1,0 +1,56 @@
+"""Every layout, and the smallest that fails: ``check_layouts`` on the stencil model of
+``stencil.py``, whose bugs each show on some layouts only, and the grid handed to the
+built-in SFNO stepper through ``Topology.mesh``."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import check_equivalence, check_layouts
+from harness.steppers.sfno import SFNOCase
+from tests.distributed.stencil import SMALLEST, StencilCase
+
+#: (world size, grid) of every layout up to 4 ranks where each bug shows (the docstring of
+#: stencil.py says why); with a batch of 2, 3 and 4 data groups of 1 rank are refused
+SHOWS_ON = {
+    "mean-of-means": {(3, (3, 1)), (3, (1, 3)), (4, (4, 1))},
+    "transposed": {(4, (2, 2))},
+    "halo-2": {(2, (1, 2)), (3, (1, 3)), (4, (1, 2)), (4, (1, 4)), (4, (2, 2))},
+}
+
+
+def test_a_correct_stencil_passes_every_layout_up_to_4_ranks(spatial):
+    report = spatial.check_layouts(StencilCase(), max_ranks=4)
+    assert len(report.passed) == 11, report
+    refused = {(r.layout.world_size, r.layout.data_size) for r in report.refused}
+    assert refused == {(3, 3), (4, 4)}, report  # 2 samples over 3 or 4 data groups
+
+
+@pytest.mark.parametrize("fault", sorted(SHOWS_ON))
+def test_a_bug_is_reported_at_the_smallest_layout_it_shows_on(spatial, fault):
+    report = check_layouts(StencilCase(fault), max_ranks=4, pools=spatial.pool, locate=False)
+    failing = {(r.layout.world_size, r.layout.mesh) for r in report.failing}
+    assert failing == SHOWS_ON[fault], report
+    smallest = report.smallest_failing
+    assert smallest is not None and (smallest.world_size, smallest.mesh) == SMALLEST[fault]
+    assert str(report).index(f"Smallest failing layout, {smallest}:") < str(report).index(
+        "Every layout"
+    )
+
+
+def test_the_fixture_fails_with_the_smallest_failing_layout_located_first(spatial):
+    with pytest.raises(pytest.fail.Exception) as failed:
+        spatial.check_layouts(StencilCase("halo-2"), max_ranks=2)
+    text = str(failed.value)
+    assert text.startswith("stencil-halo-2: 4 layout(s) up to 2 ranks, 3 passed, 1 failed")
+    lead = text.split("Every layout")[0]
+    assert "Smallest failing layout, 2 ranks: grid 1x2:" in lead
+    assert "First divergence:" in lead  # the smallest failing layout is located
+
+
+def test_the_sfno_stepper_runs_the_grid_it_is_handed_not_its_hard_coded_one(spatial):
+    report = check_equivalence(
+        SFNOCase(h=2, w=2), ranks=4, mesh=(1, 4), pool=spatial.pool(4), locate=False
+    )
+    assert report.ok, report
+    assert "on 1x4" in report.partition
