@@ -71,6 +71,7 @@ def check_equivalence(
     allow_nonfinite: bool | None = None,
     locate: bool | None = None,
     mesh: tuple[int, ...] | None = None,
+    reference: RunRecord | None = None,
 ) -> EquivalenceReport:
     """Run ``case`` as the reference and on ``ranks`` ranks; compare everything.
 
@@ -87,7 +88,9 @@ def check_equivalence(
 
     ``mesh``: the spatial group's process grid handed to the case as ``Topology.mesh``
     (a tuple of ``case.mesh_dims`` sizes whose product is the spatial size); ``None``: the
-    case chooses its own. ``harness.check_layouts`` runs every one.
+    case chooses its own. ``harness.check_layouts`` runs every one, with one ``reference``
+    (the reference's ``run_case`` record of this case, ``steps``, ``lr`` and ``seed``: it
+    does not depend on the layout).
     """
     if not isinstance(case, SpatialCase):
         raise ConfigError(
@@ -119,7 +122,8 @@ def check_equivalence(
     if pool.world_size != ranks:
         raise ConfigError(f"pool has {pool.world_size} ranks but ranks={ranks} was asked for")
 
-    reference = run_case(case, Topology.single(), steps, lr, seed)
+    if reference is None:
+        reference = run_case(case, Topology.single(), steps, lr, seed)
     dtype = reference.steps[0].loss.dtype
     tol = tolerance or case.tolerance or Tolerance.for_dtype(dtype)
     report = EquivalenceReport(

@@ -25,10 +25,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from harness.case import SpatialCase
+from harness.case import SpatialCase, run_case
 from harness.compare import FAILURES
 from harness.errors import ConfigError
 from harness.report import EquivalenceReport
+from harness.topology import Topology
 
 if TYPE_CHECKING:
     from harness.pool import Runner
@@ -279,7 +280,7 @@ def check_layouts(
             f"check_layouts needs a harness.SpatialCase, got {type(case).__name__}; "
             "subclass SpatialCase and implement build, batch and forward"
         )
-    for bad in ("ranks", "spatial_size", "mesh", "pool"):
+    for bad in ("ranks", "spatial_size", "mesh", "pool", "reference"):
         if bad in kwargs:
             raise ConfigError(
                 f"check_layouts chooses {bad}= itself for every layout; drop {bad}= "
@@ -294,6 +295,11 @@ def check_layouts(
     t0 = time.perf_counter()
     out = LayoutsReport(case=case.label, max_ranks=max_ranks, mesh_dims=dims)
     todo = layouts(max_ranks, dims, world_sizes)
+    # the reference does not depend on the layout: run it once for every layout
+    run = {k: kwargs[k] for k in ("steps", "lr", "seed") if k in kwargs}
+    reference = run_case(
+        case, Topology.single(), run.get("steps", 2), run.get("lr", 0.1), run.get("seed", 0)
+    )
     for layout in sorted(todo, key=lambda x: (x.world_size, x.order)):
         report = check_equivalence(
             case,
@@ -302,6 +308,7 @@ def check_layouts(
             mesh=layout.mesh,
             pool=pools(layout.world_size),
             locate=False,
+            reference=reference,
             **kwargs,
         )
         why = refusal(report) if not report.ok else ""
