@@ -287,6 +287,38 @@ LOCATED: dict[tuple[str, str], str | None] = {
 }
 
 
+#: (stepper, fault id) -> (world size, process grid) of the smallest layout that shows the
+#: fault: ``check_layouts`` of the fault's own case over every layout up to 4 ranks
+#: (``python -m harness.steppers.catalogue --smallest`` measures them again). A case whose
+#: ``bounds`` name 4 ranks refuses every other spatial size, so its faults show at 4.
+#: ``tests/distributed/test_layouts.py`` checks each.
+SMALLEST_LAYOUT: dict[tuple[str, str], tuple[int, tuple[int, ...]]] = {}
+
+
+def smallest_layouts(
+    max_ranks: int = 4,
+    *,
+    select: str = "",
+    pools: Callable[[int], Any] | None = None,
+    out: Callable[[str], None] = print,
+) -> dict[tuple[str, str], tuple[int, tuple[int, ...]] | None]:
+    """Sweep every layout up to ``max_ranks`` of each fault (whose ``stepper:fault`` label
+    contains ``select``) and return where each first shows (``None``: on no layout)."""
+    from harness.layouts import check_layouts
+
+    found: dict[tuple[str, str], tuple[int, tuple[int, ...]] | None] = {}
+    for stepper, make, kwargs, _s, fault, _expected in fault_matrix(4):
+        if select not in f"{stepper}:{fault}":
+            continue
+        report = check_layouts(
+            make(**kwargs, faults=(fault,)), max_ranks=max_ranks, pools=pools, locate=False
+        )
+        smallest = report.smallest_failing
+        found[(stepper, fault)] = None if smallest is None else (smallest.world_size, smallest.mesh)
+        out(f"    ({stepper!r}, {fault!r}): {found[(stepper, fault)]},  # {smallest}")
+    return found
+
+
 def located_text(stepper: str, fault: str) -> str:
     """The README's words for where a fault is located."""
     where = LOCATED[(stepper, fault)]
@@ -339,7 +371,9 @@ def document(ranks: int = 4) -> str:
 if __name__ == "__main__":
     import sys
 
-    if "--readme" in sys.argv:
+    if "--smallest" in sys.argv:  # SMALLEST_LAYOUT's entries, measured
+        smallest_layouts(select=sys.argv[-1] if sys.argv[-1] != "--smallest" else "")
+    elif "--readme" in sys.argv:
         print("\n".join(markdown_table()))
     else:
         sys.stdout.write(document())
