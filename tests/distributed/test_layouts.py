@@ -4,6 +4,8 @@ built-in SFNO stepper through ``Topology.mesh``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from harness import check_equivalence, check_layouts
@@ -54,3 +56,32 @@ def test_the_sfno_stepper_runs_the_grid_it_is_handed_not_its_hard_coded_one(spat
     )
     assert report.ok, report
     assert "on 1x4" in report.partition
+
+
+SWEPT = """
+from tests.distributed.stencil import StencilCase
+
+
+def test_halo(spatial):
+    spatial.check(StencilCase("halo-2"))
+
+
+def test_transposed(spatial):
+    spatial.check(StencilCase("transposed"))
+"""
+
+
+def test_spatial_layouts_turns_every_check_into_a_sweep_that_names_the_smallest_layout(
+    pytester, monkeypatch
+):
+    # the ranks import the case from this repository's tests package
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    pytester.makepyfile(test_swept=SWEPT)
+    args = ("--spatial-ranks=4", "-p", "no:cacheprovider")
+    # on 4 ranks the stencil's own grid is 4 x 1: neither bug shows
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)
+    swept = pytester.runpytest_subprocess(*args, "--spatial-layouts=2")
+    swept.assert_outcomes(passed=1, failed=1)  # the transposed shard needs 2 x 2: 4 ranks
+    swept.stdout.fnmatch_lines(
+        ["*Smallest failing layout, 2 ranks: grid 1x2:*", "*FAILED test_swept.py::test_halo*"]
+    )
