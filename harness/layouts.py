@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.case import SpatialCase, run_case
@@ -186,6 +187,42 @@ class LayoutsReport:
             cells = " ".join(f"{by.get((mesh, w), '.'):>5}" for w in sizes)
             lines.append(f"{name:<{width}}  {cells}".rstrip())
         return "\n".join(lines)
+
+    def plot(self, path: str | Path) -> Path:
+        """The map as a picture (needs matplotlib): grid (rows) x world size (columns),
+        green pass, red FAIL, grey refused, blank no such layout; the smallest failing
+        layout framed."""
+        import numpy as np
+        from matplotlib.colors import ListedColormap
+        from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
+        from matplotlib.patches import Rectangle
+
+        sizes = sorted({r.layout.world_size for r in self.results})
+        grids = sorted(
+            {r.layout.mesh for r in self.results},
+            key=lambda m: Layout(0, math.prod(m), 1, m).order[1:],
+        )
+        codes = {"pass": 1.0, "FAIL": 2.0, "n/a": 0.0}
+        cells = np.full((len(grids), len(sizes)), np.nan)
+        for r in self.results:
+            cells[grids.index(r.layout.mesh), sizes.index(r.layout.world_size)] = codes[r.status]
+        colours = ListedColormap(["#bbbbbb", "#4caf50", "#e53935"])
+        fig = Figure(figsize=(1 + 0.6 * len(sizes), 1 + 0.35 * len(grids)))
+        ax = fig.add_subplot()
+        ax.imshow(cells, cmap=colours, vmin=-0.5, vmax=2.5, aspect="auto")
+        ax.set_xticks(range(len(sizes)), [str(w) for w in sizes])
+        ax.set_yticks(range(len(grids)), ["x".join(map(str, m)) for m in grids])
+        ax.set_xlabel("world size (ranks)")
+        ax.set_ylabel("process grid")
+        smallest = self.smallest_failing
+        if smallest is not None:
+            y, x = grids.index(smallest.mesh), sizes.index(smallest.world_size)
+            ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, lw=3))
+        ax.set_title(f"{self.case}: pass / FAIL / refused per layout", fontsize=9)
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100, bbox_inches="tight")
+        return out
 
     def summary(self) -> str:
         n = len(self.results)

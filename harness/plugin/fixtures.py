@@ -206,7 +206,13 @@ class SpatialFixture:
                 self._attach_output(pool.last_outputs)
                 collect_sites(self._node, pool)
         if not report.ok:
-            pytest.fail(str(report), pytrace=False)
+            text = str(report)
+            plots = self._node.config.getoption("spatial_plots")
+            if plots:  # the map as a picture too
+                stem = golden_stem(self._node.nodeid).replace("/", ".")
+                path = report.plot(Path(plots) / f"{stem}.layouts.png")
+                text += f"\n\nLayout map: {path}"
+            pytest.fail(text, pytrace=False)
         return report
 
     def _timeout(self, timeout: float | None) -> float:

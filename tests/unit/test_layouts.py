@@ -255,3 +255,20 @@ def test_spatial_layouts_beyond_the_cores_needs_oversubscribe():
     with pytest.raises(pytest.UsageError, match="--spatial-oversubscribe"):
         _parse_layouts("100000", oversubscribe=False)
     assert _parse_layouts("8", oversubscribe=False) == 8
+
+
+def test_the_map_is_drawn_as_a_picture_with_the_smallest_failing_layout_framed(tmp_path):
+    pytest.importorskip("matplotlib")  # the plots extra
+    import matplotlib.image
+
+    bad, good = Layout(2, 2, 1, (1, 2)), Layout(2, 2, 1, (2, 1))
+    report = sweep(
+        [LayoutResult(good, report_of(good)), LayoutResult(bad, report_of(bad, loss_off(1)))]
+    )
+    path = report.plot(tmp_path / "maps" / "layouts.png")
+    pixels = matplotlib.image.imread(path)[..., :3]
+    red = (pixels[..., 0] > 0.8) & (pixels[..., 1] < 0.3)
+    green = (pixels[..., 1] > 0.6) & (pixels[..., 0] < 0.4)
+    assert red.sum() > 100 and green.sum() > 100  # one FAIL cell and one pass cell
+    # the FAIL row (1x2, drawn second) lies below the pass row (2x1)
+    assert red.nonzero()[0].mean() > green.nonzero()[0].mean()
