@@ -292,7 +292,36 @@ LOCATED: dict[tuple[str, str], str | None] = {
 #: (``python -m harness.steppers.catalogue --smallest`` measures them again). A case whose
 #: ``bounds`` name 4 ranks refuses every other spatial size, so its faults show at 4.
 #: ``tests/distributed/test_layouts.py`` checks each.
-SMALLEST_LAYOUT: dict[tuple[str, str], tuple[int, tuple[int, ...]]] = {}
+SMALLEST_LAYOUT: dict[tuple[str, str], tuple[int, tuple[int, ...]]] = {
+    ("coupled-mlp", "no-grad-sync"): (2, (1,)),  # 2 ranks: grid 1, 2 data groups
+    ("coupled-mlp", "wrong-shard-index"): (1, (1,)),  # 1 rank: grid 1
+    ("coupled-mlp", "non-differentiable-reduce"): (2, (2,)),  # 2 ranks: grid 2
+    ("sfno", "reduce-not-differentiable"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "reduce-double-count"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "coupling-identity-backward"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "no-grad-sync"): (2, (1, 1)),  # 2 ranks: grid 1x1, 2 data groups
+    ("sfno", "grad-sync-mean"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "buffer-broadcast"): (1, (1, 1)),  # 1 rank: grid 1x1
+    ("sfno", "mean-of-means"): (3, (3, 1)),  # 3 ranks: grid 3x1
+    ("sfno", "split-mismatch"): (3, (1, 3)),  # 3 ranks: grid 1x3
+    ("sfno", "per-rank-noise"): (2, (1, 1)),  # 2 ranks: grid 1x1, 2 data groups
+    ("sfno", "local-weights"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "reduce-over-world"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "shard-wrong-l"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "shard-grad-replicated"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("healpix", "rank-major-gather"): (2, (2,)),  # 2 ranks: grid 2
+    ("healpix", "padding-kept"): (4, (4,)),  # 4 ranks: grid 4
+    ("healpix", "gather-over-world"): (2, (1,)),  # 2 ranks: grid 1, 2 data groups
+    ("healpix", "rank-order"): (2, (2,)),  # 2 ranks: grid 2
+    ("healpix", "local-neighbour-index"): (2, (2,)),  # 2 ranks: grid 2
+    ("healpix", "empty-skip"): (4, (4,)),  # 4 ranks: grid 4
+    ("healpix", "empty-none-grad"): (4, (4,)),  # 4 ranks: grid 4
+    ("healpix", "non-autograd-gather"): (2, (2,)),  # 2 ranks: grid 2
+    ("healpix", "grad-scale"): (2, (2,)),  # 2 ranks: grid 2
+    ("healpix", "rank-local-nan-check"): (4, (4,)),  # 4 ranks: grid 4
+    ("healpix", "same-batch-violated"): (2, (1,)),  # 2 ranks: grid 1, 2 data groups
+    ("healpix", "local-sample-key"): (2, (1,)),  # 2 ranks: grid 1, 2 data groups
+}
 
 
 def smallest_layouts(

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from harness import check_equivalence, check_layouts
+from harness.steppers import catalogue
+from harness.steppers.catalogue import fault_matrix
 from harness.steppers.sfno import SFNOCase
 from tests.distributed.stencil import SMALLEST, StencilCase
 
@@ -85,3 +87,41 @@ def test_spatial_layouts_turns_every_check_into_a_sweep_that_names_the_smallest_
     swept.stdout.fnmatch_lines(
         ["*Smallest failing layout, 2 ranks: grid 1x2:*", "*FAILED test_swept.py::test_halo*"]
     )
+
+
+CATALOGUE = {(s, f): (make, kwargs) for s, make, kwargs, _sp, f, _q in fault_matrix(4)}
+
+
+def test_every_fault_of_the_catalogue_has_its_smallest_failing_layout():
+    assert set(catalogue.SMALLEST_LAYOUT) == set(CATALOGUE)
+
+
+@pytest.mark.parametrize(
+    "key", sorted(catalogue.SMALLEST_LAYOUT), ids=lambda key: f"{key[0]}:{key[1]}"
+)
+def test_each_catalogue_fault_shows_first_at_its_recorded_smallest_layout(spatial, key):
+    world, mesh = catalogue.SMALLEST_LAYOUT[key]
+    make, kwargs = CATALOGUE[key]
+    # the layouts up to its world size: every smaller one passes (or is refused)
+    report = check_layouts(
+        make(**kwargs, faults=(key[1],)), max_ranks=world, pools=spatial.pool, locate=False
+    )
+    smallest = report.smallest_failing
+    assert smallest is not None and (smallest.world_size, smallest.mesh) == (world, mesh), report
+
+
+def test_the_main_jobs_sweep_prints_each_layout_and_fails_naming_the_smallest(spatial):
+    from harness.layouts import sweep_cases
+
+    lines: list[str] = []
+    failures = sweep_cases(
+        [("stencil", StencilCase()), ("stencil halo", StencilCase("halo-2"))],
+        2,
+        spatial.pool,
+        out=lines.append,
+    )
+    assert failures == [
+        "stencil halo: " + next(line for line in lines if line.startswith("stencil-halo-2: 4"))
+    ]
+    assert failures[0].endswith("smallest failing layout: 2 ranks: grid 1x2")
+    assert "  pass  2 ranks: grid 2x1" in lines and "  FAIL  2 ranks: grid 1x2" in lines

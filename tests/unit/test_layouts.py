@@ -272,3 +272,13 @@ def test_the_map_is_drawn_as_a_picture_with_the_smallest_failing_layout_framed(t
     assert red.sum() > 100 and green.sum() > 100  # one FAIL cell and one pass cell
     # the FAIL row (1x2, drawn second) lies below the pass row (2x1)
     assert red.nonzero()[0].mean() > green.nonzero()[0].mean()
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_harness_check_refuses_a_layouts_sweep_of_no_ranks(value, capsys):
+    from harness.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--layouts", value])
+    assert exited.value.code == 2
+    assert f"--layouts {value}: N must be an integer >= 1" in capsys.readouterr().err
