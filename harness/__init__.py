@@ -27,6 +27,7 @@ from harness.errors import (
     UnwaitedWork,
 )
 from harness.goldens import GoldenStore
+from harness.layouts import Layout, LayoutsReport, check_layouts
 from harness.partition import CellPartition, LatLonPartition, cell_of, split_sizes
 from harness.pool import PoolRegistry, RankPool, Runner
 from harness.report import EquivalenceReport
@@ -45,6 +46,8 @@ __all__ = [
     "HarnessError",
     "HarnessWarning",
     "LatLonPartition",
+    "Layout",
+    "LayoutsReport",
     "Mismatch",
     "Outputs",
     "PicklingProblem",
@@ -69,6 +72,7 @@ __all__ = [
     "cell_of",
     "check_equivalence",
     "check_group",
+    "check_layouts",
     "data_share",
     "split_sizes",
 ]

@@ -142,6 +142,14 @@ def _parser() -> argparse.ArgumentParser:
         "--oversubscribe", action="store_true", help="allow many more ranks than CPU cores"
     )
     parser.add_argument(
+        "--layouts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead: check every layout up to N ranks of each stepper (world sizes, "
+        "spatial x data splits, process grids) and name the smallest failing one",
+    )
+    parser.add_argument(
         "--mutants",
         action="store_true",
         help="instead: inject a bug at each torch.distributed call site the layouts reach "
@@ -183,6 +191,15 @@ def main(argv: list[str] | None = None) -> int:
             "--mutants-min-score needs --mutants and a percentage from 0 to 100, got "
             f"{args.mutants_min_score:g}"
         )
+    if args.layouts is not None:
+        try:
+            if args.layouts < 1:
+                raise ConfigError(f"N must be an integer >= 1, got {args.layouts}; e.g. 8")
+            check_oversubscription(
+                args.layouts, allow=args.oversubscribe, how="pass --oversubscribe"
+            )
+        except ConfigError as exc:
+            parser.error(f"--layouts {args.layouts}: {exc}")
     only = "layouts" if args.no_faults else args.only
     try:
         source = _source(args.model)
@@ -204,7 +221,17 @@ def main(argv: list[str] | None = None) -> int:
             "against the single-process reference",
             flush=True,
         )
-        if args.mutants:
+        if args.layouts:
+            from harness.layouts import sweep_cases
+
+            firsts: dict[Any, Config] = {}  # each stepper's first (plain) layout
+            for c in configs(args.ranks, args.model):
+                firsts.setdefault(c.make, c)
+            cases = [
+                (c.label, c.case()) for c in firsts.values() if _selected(c.label, args.select)
+            ]
+            failures += sweep_cases(cases, args.layouts, registry.get, timeout=args.timeout)
+        elif args.mutants:
             failures += _mutants(args, registry, source)
         else:
             if only != "faults":

@@ -135,6 +135,10 @@ class SpatialCase:
     #: (``parameter_shards``, DTensor placements), before the first step, and the report
     #: says so. Initial values are then not checked; everything after them is.
     load_reference_init: bool = False
+    #: How many axes the case's process grid has (``Topology.mesh``): 1 for a split along
+    #: one dimension (bands, cell ranges), 2 for lat x lon blocks. ``check_layouts`` hands
+    #: the case every grid of that many factors of the spatial group.
+    mesh_dims: int = 1
 
     def build(self, topo: Topology) -> torch.nn.Module:
         raise NotImplementedError
@@ -950,15 +954,16 @@ def _rank_entry(
     lr: float,
     seed: int,
     reference_init: dict[str, torch.Tensor] | None = None,
+    mesh: tuple[int, ...] | None = None,
 ) -> RunRecord:
     """What every rank of the pool runs (module level, so the pool can pickle it).
     ``reference_init``: the reference's parameters after build, for a case that loads them
-    into its shards (``SpatialCase.load_reference_shards``)."""
+    into its shards (``SpatialCase.load_reference_shards``); ``mesh``: ``Topology.mesh``."""
     from harness.adopt import check_operations
     from harness.pool import report_progress
 
     checks = check_operations()
-    topo = Topology.create(spatial_size)
+    topo = Topology.create(spatial_size, mesh)
     record = run_case(
         case, topo, steps, lr, seed, progress=report_progress, reference_init=reference_init
     )

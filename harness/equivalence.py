@@ -35,7 +35,7 @@ from harness.errors import ConfigError, RankFailure, exception_summary
 from harness.hints import culprit_hint
 from harness.records import RunRecord
 from harness.report import EquivalenceReport
-from harness.topology import Topology, validate_sizes
+from harness.topology import Topology, check_mesh, validate_sizes
 from harness.vacuous import check_vacuous
 
 if TYPE_CHECKING:
@@ -73,6 +73,8 @@ def check_equivalence(
     pool: Runner | None = None,
     allow_nonfinite: bool | None = None,
     locate: bool | None = None,
+    mesh: tuple[int, ...] | None = None,
+    reference: RunRecord | None = None,
 ) -> EquivalenceReport:
     """Run ``case`` as the reference and on ``ranks`` ranks; compare everything.
 
@@ -86,6 +88,12 @@ def check_equivalence(
     first failing step is rerun with hooks on every module to find where the partitioned
     run first departs (``report.first_divergence``, ``harness.locate``). A run that raised,
     crashed or hung is not rerun: its traceback says where.
+
+    ``mesh``: the spatial group's process grid handed to the case as ``Topology.mesh``
+    (a tuple of ``case.mesh_dims`` sizes whose product is the spatial size); ``None``: the
+    case chooses its own. ``harness.check_layouts`` runs every one, with one ``reference``
+    (the reference's ``run_case`` record of this case, ``steps``, ``lr`` and ``seed``: it
+    does not depend on the layout).
     """
     if not isinstance(case, SpatialCase):
         raise ConfigError(
@@ -93,6 +101,12 @@ def check_equivalence(
             "subclass SpatialCase and implement build, batch and forward"
         )
     s = validate_sizes(ranks, spatial_size)
+    grid = check_mesh(mesh, s)
+    if grid and len(grid) != case.mesh_dims:
+        raise ConfigError(
+            f"mesh={grid} has {len(grid)} axes but {case.label}.mesh_dims is "
+            f"{case.mesh_dims}; give {case.mesh_dims} sizes, or set mesh_dims on the case"
+        )
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
     if case.vacuous_ok is not None and not (
@@ -111,10 +125,11 @@ def check_equivalence(
     if pool.world_size != ranks:
         raise ConfigError(f"pool has {pool.world_size} ranks but ranks={ranks} was asked for")
 
-    try:
-        reference = run_case(case, Topology.single(), steps, lr, seed)
-    except Exception as exc:  # noqa: BLE001 - the reference's failure is the check's verdict
-        return _reference_failed(case, exc, ranks, s, steps, tolerance, t0)
+    if reference is None:
+        try:
+            reference = run_case(case, Topology.single(), steps, lr, seed)
+        except Exception as exc:  # noqa: BLE001 - the reference's failure is the check's verdict
+            return _reference_failed(case, exc, ranks, s, steps, tolerance, t0)
     dtype = reference.steps[0].loss.dtype
     tol = tolerance or case.tolerance or Tolerance.for_dtype(dtype)
     report = EquivalenceReport(
@@ -132,7 +147,10 @@ def check_equivalence(
     loads = case.load_reference_shards or case.load_reference_init
     init = reference.init if loads else None
     try:
-        records = pool.run(_rank_entry, case, spatial_size, steps, lr, seed, init, timeout=timeout)
+        on_grid = {"mesh": grid} if grid else {}
+        records = pool.run(
+            _rank_entry, case, spatial_size, steps, lr, seed, init, timeout=timeout, **on_grid
+        )
     except RankFailure as failure:
         report.mismatches = failure_mismatches(failure, case.label)
         report.likely = culprit_hint(failure)
@@ -160,6 +178,7 @@ def check_equivalence(
                 seed,
                 timeout,
                 init,
+                grid or None,
             )
         except Exception as exc:  # noqa: BLE001 - a diagnosis never takes the verdict down
             report.location = None
@@ -181,6 +200,7 @@ def _locate(
     seed: int,
     timeout: float | None,
     init: dict[str, torch.Tensor] | None,
+    mesh: tuple[int, ...] | None,
 ) -> None:
     """Locate the first divergence into ``report`` (``harness.locate``)."""
     from harness.locate import locate as locate_run
@@ -194,6 +214,7 @@ def _locate(
         seed=seed,
         timeout=timeout,
         reference_init=init,
+        mesh=mesh,
     )
     report.first_divergence = report.location.first
     report.location.lines()  # rendered now: a line it cannot write is said here, not in str()

@@ -422,9 +422,10 @@ def _locate_entry(
     seed: int,
     backward: bool,
     reference_init: dict[str, torch.Tensor] | None = None,
+    mesh: tuple[int, ...] | None = None,
 ) -> Trace:
     """What every rank of the pool runs to be located (module level: the pool pickles it)."""
-    topo = Topology.create(spatial_size)
+    topo = Topology.create(spatial_size, mesh)
     return _traced(case, topo, step, lr, seed, False, backward, reference_init)
 
 
@@ -438,9 +439,11 @@ def locate(
     seed: int,
     timeout: float | None = None,
     reference_init: dict[str, torch.Tensor] | None = None,
+    mesh: tuple[int, ...] | None = None,
 ) -> Location:
     """Rerun step ``step`` hooked (reference, nudged reference, every rank) and judge it.
-    ``reference_init``: for a case that loads the reference's values into its shards."""
+    ``reference_init``: for a case that loads the reference's values into its shards;
+    ``mesh``: the process grid of the run being located (``Topology.mesh``)."""
     t0 = time.perf_counter()
     problem = ""
     for backward in (True, False):
@@ -457,6 +460,7 @@ def locate(
                 backward,
                 reference_init,
                 timeout=timeout,
+                **({"mesh": mesh} if mesh else {}),
             )
         except RankFailure as failure:
             first = next((p for p in failure.problems if p.kind != "stopped"), None)

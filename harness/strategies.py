@@ -21,12 +21,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
+from harness.layouts import Layout
+from harness.layouts import layouts as _all_layouts
 from harness.partition import CellPartition, LatLonPartition, cell_of
 
 __all__ = [
     "ObservationSet",
     "cell_partitions",
     "latlon_partitions",
+    "layouts",
     "observation_sets",
     "process_grids",
     "register_profiles",
@@ -69,6 +72,19 @@ def process_grids(ranks: int) -> st.SearchStrategy[tuple[int, int]]:
     """
     ranks = _int("ranks", ranks, 1)
     return st.sampled_from(_grids(ranks))
+
+
+def layouts(*, max_ranks: int = 8, mesh_dims: int = 1) -> st.SearchStrategy[Layout]:
+    """``harness.layouts.Layout`` s up to ``max_ranks`` ranks: a world size, its spatial x
+    data split and a process grid of ``mesh_dims`` axes, for
+    ``check_equivalence(case, ranks=l.world_size, spatial_size=l.spatial_size, mesh=l.mesh)``.
+
+    Shrinks towards the smallest layout (``Layout.order``: fewest ranks, then the simplest
+    grid), so a failing example reads as the smallest layout that shows the bug.
+    """
+    max_ranks = _int("max_ranks", max_ranks, 1)
+    mesh_dims = _int("mesh_dims", mesh_dims, 1)
+    return st.sampled_from(_all_layouts(max_ranks, mesh_dims))
 
 
 # ---------------------------------------------------------------------- lat/lon

@@ -74,6 +74,34 @@ def validate_sizes(world_size: int, spatial_size: int | None) -> int:
     return spatial_size
 
 
+def check_mesh(mesh: Any, spatial_size: int) -> tuple[int, ...]:
+    """``mesh`` as a tuple of ints whose product is ``spatial_size`` (``()`` for ``None``),
+    or one ``ConfigError`` naming the problem and the fix.
+
+    >>> check_mesh([2, 2], 4)
+    (2, 2)
+    """
+    if mesh is None or (isinstance(mesh, tuple | list) and len(mesh) == 0):
+        return ()
+    sizes = tuple(mesh) if isinstance(mesh, tuple | list) else (mesh,)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+        raise ConfigError(
+            f"mesh={mesh!r}: a process grid is a tuple of integers >= 1, one per grid axis; "
+            f"e.g. mesh=({spatial_size},) or mesh=(2, {spatial_size // 2}) "
+            "when 2 divides the spatial group"
+        )
+    product = 1
+    for n in sizes:
+        product *= n
+    if product != spatial_size:
+        example = (spatial_size,) + (1,) * (len(sizes) - 1)
+        raise ConfigError(
+            f"mesh={sizes} holds {product} ranks but the spatial group has {spatial_size}; "
+            f"give sizes whose product is {spatial_size}, e.g. mesh={example}"
+        )
+    return sizes
+
+
 @dataclass(frozen=True, eq=False)
 class Topology:
     """Where this process sits: world, spatial group and data group.
@@ -93,6 +121,12 @@ class Topology:
     - ``data_group``: the ``D`` ranks with this ``spatial_rank``, one from each spatial group
       (global ranks ``spatial_rank, spatial_rank + S, ...``): the group a gradient is
       averaged over after its sum over the spatial group, as DDP would (``sync_gradients``).
+    - ``mesh``: the spatial group's process grid the harness asks for (``check_layouts``,
+      ``check_equivalence(mesh=...)``), a tuple of ``SpatialCase.mesh_dims`` sizes whose
+      product is ``S`` (``(2, 2)``: 2 polar x 2 azimuth ranks). ``()`` when none was asked
+      for: the case chooses its own grid (a hard-coded ``h x w``). The reference's is ``()``
+      too (it runs the whole domain on one process); ``mesh_shape(dims)`` answers
+      ``(1,) * dims`` there.
     """
 
     world_size: int
@@ -103,6 +137,7 @@ class Topology:
     data_size: int
     data_rank: int
     data_group: ProcessGroup | None
+    mesh: tuple[int, ...] = ()
 
     @classmethod
     def single(cls) -> Topology:
@@ -110,11 +145,14 @@ class Topology:
         return cls(1, 0, 1, 0, None, 1, 0, None)
 
     @classmethod
-    def create(cls, spatial_size: int | None = None) -> Topology:
+    def create(
+        cls, spatial_size: int | None = None, mesh: tuple[int, ...] | None = None
+    ) -> Topology:
         """This rank's topology inside an initialised default process group.
 
         ``spatial_size`` ranks form each spatial group (default: all ranks one group); the
         ``world_size / spatial_size`` spatial groups are data-parallel to each other.
+        ``mesh``: the spatial group's process grid handed to the case (``Topology.mesh``).
         Must be called on every rank with the same arguments.
         """
         if not dist.is_initialized():
@@ -125,6 +163,7 @@ class Topology:
             )
         world, rank = dist.get_world_size(), dist.get_rank()
         s = validate_sizes(world, spatial_size)
+        grid = check_mesh(mesh, s)
         d = world // s
         spatial_lists = [list(range(g * s, (g + 1) * s)) for g in range(d)]
         data_lists = [list(range(j, world, s)) for j in range(s)]
@@ -138,7 +177,24 @@ class Topology:
             data_size=d,
             data_rank=rank // s,
             data_group=groups[d + rank % s],
+            mesh=grid,
         )
+
+    def mesh_shape(self, dims: int) -> tuple[int, ...]:
+        """The process grid in ``dims`` axes: ``mesh`` when the harness handed one, else
+        all ranks on the first axis; ``(1,) * dims`` for the reference.
+
+        >>> Topology.single().mesh_shape(2)
+        (1, 1)
+        """
+        if self.mesh:
+            if len(self.mesh) != dims:
+                raise ConfigError(
+                    f"the harness handed a {len(self.mesh)}-axis mesh {self.mesh} but the "
+                    f"case asked for {dims} axes; set SpatialCase.mesh_dims = {dims}"
+                )
+            return self.mesh
+        return (self.spatial_size,) + (1,) * (dims - 1)  # the reference's: (1, ..., 1)
 
     @property
     def is_reference(self) -> bool:

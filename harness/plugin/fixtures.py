@@ -21,6 +21,7 @@ from harness.goldens import (
     golden_stem,
 )
 from harness.launcher import LauncherRegistry, WorldSizeMismatch
+from harness.layouts import LayoutsReport, check_layouts
 from harness.plugin._keys import (
     _EQUIV_PROP,
     _GOLDEN_PROP,
@@ -99,9 +100,13 @@ class SpatialFixture:
         always with ``--spatial-locate``).
         """
         __tracebackhide__ = True
+        settings = self._node.config.stash[_settings_key]
+        if settings.layouts and getattr(self._registry, "mutant", None) is None:
+            # --spatial-layouts N: every layout first; the usual check (goldens, summary) after
+            sweep = {k: v for k, v in kwargs.items() if k not in ("spatial_size", "mesh")}
+            self.check_layouts(case, max_ranks=settings.layouts, timeout=timeout, **sweep)
         ranks = ranks or self.ranks
         pool = self._pool(ranks)
-        settings = self._node.config.stash[_settings_key]
         if locate is None and (settings.calibrate or settings.locate):
             locate = True
         if getattr(self._registry, "mutant", None) is not None:
@@ -152,6 +157,62 @@ class SpatialFixture:
             failures.append(lead + golden_failure)
         if failures:
             pytest.fail("\n\n".join(failures), pytrace=False)
+        return report
+
+    def check_layouts(
+        self,
+        case: SpatialCase,
+        *,
+        max_ranks: int | None = None,
+        timeout: float | None = None,
+        locate: bool | None = None,
+        **kwargs: Any,
+    ) -> LayoutsReport:
+        """``harness.check_layouts`` on the warm pools (one per world size): every layout up
+        to ``max_ranks`` (default: ``--spatial-layouts``, else this test's rank count);
+        fail with the smallest failing layout's report and the map of every layout.
+        Under torchrun/srun only the launcher's world size can run: its layouts are swept."""
+        __tracebackhide__ = True
+        settings = self._node.config.stash[_settings_key]
+        top = max_ranks or settings.layouts or self.ranks
+        try:
+            check_oversubscription(
+                top,
+                allow=self._node.config.getoption("spatial_oversubscribe"),
+                how="pass --spatial-oversubscribe",
+            )
+        except ConfigError as exc:
+            pytest.fail(f"check_layouts(max_ranks={top}): {exc}", pytrace=False)
+        if self.launcher:
+            kwargs.setdefault("world_sizes", [self.ranks])
+        used: list[Any] = []
+
+        def pools(size: int) -> Any:
+            pool = self._pool(size)
+            used.append(pool)
+            return pool
+
+        try:
+            report = check_layouts(
+                case,
+                max_ranks=top,
+                pools=pools,
+                timeout=self._timeout(timeout),
+                locate=locate,
+                **kwargs,
+            )
+        finally:
+            for pool in dict.fromkeys(used):
+                self._attach_output(pool.last_outputs)
+                collect_sites(self._node, pool)
+        if not report.ok:
+            text = str(report)
+            plots = self._node.config.getoption("spatial_plots")
+            if plots:  # the map as a picture too
+                stem = golden_stem(self._node.nodeid).replace("/", ".")
+                path = report.plot(Path(plots) / f"{stem}.layouts.png")
+                text += f"\n\nLayout map: {path}"
+            pytest.fail(text, pytrace=False)
         return report
 
     def _timeout(self, timeout: float | None) -> float:

@@ -106,6 +106,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "partitioned run's error and the rtol they support",
     )
     group.addoption(
+        "--spatial-layouts",
+        dest="spatial_layouts",
+        default=None,
+        metavar="N",
+        help="turn every spatial.check into a sweep of every layout up to N ranks (world "
+        "sizes, spatial x data splits, process grids); a failure names the smallest failing "
+        "layout",
+    )
+    group.addoption(
         "--goldens-unused",
         action="store_true",
         dest="goldens_unused",
@@ -220,6 +229,8 @@ class Settings:
     locate: bool = False
     #: print each check's measured rounding noise and the tolerance it supports
     calibrate: bool = False
+    #: sweep every layout up to this many ranks before each spatial.check (None: off)
+    layouts: int | None = None
 
     @classmethod
     def parse(cls, config: pytest.Config) -> Settings:
@@ -265,7 +276,25 @@ class Settings:
             mutants_min_score=min_score,
             locate=bool(config.getoption("spatial_locate") or config.getini("spatial_locate")),
             calibrate=bool(config.getoption("spatial_calibrate")),
+            layouts=_parse_layouts(config.getoption("spatial_layouts"), oversubscribe),
         )
+
+
+def _parse_layouts(raw: Any, oversubscribe: bool) -> int | None:
+    """``--spatial-layouts N``: an integer >= 1 that the machine can run, or one clear line."""
+    if raw is None:
+        return None
+    text = str(raw).strip()
+    if not (text.isdigit() and int(text) >= 1):
+        raise pytest.UsageError(
+            f"--spatial-layouts must be an integer >= 1 (the most ranks a layout may use), "
+            f"got {raw!r}; e.g. --spatial-layouts 8"
+        )
+    try:
+        check_oversubscription(int(text), allow=oversubscribe, how="pass --spatial-oversubscribe")
+    except ConfigError as exc:
+        raise pytest.UsageError(f"--spatial-layouts {text}: {exc}") from None
+    return int(text)
 
 
 def _parse_min_score(raw: Any, mutants: bool) -> float | None:

@@ -287,6 +287,67 @@ LOCATED: dict[tuple[str, str], str | None] = {
 }
 
 
+#: (stepper, fault id) -> (world size, process grid) of the smallest layout that shows the
+#: fault: ``check_layouts`` of the fault's own case over every layout up to 4 ranks
+#: (``python -m harness.steppers.catalogue --smallest`` measures them again). A case whose
+#: ``bounds`` name 4 ranks refuses every other spatial size, so its faults show at 4.
+#: ``tests/distributed/test_layouts.py`` checks each.
+SMALLEST_LAYOUT: dict[tuple[str, str], tuple[int, tuple[int, ...]]] = {
+    ("coupled-mlp", "no-grad-sync"): (2, (1,)),  # 2 ranks: grid 1, 2 data groups
+    ("coupled-mlp", "wrong-shard-index"): (1, (1,)),  # 1 rank: grid 1
+    ("coupled-mlp", "non-differentiable-reduce"): (2, (2,)),  # 2 ranks: grid 2
+    ("sfno", "reduce-not-differentiable"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "reduce-double-count"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "coupling-identity-backward"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "no-grad-sync"): (2, (1, 1)),  # 2 ranks: grid 1x1, 2 data groups
+    ("sfno", "grad-sync-mean"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "buffer-broadcast"): (1, (1, 1)),  # 1 rank: grid 1x1
+    ("sfno", "mean-of-means"): (3, (3, 1)),  # 3 ranks: grid 3x1
+    ("sfno", "split-mismatch"): (3, (1, 3)),  # 3 ranks: grid 1x3
+    ("sfno", "per-rank-noise"): (2, (1, 1)),  # 2 ranks: grid 1x1, 2 data groups
+    ("sfno", "local-weights"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "reduce-over-world"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "shard-wrong-l"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("sfno", "shard-grad-replicated"): (2, (2, 1)),  # 2 ranks: grid 2x1
+    ("healpix", "rank-major-gather"): (2, (2,)),  # 2 ranks: grid 2
+    ("healpix", "padding-kept"): (4, (4,)),  # 4 ranks: grid 4
+    ("healpix", "gather-over-world"): (2, (1,)),  # 2 ranks: grid 1, 2 data groups
+    ("healpix", "rank-order"): (2, (2,)),  # 2 ranks: grid 2
+    ("healpix", "local-neighbour-index"): (2, (2,)),  # 2 ranks: grid 2
+    ("healpix", "empty-skip"): (4, (4,)),  # 4 ranks: grid 4
+    ("healpix", "empty-none-grad"): (4, (4,)),  # 4 ranks: grid 4
+    ("healpix", "non-autograd-gather"): (2, (2,)),  # 2 ranks: grid 2
+    ("healpix", "grad-scale"): (2, (2,)),  # 2 ranks: grid 2
+    ("healpix", "rank-local-nan-check"): (4, (4,)),  # 4 ranks: grid 4
+    ("healpix", "same-batch-violated"): (2, (1,)),  # 2 ranks: grid 1, 2 data groups
+    ("healpix", "local-sample-key"): (2, (1,)),  # 2 ranks: grid 1, 2 data groups
+}
+
+
+def smallest_layouts(
+    max_ranks: int = 4,
+    *,
+    select: str = "",
+    pools: Callable[[int], Any] | None = None,
+    out: Callable[[str], None] = print,
+) -> dict[tuple[str, str], tuple[int, tuple[int, ...]] | None]:
+    """Sweep every layout up to ``max_ranks`` of each fault (whose ``stepper:fault`` label
+    contains ``select``) and return where each first shows (``None``: on no layout)."""
+    from harness.layouts import check_layouts
+
+    found: dict[tuple[str, str], tuple[int, tuple[int, ...]] | None] = {}
+    for stepper, make, kwargs, _s, fault, _expected in fault_matrix(4):
+        if select not in f"{stepper}:{fault}":
+            continue
+        report = check_layouts(
+            make(**kwargs, faults=(fault,)), max_ranks=max_ranks, pools=pools, locate=False
+        )
+        smallest = report.smallest_failing
+        found[(stepper, fault)] = None if smallest is None else (smallest.world_size, smallest.mesh)
+        out(f"    ({stepper!r}, {fault!r}): {found[(stepper, fault)]},  # {smallest}")
+    return found
+
+
 def located_text(stepper: str, fault: str) -> str:
     """The README's words for where a fault is located."""
     where = LOCATED[(stepper, fault)]
@@ -339,7 +400,9 @@ def document(ranks: int = 4) -> str:
 if __name__ == "__main__":
     import sys
 
-    if "--readme" in sys.argv:
+    if "--smallest" in sys.argv:  # SMALLEST_LAYOUT's entries, measured
+        smallest_layouts(select=sys.argv[-1] if sys.argv[-1] != "--smallest" else "")
+    elif "--readme" in sys.argv:
         print("\n".join(markdown_table()))
     else:
         sys.stdout.write(document())

@@ -145,11 +145,12 @@ class SFNOConfig:
             raise ConfigError(f"SFNOConfig.noise must be an integer >= 0, got {self.noise!r}")
 
     def process_grid(self, topo: Topology) -> tuple[int, int]:
-        """(h, w) for this topology: 1 x 1 for the reference, else ``h * w == spatial_size``."""
+        """(h, w) for this topology: 1 x 1 for the reference, else ``h * w == spatial_size``:
+        the harness's ``topo.mesh`` when it hands one (``check_layouts``), else ``h`` x ``w``."""
         if topo.spatial_group is None:
             return 1, 1
         s = topo.spatial_size
-        h, w = self.h, self.w
+        h, w = topo.mesh_shape(2) if topo.mesh else (self.h, self.w)
         if h is None and w is None:
             h, w = s, 1
         elif h is None:
@@ -590,6 +591,7 @@ class SFNOCase(SpatialCase):
     """
 
     name = "sfno"
+    mesh_dims = 2  # h (polar) x w (azimuth)
 
     def __init__(
         self,

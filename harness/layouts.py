@@ -1,0 +1,399 @@
+"""``check_layouts``: one case checked on every layout up to ``max_ranks`` ranks, and the
+smallest layout that fails.
+
+A parallel bug does not show on every layout, and the layouts where it shows are neither the
+smallest nor contiguous: a mean of per-rank means is exact on 2 x 2 and wrong on 3 x 1, a
+shard reported at the transposed grid position shows only on 2 x 2, a halo taken from
+the wrong longitude never shows on h x 1. So every layout is run: every world size
+``W <= max_ranks``, every split of it into ``spatial_size x data_size``, every process grid of
+``case.mesh_dims`` factors of the spatial size (``Topology.mesh``), each one
+``check_equivalence`` on the warm pool of ``W`` ranks.
+
+A layout the case refuses (a ``ConfigError`` raised while building or batching on the
+ranks: a batch that does not split over 3 data groups, a grid too small for 8 polar ranks)
+is not run, and is listed with the case's reason; it is neither a pass nor a failure. The
+smallest failing layout is the one with the fewest ranks, then the simplest: fewest ranks
+splitting the domain, then fewest split grid axes, then the first axis split first
+(``Layout.order``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness.case import SpatialCase, run_case
+from harness.compare import FAILURES
+from harness.errors import ConfigError
+from harness.report import EquivalenceReport
+from harness.topology import Topology
+
+if TYPE_CHECKING:
+    from harness.pool import Runner
+
+__all__ = ["Layout", "LayoutResult", "LayoutsReport", "check_layouts", "layouts"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks of one partitioned run sit: ``world_size`` ranks in ``data_size``
+    spatial groups of ``spatial_size`` ranks, each group on the process grid ``mesh`` (a
+    tuple of ``mesh_dims`` sizes whose product is ``spatial_size``)."""
+
+    world_size: int
+    spatial_size: int
+    data_size: int
+    mesh: tuple[int, ...]
+
+    @property
+    def grid(self) -> str:
+        """The process grid as text: ``"2x2"``, ``"3"``."""
+        return "x".join(str(n) for n in self.mesh)
+
+    @property
+    def order(self) -> tuple[Any, ...]:
+        """Smallest first: fewest ranks, fewest ranks splitting the domain, fewest split
+        grid axes, then the first axis split first (``3x1`` before ``1x3``)."""
+        split = sum(1 for n in self.mesh if n > 1)
+        return (self.world_size, self.spatial_size, split, tuple(-n for n in self.mesh))
+
+    def __str__(self) -> str:
+        groups = f", {self.data_size} data groups" if self.data_size > 1 else ""
+        noun = "rank" if self.world_size == 1 else "ranks"
+        return f"{self.world_size} {noun}: grid {self.grid}{groups}"
+
+
+def _grids(size: int, dims: int) -> list[tuple[int, ...]]:
+    """Every ordered tuple of ``dims`` factors whose product is ``size``."""
+    if dims == 1:
+        return [(size,)]
+    return [
+        (d, *rest)
+        for d in range(1, size + 1)
+        if size % d == 0
+        for rest in _grids(size // d, dims - 1)
+    ]
+
+
+def layouts(
+    max_ranks: int, mesh_dims: int = 1, world_sizes: Iterable[int] | None = None
+) -> list[Layout]:
+    """Every layout up to ``max_ranks`` ranks (or of ``world_sizes``), smallest first.
+
+    >>> [x.grid for x in layouts(2, mesh_dims=2)]  # 1 rank; 2 data groups of 1; 2 x 1; 1 x 2
+    ['1x1', '1x1', '2x1', '1x2']
+    """
+    _check_int(max_ranks, "max_ranks", "e.g. max_ranks=8")
+    _check_int(mesh_dims, "mesh_dims", "1 for bands or cell ranges, 2 for lat x lon blocks")
+    sizes = range(1, max_ranks + 1) if world_sizes is None else sorted(set(world_sizes))
+    found = [
+        Layout(w, s, w // s, grid)
+        for w in sizes
+        for s in range(1, w + 1)
+        if w % s == 0
+        for grid in _grids(s, mesh_dims)
+    ]
+    return sorted(found, key=lambda x: x.order)
+
+
+def _check_int(value: Any, name: str, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}; {example}")
+
+
+@dataclass
+class LayoutResult:
+    """One layout's outcome: ``report`` (``None`` when the case refused the layout, with
+    ``refused`` its reason)."""
+
+    layout: Layout
+    report: EquivalenceReport | None
+    refused: str = ""
+
+    @property
+    def status(self) -> str:
+        """``"pass"``, ``"FAIL"`` or ``"n/a"`` (the case refused the layout)."""
+        if self.report is None:
+            return "n/a"
+        return "pass" if self.report.ok else "FAIL"
+
+
+@dataclass
+class LayoutsReport:
+    """Every layout of one case (``check_layouts``): ``.ok``, ``.smallest_failing``, and
+    ``str(report)``: the smallest failing layout's whole report first, then the map of
+    every layout (grid x world size), then the layouts the case refused and why."""
+
+    case: str
+    max_ranks: int
+    mesh_dims: int
+    results: list[LayoutResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failing(self) -> list[LayoutResult]:
+        return sorted((r for r in self.results if r.status == "FAIL"), key=lambda r: r.layout.order)
+
+    @property
+    def passed(self) -> list[LayoutResult]:
+        return [r for r in self.results if r.status == "pass"]
+
+    @property
+    def refused(self) -> list[LayoutResult]:
+        return [r for r in self.results if r.status == "n/a"]
+
+    @property
+    def ok(self) -> bool:
+        """Every layout run passed, and at least one ran (a sweep that ran nothing proves
+        nothing)."""
+        return not self.failing and bool(self.passed)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @property
+    def smallest_failing(self) -> Layout | None:
+        """The failing layout with the fewest ranks, then the simplest grid; ``None``."""
+        failing = self.failing
+        return failing[0].layout if failing else None
+
+    @property
+    def smallest_report(self) -> EquivalenceReport | None:
+        """The whole ``EquivalenceReport`` of ``smallest_failing``."""
+        failing = self.failing
+        return failing[0].report if failing else None
+
+    def result(self, layout: Layout) -> LayoutResult:
+        return next(r for r in self.results if r.layout == layout)
+
+    def map(self) -> str:
+        """Grid (rows) x world size (columns): ``pass``, ``FAIL``, ``n/a`` (refused) or
+        ``.`` (no such layout: the grid's ranks do not divide the world)."""
+        by = {(r.layout.mesh, r.layout.world_size): r.status for r in self.results}
+        sizes = sorted({r.layout.world_size for r in self.results})
+        grids = sorted(
+            {r.layout.mesh for r in self.results},
+            key=lambda m: Layout(0, math.prod(m), 1, m).order[1:],
+        )
+        grid_names = ["x".join(str(n) for n in m) for m in grids]
+        width = max([len("grid"), *map(len, grid_names)])
+        head = f"{'grid':<{width}}  " + " ".join(f"{f'W={w}':>5}" for w in sizes)
+        lines = [head.rstrip()]
+        for mesh, name in zip(grids, grid_names, strict=True):
+            cells = " ".join(f"{by.get((mesh, w), '.'):>5}" for w in sizes)
+            lines.append(f"{name:<{width}}  {cells}".rstrip())
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path) -> Path:
+        """The map as a picture (needs matplotlib): grid (rows) x world size (columns),
+        green pass, red FAIL, grey refused, blank no such layout; the smallest failing
+        layout framed."""
+        import numpy as np
+        from matplotlib.colors import ListedColormap
+        from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
+        from matplotlib.patches import Rectangle
+
+        sizes = sorted({r.layout.world_size for r in self.results})
+        grids = sorted(
+            {r.layout.mesh for r in self.results},
+            key=lambda m: Layout(0, math.prod(m), 1, m).order[1:],
+        )
+        codes = {"pass": 1.0, "FAIL": 2.0, "n/a": 0.0}
+        cells = np.full((len(grids), len(sizes)), np.nan)
+        for r in self.results:
+            cells[grids.index(r.layout.mesh), sizes.index(r.layout.world_size)] = codes[r.status]
+        colours = ListedColormap(["#bbbbbb", "#4caf50", "#e53935"])
+        fig = Figure(figsize=(1 + 0.6 * len(sizes), 1 + 0.35 * len(grids)))
+        ax = fig.add_subplot()
+        ax.imshow(cells, cmap=colours, vmin=-0.5, vmax=2.5, aspect="auto")
+        ax.set_xticks(range(len(sizes)), [str(w) for w in sizes])
+        ax.set_yticks(range(len(grids)), ["x".join(map(str, m)) for m in grids])
+        ax.set_xlabel("world size (ranks)")
+        ax.set_ylabel("process grid")
+        smallest = self.smallest_failing
+        if smallest is not None:
+            y, x = grids.index(smallest.mesh), sizes.index(smallest.world_size)
+            ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, lw=3))
+        ax.set_title(f"{self.case}: pass / FAIL / refused per layout", fontsize=9)
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100, bbox_inches="tight")
+        return out
+
+    def summary(self) -> str:
+        n = len(self.results)
+        head = (
+            f"{self.case}: {n} layout(s) up to {self.max_ranks} ranks, "
+            f"{len(self.passed)} passed, {len(self.failing)} failed, "
+            f"{len(self.refused)} refused by the case ({self.seconds:.1f} s)"
+        )
+        smallest = self.smallest_failing
+        if smallest is not None:
+            return head + f"; smallest failing layout: {smallest}"
+        if not self.passed:
+            return head + "; no layout ran, so nothing was checked"
+        return head + "; every layout run is equivalent to the reference"
+
+    def __str__(self) -> str:
+        parts = [self.summary()]
+        first = self.smallest_report
+        if first is not None:
+            parts.append(f"Smallest failing layout, {self.smallest_failing}:\n{first}")
+        parts.append(
+            "Every layout (grid x world size W; data groups = W / grid ranks; n/a: refused "
+            "by the case; '.': no such layout):\n" + self.map()
+        )
+        failing = self.failing
+        if len(failing) > 1:
+            lines = [f"  {r.layout}: {_first_line(r.report)}" for r in failing]
+            parts.append("Failing layouts, smallest first:\n" + "\n".join(lines))
+        if self.refused:
+            lines = [f"  {r.layout}: {r.refused}" for r in self.refused]
+            parts.append("Not run (the case refused the layout):\n" + "\n".join(lines))
+        return "\n\n".join(parts)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def raise_if_failed(self) -> None:
+        """An ``AssertionError`` carrying the whole report, if any layout failed or none ran."""
+        __tracebackhide__ = True
+        if not self.ok:
+            raise AssertionError(str(self))
+
+
+def _first_line(report: EquivalenceReport | None) -> str:
+    text = str(report).splitlines() if report is not None else []
+    first = next((line for line in text if line.startswith("First:")), "")
+    return first or (text[0] if text else "")
+
+
+#: the phases in which a ``ConfigError`` means the case refused the layout (not a bug of
+#: the run: a wrong shard shape in ``forward`` is one)
+_REFUSING_PHASES = ("build", "batch")
+
+
+def refusal(report: EquivalenceReport) -> str:
+    """The case's reason when it refused the layout (a ``ConfigError`` on the rank that
+    failed first, raised while building or batching), else ``""``."""
+    first = next((m for m in report.mismatches if m.quantity == "error"), None)
+    if first is None or not first.where.startswith("ConfigError"):
+        return ""
+    if not any(p in first.phase for p in _REFUSING_PHASES):
+        return ""
+    return first.where.removeprefix("ConfigError: ")
+
+
+def check_layouts(
+    case: SpatialCase,
+    *,
+    max_ranks: int = 8,
+    world_sizes: Iterable[int] | None = None,
+    pools: Callable[[int], Runner] | None = None,
+    locate: bool | None = None,
+    progress: Callable[[LayoutResult], None] | None = None,
+    **kwargs: Any,
+) -> LayoutsReport:
+    """``check_equivalence(case, ...)`` on every layout up to ``max_ranks`` ranks.
+
+    ``world_sizes`` restricts the sweep to those world sizes; ``pools(W)`` gives the runner
+    of ``W`` ranks (default: the process-wide warm pools, one per world size); ``kwargs``
+    go to every ``check_equivalence`` (``steps``, ``tolerance``, ``timeout``, ``seed``...).
+    Layouts run smallest first, one world size at a time (each pool started once); a
+    layout's hang is ended by the deadlock proof, not a clock, so an oversubscribed layout
+    that is merely slow still runs to its verdict. ``locate``: as for
+    ``check_equivalence``, for the smallest failing layout only (the sweep itself never
+    locates: the first failing layout is the one worth the cost); ``progress`` is told
+    each layout's result as it comes.
+    """
+    from harness.equivalence import check_equivalence
+
+    if not isinstance(case, SpatialCase):
+        raise ConfigError(
+            f"check_layouts needs a harness.SpatialCase, got {type(case).__name__}; "
+            "subclass SpatialCase and implement build, batch and forward"
+        )
+    for bad in ("ranks", "spatial_size", "mesh", "pool", "reference"):
+        if bad in kwargs:
+            raise ConfigError(
+                f"check_layouts chooses {bad}= itself for every layout; drop {bad}= "
+                "(restrict the sweep with max_ranks= or world_sizes=)"
+            )
+    dims = case.mesh_dims
+    _check_int(dims, f"{case.label}.mesh_dims", "1 for bands or cell ranges, 2 for lat x lon")
+    if pools is None:
+        from harness.pool import shared_registry
+
+        pools = shared_registry().get
+    t0 = time.perf_counter()
+    out = LayoutsReport(case=case.label, max_ranks=max_ranks, mesh_dims=dims)
+    todo = layouts(max_ranks, dims, world_sizes)
+    # the reference does not depend on the layout: run it once for every layout
+    run = {k: kwargs[k] for k in ("steps", "lr", "seed") if k in kwargs}
+    reference = run_case(
+        case, Topology.single(), run.get("steps", 2), run.get("lr", 0.1), run.get("seed", 0)
+    )
+    for layout in sorted(todo, key=lambda x: (x.world_size, x.order)):
+        report = check_equivalence(
+            case,
+            ranks=layout.world_size,
+            spatial_size=layout.spatial_size,
+            mesh=layout.mesh,
+            pool=pools(layout.world_size),
+            locate=False,
+            reference=reference,
+            **kwargs,
+        )
+        why = refusal(report) if not report.ok else ""
+        result = LayoutResult(layout, None if why else report, why)
+        out.results.append(result)
+        if progress is not None:
+            progress(result)
+    smallest = out.failing[0] if out.failing else None
+    if smallest is not None and locate is not False and smallest.report is not None:
+        layout = smallest.layout
+        if not smallest.report.quantities & set(FAILURES):  # a raise or a hang says where
+            located = check_equivalence(
+                case,
+                ranks=layout.world_size,
+                spatial_size=layout.spatial_size,
+                mesh=layout.mesh,
+                pool=pools(layout.world_size),
+                locate=locate,
+                **kwargs,
+            )
+            if not located.ok:  # the same verdict, now with where it first departs
+                smallest.report = located
+    out.results.sort(key=lambda r: r.layout.order)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def sweep_cases(
+    cases: Iterable[tuple[str, SpatialCase]],
+    max_ranks: int,
+    pools: Callable[[int], Runner],
+    *,
+    timeout: float | None = None,
+    out: Callable[[str], None] = print,
+) -> list[str]:
+    """``harness-check --layouts N``: ``check_layouts`` of each ``(label, case)``, printed as
+    it goes (a line per layout, then the report); returns one failure line per failing case."""
+    failures = []
+    for label, case in cases:
+        out(f"\n{label}: every layout up to {max_ranks} ranks (mesh_dims {case.mesh_dims})")
+
+        def tell(result: LayoutResult) -> None:
+            out(f"  {result.status:<4}  {result.layout}")
+
+        report = check_layouts(
+            case, max_ranks=max_ranks, pools=pools, timeout=timeout, progress=tell
+        )
+        out(str(report) if not report.ok else report.summary() + "\n" + report.map())
+        if not report.ok:
+            failures.append(f"{label}: {report.summary()}")
+    return failures

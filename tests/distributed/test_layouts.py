@@ -1,0 +1,127 @@
+"""Every layout, and the smallest that fails: ``check_layouts`` on the stencil model of
+``stencil.py``, whose bugs each show on some layouts only, and the grid handed to the
+built-in SFNO stepper through ``Topology.mesh``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness import check_equivalence, check_layouts
+from harness.steppers import catalogue
+from harness.steppers.catalogue import fault_matrix
+from harness.steppers.sfno import SFNOCase
+from tests.distributed.stencil import SMALLEST, StencilCase
+
+#: (world size, grid) of every layout up to 4 ranks where each bug shows (the docstring of
+#: stencil.py says why); with a batch of 2, 3 and 4 data groups of 1 rank are refused
+SHOWS_ON = {
+    "mean-of-means": {(3, (3, 1)), (3, (1, 3)), (4, (4, 1))},
+    "transposed": {(4, (2, 2))},
+    "halo-2": {(2, (1, 2)), (3, (1, 3)), (4, (1, 2)), (4, (1, 4)), (4, (2, 2))},
+}
+
+
+def test_a_correct_stencil_passes_every_layout_up_to_4_ranks(spatial):
+    report = spatial.check_layouts(StencilCase(), max_ranks=4)
+    assert len(report.passed) == 11, report
+    refused = {(r.layout.world_size, r.layout.data_size) for r in report.refused}
+    assert refused == {(3, 3), (4, 4)}, report  # 2 samples over 3 or 4 data groups
+
+
+@pytest.mark.parametrize("fault", sorted(SHOWS_ON))
+def test_a_bug_is_reported_at_the_smallest_layout_it_shows_on(spatial, fault):
+    report = check_layouts(StencilCase(fault), max_ranks=4, pools=spatial.pool, locate=False)
+    failing = {(r.layout.world_size, r.layout.mesh) for r in report.failing}
+    assert failing == SHOWS_ON[fault], report
+    smallest = report.smallest_failing
+    assert smallest is not None and (smallest.world_size, smallest.mesh) == SMALLEST[fault]
+    assert str(report).index(f"Smallest failing layout, {smallest}:") < str(report).index(
+        "Every layout"
+    )
+
+
+def test_the_fixture_fails_with_the_smallest_failing_layout_located_first(spatial):
+    with pytest.raises(pytest.fail.Exception) as failed:
+        spatial.check_layouts(StencilCase("halo-2"), max_ranks=2)
+    text = str(failed.value)
+    assert text.startswith("stencil-halo-2: 4 layout(s) up to 2 ranks, 3 passed, 1 failed")
+    lead = text.split("Every layout")[0]
+    assert "Smallest failing layout, 2 ranks: grid 1x2:" in lead
+    assert "First divergence:" in lead  # the smallest failing layout is located
+
+
+def test_the_sfno_stepper_runs_the_grid_it_is_handed_not_its_hard_coded_one(spatial):
+    report = check_equivalence(
+        SFNOCase(h=2, w=2), ranks=4, mesh=(1, 4), pool=spatial.pool(4), locate=False
+    )
+    assert report.ok, report
+    assert "on 1x4" in report.partition
+
+
+SWEPT = """
+from tests.distributed.stencil import StencilCase
+
+
+def test_halo(spatial):
+    spatial.check(StencilCase("halo-2"))
+
+
+def test_transposed(spatial):
+    spatial.check(StencilCase("transposed"))
+"""
+
+
+def test_spatial_layouts_turns_every_check_into_a_sweep_that_names_the_smallest_layout(
+    pytester, monkeypatch
+):
+    # the ranks import the case from this repository's tests package
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    pytester.makepyfile(test_swept=SWEPT)
+    args = ("--spatial-ranks=4", "-p", "no:cacheprovider")
+    # on 4 ranks the stencil's own grid is 4 x 1: neither bug shows
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)
+    swept = pytester.runpytest_subprocess(*args, "--spatial-layouts=2")
+    swept.assert_outcomes(passed=1, failed=1)  # the transposed shard needs 2 x 2: 4 ranks
+    swept.stdout.fnmatch_lines(
+        ["*Smallest failing layout, 2 ranks: grid 1x2:*", "*FAILED test_swept.py::test_halo*"]
+    )
+
+
+CATALOGUE = {(s, f): (make, kwargs) for s, make, kwargs, _sp, f, _q in fault_matrix(4)}
+
+
+def test_every_fault_of_the_catalogue_has_its_smallest_failing_layout():
+    assert set(catalogue.SMALLEST_LAYOUT) == set(CATALOGUE)
+
+
+@pytest.mark.parametrize(
+    "key", sorted(catalogue.SMALLEST_LAYOUT), ids=lambda key: f"{key[0]}:{key[1]}"
+)
+def test_each_catalogue_fault_shows_first_at_its_recorded_smallest_layout(spatial, key):
+    world, mesh = catalogue.SMALLEST_LAYOUT[key]
+    make, kwargs = CATALOGUE[key]
+    # the layouts up to its world size: every smaller one passes (or is refused)
+    report = check_layouts(
+        make(**kwargs, faults=(key[1],)), max_ranks=world, pools=spatial.pool, locate=False
+    )
+    smallest = report.smallest_failing
+    assert smallest is not None and (smallest.world_size, smallest.mesh) == (world, mesh), report
+
+
+def test_the_main_jobs_sweep_prints_each_layout_and_fails_naming_the_smallest(spatial):
+    from harness.layouts import sweep_cases
+
+    lines: list[str] = []
+    failures = sweep_cases(
+        [("stencil", StencilCase()), ("stencil halo", StencilCase("halo-2"))],
+        2,
+        spatial.pool,
+        out=lines.append,
+    )
+    (failure,) = failures  # the correct stencil passed
+    assert failure.startswith("stencil halo: stencil-halo-2: 4 layout(s) up to 2 ranks, 3 passed")
+    assert failure.endswith("smallest failing layout: 2 ranks: grid 1x2")
+    assert any("Smallest failing layout, 2 ranks: grid 1x2:" in text for text in lines)
+    assert "  pass  2 ranks: grid 2x1" in lines and "  FAIL  2 ranks: grid 1x2" in lines

@@ -1,0 +1,284 @@
+"""Layouts as data: ``Topology.mesh``, the layouts a sweep runs, their order, and the
+report of a sweep (``harness.layouts``), without ranks."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis.errors import InvalidArgument
+
+from harness import ConfigError, EquivalenceReport, Mismatch, SpatialCase, Topology
+from harness import strategies as hs
+from harness.equivalence import check_equivalence
+from harness.layouts import Layout, LayoutResult, LayoutsReport, check_layouts, layouts, refusal
+from harness.plugin.options import _parse_layouts
+from harness.steppers.healpix import HealpixCase
+from harness.steppers.sfno import SFNOCase, SFNOConfig
+from harness.topology import check_mesh
+
+
+def rank_topology(size: int, mesh: tuple[int, ...] = ()) -> Topology:
+    """Rank 0 of a spatial group of ``size`` (a stand-in group: nothing communicates)."""
+    return Topology(size, 0, size, 0, object(), 1, 0, None, mesh)
+
+
+# ---------------------------------------------------------------------- Topology.mesh
+
+
+def test_a_mesh_whose_ranks_are_not_the_spatial_group_is_one_error_naming_the_fix():
+    with pytest.raises(ConfigError, match=r"holds 6 ranks but the spatial group has 4.*\(4, 1\)"):
+        check_mesh((2, 3), 4)
+    with pytest.raises(ConfigError, match="tuple of integers >= 1"):
+        check_mesh((2, 0), 4)
+    with pytest.raises(ConfigError, match="tuple of integers >= 1"):
+        check_mesh((2.0, 2), 4)
+
+
+def test_no_mesh_means_the_case_chooses_and_the_reference_sees_a_grid_of_ones():
+    assert check_mesh(None, 4) == () and check_mesh([2, 2], 4) == (2, 2)
+    assert Topology.single().mesh == ()
+    assert Topology.single().mesh_shape(2) == (1, 1)
+    assert rank_topology(4).mesh_shape(2) == (4, 1)  # no grid handed: all on the first axis
+    assert rank_topology(4, (1, 4)).mesh_shape(2) == (1, 4)
+
+
+def test_a_mesh_of_other_axes_than_the_case_asks_for_is_an_error():
+    with pytest.raises(ConfigError, match="mesh_dims = 2"):
+        rank_topology(4, (4,)).mesh_shape(2)
+
+
+class _Plain(SpatialCase):
+    name = "plain"
+
+
+def test_check_equivalence_refuses_a_mesh_of_the_wrong_axes_before_any_rank_runs():
+    with pytest.raises(ConfigError, match=r"has 2 axes but plain\.mesh_dims is 1"):
+        check_equivalence(_Plain(), ranks=4, mesh=(2, 2))
+    with pytest.raises(ConfigError, match="holds 3 ranks"):
+        check_equivalence(_Plain(), ranks=4, mesh=(3,))
+
+
+def test_the_sfno_stepper_takes_its_grid_from_the_mesh_and_keeps_a_hard_coded_one_otherwise():
+    config = SFNOConfig(h=2, w=2)
+    assert config.process_grid(rank_topology(4)) == (2, 2)
+    assert config.process_grid(rank_topology(4, (1, 4))) == (1, 4)
+    assert config.process_grid(rank_topology(4, (4, 1))) == (4, 1)
+    assert SFNOCase.mesh_dims == 2 and HealpixCase.mesh_dims == 1
+
+
+def test_the_healpix_stepper_splits_its_cells_over_the_mesh():
+    assert HealpixCase(nside=1).partition(rank_topology(5, (5,))).sizes == [3, 3, 2, 2, 2]
+
+
+# ---------------------------------------------------------------------- the layouts
+
+
+def brute_force(max_ranks: int, dims: int) -> set[tuple[int, int, tuple[int, ...]]]:
+    """(world, spatial, mesh) of every grid of ``dims`` axes and world sizes up to max."""
+    found = set()
+    for world in range(1, max_ranks + 1):
+        for mesh in itertools.product(range(1, world + 1), repeat=dims):
+            if world % math.prod(mesh) == 0:
+                found.add((world, math.prod(mesh), mesh))
+    return found
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_every_world_size_split_and_grid_is_a_layout_exactly_once(dims):
+    got = layouts(6, dims)
+    assert len(got) == len(set(got))
+    assert {(x.world_size, x.spatial_size, x.mesh) for x in got} == brute_force(6, dims)
+    assert all(x.spatial_size * x.data_size == x.world_size for x in got)
+
+
+def test_layouts_run_smallest_first_fewest_ranks_then_the_simplest_grid():
+    got = [(x.world_size, x.data_size, x.grid) for x in layouts(4, 2)]
+    assert got == [
+        (1, 1, "1x1"),
+        (2, 2, "1x1"),
+        (2, 1, "2x1"),
+        (2, 1, "1x2"),
+        (3, 3, "1x1"),
+        (3, 1, "3x1"),
+        (3, 1, "1x3"),
+        (4, 4, "1x1"),
+        (4, 2, "2x1"),
+        (4, 2, "1x2"),
+        (4, 1, "4x1"),
+        (4, 1, "1x4"),
+        (4, 1, "2x2"),
+    ]
+
+
+def test_only_some_world_sizes_can_be_swept():
+    assert {x.world_size for x in layouts(8, 2, world_sizes=[4, 2])} == {2, 4}
+
+
+def test_a_bad_sweep_size_is_one_error():
+    with pytest.raises(ConfigError, match="max_ranks must be an integer >= 1"):
+        layouts(0)
+
+
+def test_a_layout_reads_as_ranks_grid_and_data_groups():
+    assert str(Layout(4, 2, 2, (1, 2))) == "4 ranks: grid 1x2, 2 data groups"
+    assert str(Layout(1, 1, 1, (1,))) == "1 rank: grid 1"
+
+
+# ---------------------------------------------------------------------- the report
+
+
+def report_of(layout: Layout, *mismatches: Mismatch) -> EquivalenceReport:
+    return EquivalenceReport(
+        case="demo",
+        ranks=layout.world_size,
+        spatial_size=layout.spatial_size,
+        partition="",
+        steps=2,
+        dtype="float64",
+        tolerance=None,
+        mismatches=list(mismatches),
+    )
+
+
+def loss_off(rank: int) -> Mismatch:
+    return Mismatch("loss", "loss", 0, rank, max_abs=1.0, max_rel=1.0, count=1, total=1)
+
+
+def refused_error() -> Mismatch:
+    return Mismatch(
+        "error", "demo", None, 0, where="ConfigError: embed=8 is too small", phase="build"
+    )
+
+
+def sweep(results: list[LayoutResult]) -> LayoutsReport:
+    return LayoutsReport(case="demo", max_ranks=4, mesh_dims=2, results=results)
+
+
+def test_the_smallest_failing_layout_is_fewest_ranks_then_the_simplest_grid():
+    late, early = Layout(4, 4, 1, (2, 2)), Layout(3, 3, 1, (1, 3))
+    simplest = Layout(3, 3, 1, (3, 1))
+    report = sweep(
+        [
+            LayoutResult(late, report_of(late, loss_off(0))),
+            LayoutResult(early, report_of(early, loss_off(1))),
+            LayoutResult(simplest, report_of(simplest, loss_off(2))),
+            LayoutResult(Layout(2, 2, 1, (1, 2)), report_of(Layout(2, 2, 1, (1, 2)))),
+        ]
+    )
+    assert not report.ok
+    assert report.smallest_failing == simplest
+    assert report.smallest_report is report.results[2].report
+
+
+def test_the_text_leads_with_the_smallest_failing_report_then_the_map():
+    bad, good = Layout(2, 2, 1, (1, 2)), Layout(2, 2, 1, (2, 1))
+    text = str(
+        sweep([LayoutResult(good, report_of(good)), LayoutResult(bad, report_of(bad, loss_off(1)))])
+    )
+    assert text.splitlines()[0].endswith("smallest failing layout: 2 ranks: grid 1x2")
+    smallest = text.index("Smallest failing layout, 2 ranks: grid 1x2:\ndemo on 2 ranks")
+    assert smallest < text.index("Every layout")
+    rows = dict(line.split(None, 1) for line in text.splitlines()[-3:])
+    assert rows == {"grid": "W=2", "2x1": "pass", "1x2": "FAIL"}
+
+
+def test_a_layout_the_case_refuses_is_listed_with_its_reason_and_is_no_failure():
+    fine, refused = Layout(1, 1, 1, (1, 1)), Layout(3, 1, 3, (1, 1))
+    report = sweep(
+        [LayoutResult(fine, report_of(fine)), LayoutResult(refused, None, "embed=8 is too small")]
+    )
+    assert report.ok and report.smallest_failing is None
+    assert "Not run (the case refused the layout):\n  3 ranks: grid 1x1, 3 data groups: embed" in (
+        str(report)
+    )
+    assert "n/a" in report.map()
+
+
+def test_a_sweep_that_ran_nothing_is_not_ok():
+    refused = Layout(3, 1, 3, (1, 1))
+    report = sweep([LayoutResult(refused, None, "no")])
+    assert not report.ok
+    assert "no layout ran" in report.summary()
+    with pytest.raises(AssertionError, match="no layout ran"):
+        report.raise_if_failed()
+
+
+def test_a_config_error_while_building_is_a_refusal_but_one_in_forward_is_a_failure():
+    layout = Layout(2, 2, 1, (2, 1))
+    assert refusal(report_of(layout, refused_error())) == "embed=8 is too small"
+    in_batch = Mismatch("error", "demo", 0, 1, where="ConfigError: 2 samples", phase="step 0 batch")
+    assert refusal(report_of(layout, in_batch)) == "2 samples"
+    shard = Mismatch("error", "demo", 0, 1, where="ConfigError: Shard.grid", phase="step 0 forward")
+    assert refusal(report_of(layout, shard)) == ""
+    other = Mismatch("error", "demo", None, 0, where="ValueError: no", phase="build")
+    assert refusal(report_of(layout, other)) == ""
+
+
+def test_check_layouts_refuses_the_arguments_it_chooses_itself():
+    with pytest.raises(ConfigError, match="chooses ranks= itself"):
+        check_layouts(_Plain(), max_ranks=2, ranks=4)
+    with pytest.raises(ConfigError, match=r"needs a harness\.SpatialCase"):
+        check_layouts(object(), max_ranks=2)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- strategies, options
+
+
+@given(hs.layouts(max_ranks=6, mesh_dims=2))
+def test_drawn_layouts_are_layouts_of_the_sweep(layout):
+    assert layout in layouts(6, 2)
+
+
+def test_drawn_layouts_shrink_to_the_smallest_failing_one():
+    from hypothesis import find
+
+    fails = {(3, (3, 1)), (3, (1, 3)), (4, (4, 1)), (6, (1, 3))}
+    found = find(hs.layouts(max_ranks=6, mesh_dims=2), lambda x: (x.world_size, x.mesh) in fails)
+    assert (found.world_size, found.mesh) == (3, (3, 1))
+
+
+def test_a_bad_layouts_strategy_fails_when_made():
+    with pytest.raises(InvalidArgument, match="mesh_dims=0 must be >= 1"):
+        hs.layouts(mesh_dims=0)
+
+
+@pytest.mark.parametrize("raw", ["0", "x", "-2", "1.5"])
+def test_spatial_layouts_must_be_a_rank_count(raw):
+    with pytest.raises(pytest.UsageError, match="--spatial-layouts must be an integer >= 1"):
+        _parse_layouts(raw, oversubscribe=False)
+
+
+def test_spatial_layouts_beyond_the_cores_needs_oversubscribe():
+    with pytest.raises(pytest.UsageError, match="--spatial-oversubscribe"):
+        _parse_layouts("100000", oversubscribe=False)
+    assert _parse_layouts("8", oversubscribe=False) == 8
+
+
+def test_the_map_is_drawn_as_a_picture_with_the_smallest_failing_layout_framed(tmp_path):
+    pytest.importorskip("matplotlib")  # the plots extra
+    import matplotlib.image
+
+    bad, good = Layout(2, 2, 1, (1, 2)), Layout(2, 2, 1, (2, 1))
+    report = sweep(
+        [LayoutResult(good, report_of(good)), LayoutResult(bad, report_of(bad, loss_off(1)))]
+    )
+    path = report.plot(tmp_path / "maps" / "layouts.png")
+    pixels = matplotlib.image.imread(path)[..., :3]
+    red = (pixels[..., 0] > 0.8) & (pixels[..., 1] < 0.3)
+    green = (pixels[..., 1] > 0.6) & (pixels[..., 0] < 0.4)
+    assert red.sum() > 100 and green.sum() > 100  # one FAIL cell and one pass cell
+    # the FAIL row (1x2, drawn second) lies below the pass row (2x1)
+    assert red.nonzero()[0].mean() > green.nonzero()[0].mean()
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_harness_check_refuses_a_layouts_sweep_of_no_ranks(value, capsys):
+    from harness.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--layouts", value])
+    assert exited.value.code == 2
+    assert f"--layouts {value}: N must be an integer >= 1" in capsys.readouterr().err
