@@ -12,6 +12,10 @@ three, and where ``MASTER_ADDR`` / ``MASTER_PORT`` are not exported every task d
 same ones from the step (``harness.slurm``). The ranks meet within the timeout or every
 task stops with one error saying why (a taken port, a rank that never came): a task that
 cannot join never runs the suite on a pool of its own, and never waits for good.
+
+Each run is watched as on a pool's rank (``harness._intercept``: installed once, noting only
+during ``run``), so the verdicts resting on it (the dtype watch, vacuity, the group checks'
+own count) are the pool's; the deadlock proofs, which need the pool's notice board, are not.
 """
 
 from __future__ import annotations

@@ -140,7 +140,9 @@ def _torchrun(path, *args: str) -> subprocess.CompletedProcess[str]:
         cwd=path,
         capture_output=True,
         text=True,
-        timeout=240,
+        # A guard against a hang, not a start deadline: four pytest processes that import
+        # torch took 3.5 min to start on a 2-core machine at load 30.
+        timeout=1800,
     )
 
 
