@@ -981,7 +981,7 @@ def _operations_issued() -> int | None:
     Python or C++, sends and receives), as the pool's watcher counted them."""
     from harness._intercept import TRACKER
 
-    if TRACKER.board is None:  # not in a pool's rank (under torchrun): not watched
+    if not TRACKER.active:  # outside a run of a pool's rank or a launched rank: not watched
         return None
     counts = TRACKER.counts()
     if counts is None:

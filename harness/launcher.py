@@ -12,6 +12,10 @@ three, and where ``MASTER_ADDR`` / ``MASTER_PORT`` are not exported every task d
 same ones from the step (``harness.slurm``). The ranks meet within the timeout or every
 task stops with one error saying why (a taken port, a rank that never came): a task that
 cannot join never runs the suite on a pool of its own, and never waits for good.
+
+Each run is watched as on a pool's rank (``harness._intercept``: installed once, noting only
+during ``run``), so the verdicts resting on it (the dtype watch, vacuity, the group checks'
+own count) are the pool's; the deadlock proofs, which need the pool's notice board, are not.
 """
 
 from __future__ import annotations
@@ -326,6 +330,13 @@ class LauncherRunner:
         self._objects = dist.new_group(backend="gloo") if self.backend != "gloo" else None
         self.last_outputs: list[str] = [""] * self.world_size
         self.timeout = timeout
+        # The pool's watcher of torch.distributed, here too: what the dtype watch, vacuity
+        # ("communicated nothing") and the group checks' own count rest on. It wraps
+        # ProcessGroup's methods once per process and notes only during a run (see ``run``);
+        # outside one, and for this runner's own gathers, it calls straight through.
+        from harness import _intercept
+
+        self._tracker = _intercept.install()
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
@@ -344,15 +355,23 @@ class LauncherRunner:
         a failure like any other: agreed on by every rank, so no rank goes on out of step.
         Only ``KeyboardInterrupt`` leaves at once (the launcher interrupts every rank).
         """
+        tracker = self._tracker
+        tracker.begin()  # as a pool's rank does: a run's operations, from zero
         try:
             status: tuple[bool, Any] = (True, fn(*args, **kwargs))
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - shared with the other ranks
-            status = (False, (exception_summary(exc), traceback.format_exc()))
+            # where in the run it was raised ("build", "step 0 forward"), as the pool says it
+            phase = getattr(exc, "harness_phase", None) or ""
+            status = (False, (exception_summary(exc), traceback.format_exc(), str(phase)))
+        finally:
+            tracker.end()  # before the gather below: the harness's own talk is not the run's
         statuses = self.gather(status)
         problems = [
-            RankProblem(r, "error", s[1][0], s[1][1]) for r, s in enumerate(statuses) if not s[0]
+            RankProblem(r, "error", s[1][0], s[1][1], phase=s[1][2])
+            for r, s in enumerate(statuses)
+            if not s[0]
         ]
         if problems:
             raise failure_from(problems, self.world_size, timeout or self.timeout)

@@ -484,9 +484,6 @@ class ReplicatedOnPurpose(EveryRankTheWholeGlobe):
     vacuous_ok = "a test of the replicated fallback path: every rank runs the whole model"
 
 
-# under torchrun/srun the harness does not watch torch.distributed, so "communicated nothing"
-# cannot be known there: the rule is the pool's
-@pytest.mark.spatial_pool
 def test_a_check_that_partitions_and_communicates_nothing_fails_as_vacuous(spatial):
     report = check_equivalence(EveryRankTheWholeGlobe(), ranks=4, pool=spatial.pool(4))
     assert report.quantities == {"vacuous"}

@@ -78,6 +78,49 @@ def test_a_base_exception_in_a_rank_function_is_agreed_on(spatial, how):
     assert "rank 1 gives up" in str(info.value)
 """
 
+#: What the pool's watcher of torch.distributed gives a verdict, asked of launched ranks: the
+#: dtype watch, "communicated nothing" (vacuity) and the phase a rank raised in.
+WATCHED_IN_PLACE = """
+from harness import RankError, check_equivalence
+from harness._dtypes import collective_dtypes
+from harness.steppers.mlp import CoupledMLPCase
+from harness.topology import Topology
+
+def float32_sum():
+    dist.all_reduce(torch.ones(2, dtype=torch.float32))
+    return collective_dtypes(torch.float64)
+
+def test_the_dtype_watch_sees_a_float32_all_reduce_in_place(spatial):
+    seen = spatial.run(float32_sum)
+    assert all(s["float32"].startswith("an all_reduce at test_tr.py:") for s in seen), seen
+    assert spatial.run(collective_dtypes, torch.float64) == [{}] * 4  # a run starts afresh
+
+class Alone(CoupledMLPCase):
+    def batch(self, topo, step):
+        return super().batch(Topology.single(), step)
+
+    def build(self, topo):
+        return super().build(Topology.single())
+
+    def forward(self, model, batch, topo):
+        return super().forward(model, batch, Topology.single())
+
+def test_a_check_that_communicates_nothing_is_vacuous_in_place(spatial):
+    report = check_equivalence(Alone(), ranks=4, pool=spatial.pool(4))
+    assert report.quantities == {"vacuous"}, report
+
+class BadBuild(CoupledMLPCase):
+    def build(self, topo):
+        if topo.spatial_group is not None:  # on the ranks only: the reference builds
+            raise ValueError("no such layer")
+        return super().build(topo)
+
+def test_the_phase_a_rank_raised_in_is_in_the_report_in_place(spatial):
+    report = check_equivalence(BadBuild(), ranks=4, pool=spatial.pool(4))
+    got = sorted((m.rank, m.quantity, m.phase) for m in report.mismatches)
+    assert got == [(r, "error", "build") for r in range(4)], report
+"""
+
 
 def _torchrun(path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -97,7 +140,9 @@ def _torchrun(path, *args: str) -> subprocess.CompletedProcess[str]:
         cwd=path,
         capture_output=True,
         text=True,
-        timeout=240,
+        # A guard against a hang, not a start deadline: four pytest processes that import
+        # torch took 3.5 min to start on a 2-core machine at load 30.
+        timeout=1800,
     )
 
 
@@ -128,6 +173,14 @@ def test_pytest_fail_or_skip_inside_a_rank_function_fails_every_rank_alike(pytes
     proc = _torchrun(pytester.path, "test_tr.py")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "7 passed, 2 skipped" in proc.stdout  # and the test after them still ran
+
+
+@pytest.mark.spatial_pool
+def test_the_watch_of_torch_distributed_gives_launched_ranks_the_pools_verdicts(pytester):
+    pytester.makepyfile(test_tr=TESTS.format(extra=WATCHED_IN_PLACE))
+    proc = _torchrun(pytester.path, "test_tr.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "7 passed, 2 skipped" in proc.stdout
 
 
 @pytest.mark.spatial_pool
@@ -196,6 +249,17 @@ def test_task_0_off_the_first_host_is_told_to_export_master_addr():
         launcher_rendezvous(task0)
     assert launcher_rendezvous({**task0, "MASTER_ADDR": "node08"}).addr == "node08"
     assert launcher_rendezvous({**task0, "SLURMD_NODENAME": "node07"}).addr == "node07"
+
+
+def test_every_task_of_a_two_node_step_meets_at_task_0s_host_wherever_it_runs():
+    # Slurm's block distribution of four tasks on node[07-08]: 0 and 1 on node07, 2 and 3 on
+    # node08. Only task 0 off the first host is refused; the others look there for it.
+    for task, node in enumerate(["node07", "node07", "node08", "node08"]):
+        env = {**STEP, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task % 2)}
+        env["SLURMD_NODENAME"] = node
+        assert launcher_env(env) == {"rank": task, "world_size": 4, "local_rank": task % 2}
+        rendezvous = launcher_rendezvous(env)
+        assert (rendezvous.addr, rendezvous.port) == ("node07", 15312), (task, node)
 
 
 @pytest.mark.parametrize("port", ["abc", "0", "70000"])

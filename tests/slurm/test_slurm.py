@@ -34,10 +34,14 @@ BINARIES = ("slurmctld", "slurmd", "srun", "sinfo", "squeue", "scancel", "scontr
 # The daemons live in sbin, which a user's PATH may leave out.
 SEARCH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/local/sbin"])
 STARTUP_S = 180  # a daemon or srun that is slow under load is waited for, never failed
+#: srun's own guard against a hang, not a start deadline: four tasks that import torch took
+#: 3.5 min to start on a 2-core machine at load 30 (each task's rendezvous has its deadline)
+HANG_S = 1800
 
 INNER = """
 import json, os
 import torch, torch.distributed as dist
+from harness._dtypes import collective_dtypes
 from harness.steppers.mlp import CoupledMLPCase
 
 def where():
@@ -61,6 +65,14 @@ def test_equivalence_in_place(spatial):
 
 def test_fails_on_rank_1():
     assert dist.get_rank() != 1, "rank 1 is unhappy"
+
+def float32_sum():
+    dist.all_reduce(torch.ones(2, dtype=torch.float32))
+    return collective_dtypes(torch.float64)
+
+def test_the_dtype_watch_sees_a_float32_all_reduce_on_every_task(spatial):
+    seen = spatial.run(float32_sum)
+    assert all(s["float32"].startswith("an all_reduce at test_inner.py:") for s in seen), seen
 
 def test_after(spatial):
     assert spatial.run(total) == [4.0] * 4
@@ -185,7 +197,7 @@ class Cluster:
             env=self.env(**env),
             capture_output=True,
             text=True,
-            timeout=STARTUP_S + 120,
+            timeout=HANG_S,
         )
 
     def stop(self) -> None:
@@ -262,7 +274,7 @@ def test_srun_with_nothing_exported_is_one_four_rank_job_whose_ranks_agree(slurm
     assert proc.returncode != 0, out  # one test fails, on every task
     # One report (only rank 0 prints), not one suite per task on a pool of its own:
     assert out.count("harness: launched ranks 4 (torchrun/srun, in place)") == 1, out
-    assert out.count("1 failed, 3 passed") == 1, out + proc.stderr
+    assert out.count("1 failed, 4 passed") == 1, out + proc.stderr  # the dtype watch too
     assert "failed on rank 1 of 4 (this is rank 0)" in out and "rank 1 is unhappy" in out
     # Every task ran the rank function in the same group of four processes: itself and the
     # other three tasks (on pools of their own, each would list its own four pool ranks).
@@ -302,13 +314,14 @@ def test_a_taken_port_stops_every_task_with_one_clear_line_without_a_hang(slurm,
 
 
 def test_a_task_that_never_arrives_is_named_by_every_other_task(slurm, inner):
-    # 20 s: the three tasks that do come must all reach the rendezvous within it.
+    # The three tasks that do come must all reach the rendezvous within the timeout: on a
+    # loaded machine their starts (importing torch) lie a minute or more apart.
     proc = slurm.srun(
         4,
         "--spatial-ranks",
         "4",
         "--spatial-timeout",
-        "20",
+        "180",
         cwd=inner,
         before='if [ "$SLURM_PROCID" = 2 ]; then exit 0; fi',
     )
