@@ -454,41 +454,57 @@ class GoldenFixture:
 
 
 def write_error_maps(report: EquivalenceReport, directory: str, nodeid: str) -> list[str]:
-    """One PNG per failing field of ``report`` under ``directory``; returns the paths."""
-    import numpy as np
-
-    from harness import plots
-
+    """One PNG per failing field of ``report`` under ``directory``; returns the paths, and a
+    ``Not plotted:`` line for a field whose map could not be drawn (a picture is a diagnosis:
+    it never takes the verdict down)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     stem = golden_stem(nodeid).replace("/", ".")
     paths = []
     for fe in report.field_errors:
-        owners = fe.owners.numpy()
-        first = int(owners.min()) if owners.size else 0
-        title = f"{report.case}: |partitioned - reference| of {fe.name!r}, step {fe.step}"
-        path = out / f"{stem}.{fe.name}.step{fe.step}.png"
-        err = fe.error.numpy()
-        if fe.grid is not None:
-            rows, cols = fe.grid
-            grid = owners.reshape(rows, cols)
-            paths.append(
-                str(
-                    plots.plot_latlon_error(
-                        err.reshape(rows, cols),
-                        path,
-                        lat_sizes=_run_lengths(grid[:, 0]),
-                        lon_sizes=_run_lengths(grid[0, :]),
-                        title=title,
-                        latitudes=report.latitudes,
-                    )
-                )
-            )
-        elif fe.unit == "cell":
-            counts = np.bincount(owners - first, minlength=report.spatial_size)
-            bounds = [0, *np.cumsum(counts).tolist()]
-            paths.append(str(plots.plot_healpix_error(err, path, bounds=bounds, title=title)))
+        try:
+            path = _error_map(report, fe, out / f"{stem}.{fe.name}.step{fe.step}.png")
+        except Exception as exc:  # noqa: BLE001 - any failure: said, and the report stands
+            paths.append(f"Not plotted: field {fe.name!r}, step {fe.step} ({_summary(exc)})")
+        else:
+            paths += [path] if path else []
     return paths
+
+
+def _summary(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _error_map(report: EquivalenceReport, fe: Any, path: Path) -> str | None:
+    """Draw the error map of one failing field at ``path``; ``None`` where it has none (a
+    field neither on a lat x lon grid nor in HEALPix cells)."""
+    import numpy as np
+
+    from harness import plots
+
+    owners = fe.owners.numpy()
+    title = f"{report.case}: |partitioned - reference| of {fe.name!r}, step {fe.step}"
+    err = fe.error.numpy()
+    if fe.grid is not None:
+        rows, cols = fe.grid
+        grid = owners.reshape(rows, cols)
+        return str(
+            plots.plot_latlon_error(
+                err.reshape(rows, cols),
+                path,
+                lat_sizes=_run_lengths(grid[:, 0]),
+                lon_sizes=_run_lengths(grid[0, :]),
+                title=title,
+                latitudes=report.latitudes,
+            )
+        )
+    if fe.unit == "cell":
+        first = int(owners.min()) if owners.size else 0
+        counts = np.bincount(owners - first, minlength=report.spatial_size)
+        bounds = [0, *np.cumsum(counts).tolist()]
+        return str(plots.plot_healpix_error(err, path, bounds=bounds, title=title))
+    return None
 
 
 def _run_lengths(values: Any) -> list[int]:

@@ -187,3 +187,24 @@ def test_missing_matplotlib_is_a_config_error_naming_the_install(tmp_path, monke
             np.zeros((2, 2)), tmp_path / "x.png", lat_sizes=[2], lon_sizes=[2], title="t"
         )
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_field_whose_map_cannot_be_drawn_is_a_not_plotted_line_and_the_others_are_drawn(
+    tmp_path,
+):
+    import torch
+
+    from harness.compare import Tolerance
+    from harness.plugin import write_error_maps
+    from harness.report import EquivalenceReport, FieldError
+
+    report = EquivalenceReport("case", 4, 4, "", 1, "float64", Tolerance.for_dtype(torch.float64))
+    good = FieldError("t", 0, 0, torch.rand(12), torch.arange(12) // 3, (3, 4), "position")
+    # a grid that does not hold the errors: the map raises, the report must not
+    bad = FieldError("u", 0, 0, torch.rand(12), torch.arange(12) // 3, (5, 5), "position")
+    paths = write_error_maps(report, str(tmp_path), "tests/x.py::test_maps")
+    assert paths == []  # no field errors on the report yet
+    report.field_errors = [bad, good]
+    paths = write_error_maps(report, str(tmp_path), "tests/x.py::test_maps")
+    assert paths[0].startswith("Not plotted: field 'u', step 0 (ValueError: "), paths
+    assert paths[1].endswith(".t.step0.png") and Path(paths[1]).exists(), paths
