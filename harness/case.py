@@ -38,7 +38,8 @@ class Shard:
     ``index`` is a 1-D LongTensor (or a ``slice``) of positions along ``dim`` of the global
     field. ``unit`` names a position in reports ("cell" for HEALPix cells). ``grid_shape``
     (rows, cols), set by ``Shard.grid``, says positions are ``row * cols + col`` of the
-    field's last two dimensions flattened, so reports can name (lat, lon). ``Shard.keyed``
+    field's last two dimensions flattened, so reports can name (lat, lon) (or the grid's
+    own axes, ``unit`` then holding the two names: ``"l,m"``). ``Shard.keyed``
     makes the other kind: a set of items named by integer ``keys`` (``index`` is ``None``).
     """
 
@@ -51,12 +52,31 @@ class Shard:
     cell_column: int | None = None  # Shard.keyed: the key column that holds a HEALPix cell
 
     @classmethod
-    def grid(cls, values: torch.Tensor, rows: slice, cols: slice, nrows: int, ncols: int) -> Shard:
+    def grid(
+        cls,
+        values: torch.Tensor,
+        rows: slice,
+        cols: slice,
+        nrows: int,
+        ncols: int,
+        *,
+        axes: tuple[str, str] = ("lat", "lon"),
+    ) -> Shard:
         """The block ``values`` = field[..., rows, cols] of a (..., nrows, ncols) field.
 
         The last two dimensions are flattened; the reference's full field is flattened the
-        same way when compared.
+        same way when compared. ``axes`` names the two dimensions in reports (``("l",
+        "m")`` for spectral coefficients): ``(lat 3, lon 7)`` by default.
         """
+        if not (
+            isinstance(axes, tuple)
+            and len(axes) == 2
+            and all(isinstance(a, str) and a and "," not in a for a in axes)
+        ):
+            raise ConfigError(
+                f"Shard.grid: axes={axes!r} must be two names without commas, one per grid "
+                'dimension, e.g. axes=("l", "m")'
+            )
         r = torch.arange(nrows)[rows]
         c = torch.arange(ncols)[cols]
         if tuple(values.shape[-2:]) != (len(r), len(c)):
@@ -65,7 +85,8 @@ class Shard:
                 f"rows {rows} x cols {cols} of a {nrows}x{ncols} grid is {len(r)}x{len(c)}"
             )
         index = (r[:, None] * ncols + c[None, :]).reshape(-1)
-        return cls(values.reshape(*values.shape[:-2], -1), index, -1, (nrows, ncols))
+        unit = "position" if axes == ("lat", "lon") else ",".join(axes)  # a grid's names
+        return cls(values.reshape(*values.shape[:-2], -1), index, -1, (nrows, ncols), unit)
 
     @classmethod
     def keyed(cls, values: torch.Tensor, keys: Any, *, cell_column: int | None = None) -> Shard:

@@ -1509,11 +1509,17 @@ def data_part(ref: torch.Tensor, group: int, groups: int) -> torch.Tensor:
 
 
 def position_text(pos: int, grid: tuple[int, int] | None, unit: str = "position") -> str:
-    """``"(lat 3, lon 7)"`` on a grid, ``"cell 12"`` otherwise."""
+    """``"(lat 3, lon 7)"`` on a grid (named by its own axes where ``unit`` holds two
+    names), ``"cell 12"`` otherwise.
+
+    >>> position_text(19, (4, 8)), position_text(19, (4, 8), "l,m"), position_text(5, None, "cell")
+    ('(lat 2, lon 3)', '(l 2, m 3)', 'cell 5')
+    """
     if grid is None:
         return f"{unit} {pos}"
-    lat, lon = divmod(pos, grid[1])
-    return f"(lat {lat}, lon {lon})"
+    row, col = divmod(pos, grid[1])
+    first, second = unit.split(",") if "," in unit else ("lat", "lon")
+    return f"({first} {row}, {second} {col})"
 
 
 def index_text(shape: torch.Size, flat: int | None) -> str:

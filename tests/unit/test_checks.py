@@ -1554,3 +1554,26 @@ def test_an_activation_shard_answer_locating_cannot_read_is_one_config_error(sai
         check_activation_shard(Declares(), "block", said, " on rank 1")
     for good in (None, "whole", "skip", Shard(torch.zeros(2), torch.tensor([3, 5]), 0)):
         assert check_activation_shard(Declares(), "block", good) is good
+
+
+def test_a_grid_shard_of_spectral_coefficients_is_named_by_its_own_axes():
+    values = torch.zeros(2, 1, 3, dtype=F64)
+    spectral = Shard.grid(values, slice(1, 2), slice(0, 3), 2, 3, axes=("l", "m"))
+    plain = Shard.grid(values, slice(1, 2), slice(0, 3), 2, 3)
+    assert (spectral.unit, plain.unit) == ("l,m", "position")
+    flat = torch.arange(12.0, dtype=F64).reshape(2, 6)
+    mine = flat[:, [3, 4, 5]].clone()
+    mine[1, -1] += 1.0
+    ref = step(fields={"y": field(flat.reshape(2, 2, 3))})
+    ranks = [
+        step(fields={"y": shard(flat[:, [0, 1, 2]].tolist(), [0, 1, 2], grid=(2, 3), unit="l,m")}),
+        step(fields={"y": shard(mine.tolist(), [3, 4, 5], grid=(2, 3), unit="l,m")}),
+    ]
+    found, _ = check_fields(judge(2, 2), 1, ref, ranks)
+    assert [m.where for m in found] == ["[1] (l 1, m 2) on rank 1"]
+
+
+@pytest.mark.parametrize("axes", [("l",), ("l", ""), ("l,m", "n"), "lm"])
+def test_grid_axes_that_are_not_two_plain_names_are_refused_with_an_example(axes):
+    with pytest.raises(ConfigError, match=r'two names without commas.*axes=\("l", "m"\)'):
+        Shard.grid(torch.zeros(1, 3), slice(0, 1), slice(0, 3), 2, 3, axes=axes)
