@@ -126,6 +126,12 @@ class SpatialCase:
     #: values are then copied into every rank's shard (``parameter_shards``) before the
     #: first step, and the report says so. Their initial values are then not checked.
     load_reference_shards: bool = False
+    #: Roll the model out this many steps with ``predict`` (inference) in every check, as
+    #: ``check_equivalence(..., rollout=N)`` does (``harness.rollout``). ``None``: no rollout.
+    rollout_steps: int | None = None
+    #: Run the check under ``torch.autocast`` at this dtype (``torch.bfloat16``), as
+    #: ``check_equivalence(..., autocast=...)`` does (``harness.autocast``). ``None``: off.
+    autocast: torch.dtype | None = None
 
     def build(self, topo: Topology) -> torch.nn.Module:
         raise NotImplementedError
@@ -135,6 +141,15 @@ class SpatialCase:
 
     def forward(self, model: torch.nn.Module, batch: Any, topo: Topology) -> Outputs:
         raise NotImplementedError
+
+    def predict(self, model: torch.nn.Module, batch: Any, topo: Topology, steps: int) -> Any:
+        """An autoregressive rollout of ``steps`` steps from ``batch`` (step 0's): a list with
+        one ``{name: Shard | tensor}`` dict per step, this rank's part of each field as in
+        ``forward``. Run by rollout checks in eval mode under ``torch.no_grad()`` on the model
+        as built, on the reference and on every rank (``harness.rollout``)."""
+        from harness.rollout import no_predict
+
+        raise no_predict(self)
 
     def describe(self, topo: Topology | None = None) -> str:
         """A short description of the partition for reports (override to say more)."""

@@ -70,6 +70,8 @@ def check_equivalence(
     pool: Runner | None = None,
     allow_nonfinite: bool | None = None,
     locate: bool | None = None,
+    rollout: int | None = None,
+    autocast: torch.dtype | None = None,
 ) -> EquivalenceReport:
     """Run ``case`` as the reference and on ``ranks`` ranks; compare everything.
 
@@ -100,6 +102,11 @@ def check_equivalence(
             '(vacuous_ok = "the model is replicated by design: ..."), or leave it None'
         )
     allow = case.expect_nonfinite if allow_nonfinite is None else allow_nonfinite
+    from harness.rollout import _has_predict, check_rollout, rollout_steps
+
+    n_rollout = rollout_steps(case, rollout)
+    if n_rollout:
+        _has_predict(case)
     t0 = time.perf_counter()
     if pool is None:
         from harness.pool import shared_registry
@@ -138,11 +145,24 @@ def check_equivalence(
         if not case.vacuous_ok:
             report.mismatches[:0] = check_vacuous(case.label, reference, records, s)
         report.field_errors, report.likely = found.field_errors, found.likely
+    if n_rollout and not report.quantities & set(FAILURES):
+        report.rollout = check_rollout(
+            case,
+            pool,
+            spatial_size=s,
+            steps=n_rollout,
+            seed=seed,
+            bound=tol.field,
+            timeout=timeout,
+        )
+        report.mismatches += report.rollout.mismatches
     report.seconds = time.perf_counter() - t0
     if _should_locate(locate, report, pool):
         from harness.locate import locate as locate_run
 
-        steps_failed = [m.step for m in report.mismatches if m.step is not None]
+        steps_failed = [
+            m.step for m in report.mismatches if m.step is not None and m.quantity != "rollout"
+        ]
         report.location = locate_run(
             case,
             pool,
@@ -175,8 +195,9 @@ def _should_locate(locate: bool | None, report: EquivalenceReport, pool: Runner)
     that raised or hung, nor in a mutant's rerun, which only asks whether a check fails)."""
     if locate is False or report.quantities & set(FAILURES):
         return False
-    if locate is None:
-        return not report.ok and getattr(pool, "mutant", None) is None
+    if locate is None:  # a rollout's divergence is not a training step's: it is not rerun
+        trained = any(m.quantity != "rollout" for m in report.mismatches)
+        return trained and getattr(pool, "mutant", None) is None
     return True
 
 
