@@ -3,15 +3,16 @@ ensemble of the reference nudged by a few units of rounding, and on every rank; 
 and field judged against the spread that rounding alone reaches there.
 
 A chaotic rollout cannot be judged with a fixed tolerance: its rounding differences grow
-step after step (a float32 Lorenz-96 ring: 1e-6 at step 0, ~1e-3 by step 100, ~1e-2 by step
-150), so any fixed bound either fails a correct rollout late or misses a bug early. What
-the rounding *can* reach at each step is measured instead, the way MeteoSwiss' probtest and
-CESM's ensemble consistency test do for their codes: the reference is rerun ``members``
-times with its parameters and its batch moved by ``NUDGE_ULPS`` units of rounding (random
-signs, a private generator per member). The of step ``k`` and field ``f`` is the largest distance of any member from the
-reference; the partitioned run fails there when its own distance exceeds ``FACTOR`` times
-that spread (and the check's fixed field tolerance, which covers the first steps, where
-the spread of a field that hardly depends on its inputs can be ~0).
+step after step (the float32 Lorenz-96 ring of the tests: ~1e-7 at step 0, ~1e-4 by step
+90, ~1e-2 by step 150), so any fixed bound either fails a correct rollout late or misses a
+bug early. What rounding *can* reach at each step is measured instead, the way MeteoSwiss'
+probtest and CESM's ensemble consistency test do for their codes: the reference is rerun
+``members`` times with its parameters and its batch moved by ``NUDGE_ULPS`` units of
+rounding (random signs, a private generator per member). The spread of step ``k`` and
+field ``f`` is the largest distance of any member from the reference; the partitioned run
+fails there when its own distance exceeds ``FACTOR`` times that spread and the check's
+fixed field tolerance (which covers the first steps, where a field that hardly depends on
+its inputs has a spread of ~0).
 
 Rank-side code: imports no pytest.
 """

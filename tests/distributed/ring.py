@@ -2,11 +2,11 @@
 
 ``dx_i/dt = (x_{i+1} - x_{i-2}) x_{i-1} - d x_i + F + c (mean(x) - x_i)`` on a ring of
 ``N`` variables, one classic Runge-Kutta step (four tendencies) per model call. Each rank
-holds a contiguous arc of the ring; the stencil needs two values from the left neighbour and one from the right (a
-halo, exchanged through an autograd-aware all_gather of every rank's edges), and the
-coupling needs the global mean (a ``spatial_sum``). ``F``, ``d`` and ``c`` are the
-trainable parameters. In float32 its rounding differences grow by chaos alone, from ~1e-6
-at step 0 to ~1e-2 by step 150: no fixed tolerance can judge a long rollout of it.
+holds a contiguous arc of the ring; the stencil needs two values from the left neighbour
+and one from the right (a halo, exchanged through an autograd-aware all_gather of every
+rank's edges), and the coupling needs the global mean (a ``spatial_sum``). ``F``, ``d`` and
+``c`` are the trainable parameters. In float32 its rounding differences grow by chaos
+alone, ~1000x over 150 steps: no fixed tolerance can judge a long rollout of it.
 
 ``RingCase(fault)`` switches on one bug that lives only in inference:
 
