@@ -107,6 +107,11 @@ def check_equivalence(
     n_rollout = rollout_steps(case, rollout)
     if n_rollout:
         _has_predict(case)
+    amp = case.autocast if autocast is None else autocast
+    if amp is not None:
+        from harness.autocast import check_dtype
+
+        amp = check_dtype(amp)
     t0 = time.perf_counter()
     if pool is None:
         from harness.pool import shared_registry
@@ -131,8 +136,13 @@ def check_equivalence(
     )
     # the reference ran first: its initial values can travel to ranks that load them
     init = reference.init if case.load_reference_shards else None
+    judged, judge_tol, entry = reference, tol, (_rank_entry,)
+    if amp is not None:  # the ranks under autocast, judged against the serial run under it
+        from harness.autocast import serial_run
+
+        judged, judge_tol, entry = serial_run(case, amp, steps, lr, seed)
     try:
-        records = pool.run(_rank_entry, case, spatial_size, steps, lr, seed, init, timeout=timeout)
+        records = pool.run(*entry, case, spatial_size, steps, lr, seed, init, timeout=timeout)
     except RankFailure as failure:
         report.mismatches = failure_mismatches(failure, case.label)
         report.likely = culprit_hint(failure)
@@ -140,11 +150,15 @@ def check_equivalence(
     else:
         report.partition = _layout(records[0].describe, s, ranks // s)
         report.notes += _loaded_note(records)
-        found = compare_runs(reference, records, tol, spatial_size=s, allow_nonfinite=allow)
+        found = compare_runs(judged, records, judge_tol, spatial_size=s, allow_nonfinite=allow)
         report.mismatches, report.stats = found.mismatches, found.stats
         if not case.vacuous_ok:
-            report.mismatches[:0] = check_vacuous(case.label, reference, records, s)
+            report.mismatches[:0] = check_vacuous(case.label, judged, records, s)
         report.field_errors, report.likely = found.field_errors, found.likely
+        if amp is not None:
+            from harness.autocast import ratio_rule
+
+            ratio_rule(case, report, reference, judged, records, amp)
     if n_rollout and not report.quantities & set(FAILURES):
         report.rollout = check_rollout(
             case,
@@ -154,10 +168,12 @@ def check_equivalence(
             seed=seed,
             bound=tol.field,
             timeout=timeout,
+            autocast=amp,
         )
         report.mismatches += report.rollout.mismatches
     report.seconds = time.perf_counter() - t0
-    if _should_locate(locate, report, pool):
+    # locating reruns a training step without autocast: it would see nothing of bf16's
+    if _should_locate(locate if amp is None else bool(locate), report, pool):
         from harness.locate import locate as locate_run
 
         steps_failed = [

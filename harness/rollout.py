@@ -312,10 +312,12 @@ def _assemble(
     return parts[0] if groups == 1 else torch.cat(parts, dim=0)
 
 
-def _flat(ref: FieldRecord, other: FieldRecord) -> torch.Tensor:
-    """A whole-field record (a member's) in the reference's compared layout."""
-    v = other.values
-    if ref.grid is not None and tuple(v.shape[-2:]) == tuple(ref.grid):
+def _flat(whole: FieldRecord, recs: list[FieldRecord]) -> torch.Tensor:
+    """A whole field (the reference's, a member's) in the layout ``_assemble`` gives the
+    ranks' shards ``recs``: flattened lat x lon where they are ``Shard.grid`` blocks."""
+    v = whole.values
+    grid = next((f.grid for f in recs if f.grid), None)
+    if grid is not None and tuple(v.shape[-2:]) == tuple(grid):
         v = v.reshape(*v.shape[:-2], -1)
     return v
 
@@ -379,7 +381,8 @@ def judge_rollout(
         for n, ref_field in plain.items():
             if n in broken:
                 continue
-            ref_values = _flat(ref_field, ref_field)
+            shards = [fs[n] for fs in rank_fields]
+            ref_values = _flat(ref_field, shards)
             if n in stopped:
                 continue
             if not bool(torch.isfinite(ref_values).all()):
@@ -397,9 +400,9 @@ def judge_rollout(
                 )
                 stopped.add(n)
                 continue
-            got = _assemble(n, ref_field.values, [fs[n] for fs in rank_fields], spatial_size)
+            got = _assemble(n, ref_field.values, shards, spatial_size)
             spread = max(
-                (_max_abs(_flat(ref_field, m[k][n]), ref_values) for m in members), default=0.0
+                (_max_abs(_flat(m[k][n], shards), ref_values) for m in members), default=0.0
             )
             if math.isinf(spread):
                 record.not_compared.append(
