@@ -39,17 +39,27 @@ if TYPE_CHECKING:
 
 #: each member's nudge: every floating value times (1 +- NUDGE_ULPS * eps), as ``harness.locate``
 NUDGE_ULPS = 4.0
-#: ensemble members (nudged reruns of the reference) that measure the rounding spread
+#: Ensemble members (nudged reruns of the reference) that measure the rounding spread. Fewer
+#: members see less of it: over 150 steps (benchmarks/rollout_cost.py) the spread of one
+#: member dipped at some step to 0.1x that of eight, of two to 0.34x, of four to 0.58x (SFNO
+#: and the Lorenz-96 ring alike). With four, FACTOR x the spread stays above 5x what eight
+#: members would measure, and a member costs one serial rollout (0.2-1.3 s for 150 SFNO
+#: steps here, a fraction of the partitioned rollout's own time).
 MEMBERS = 4
 #: A step fails when the partitioned run is further from the reference than FACTOR times the
 #: furthest member. The partitioned run is one more draw of the same rounding process (sums
-#: in another order instead of nudged inputs), so with 4 members it lies outside their
-#: spread now and then, by little: measured (float32, 4 ranks, every step of 150-step
-#: rollouts) the ratio error/spread was at most 2.3 on the Lorenz-96 ring
-#: (tests/distributed/ring.py) and 1.5 on the SFNO stepper (benchmarks/rollout_cost.py).
-#: 10 leaves a margin of ~4 over the worst seen; every inference bug measured enters at
-#: 1e2..1e6 times the spread, so the margin costs no detection.
+#: in another order instead of nudged inputs), usually a smaller one: measured (float32, 4
+#: ranks, every step and field of 150-step rollouts, 4 members) the ratio error/spread was
+#: at most 1.0 on the Lorenz-96 ring (its replicated 'energy' sum, seeds 0-2;
+#: tests/distributed/ring.py) and 0.64 on the SFNO stepper (benchmarks/rollout_cost.py).
+#: 10 leaves a margin of 10x over the worst seen; the inference bugs measured enter at
+#: 700x..3e5x the spread (ring and SFNO faults), so the margin costs them no detection.
 FACTOR = 10.0
+#: torch threads for the serial rollouts (reference and members) in the calling process, as
+#: every rank runs. A rollout is many small steps, where intra-op threads cost more than
+#: they give: measured, one 150-step float32 rollout of the 16x32 SFNO stepper took 4.6 s
+#: with torch's default threads and 0.55 s with one, on a loaded 2-core machine.
+SERIAL_THREADS = 1
 
 
 # ---------------------------------------------------------------------- records
@@ -91,6 +101,7 @@ class RolloutRecord:
     mismatches: list[Mismatch] = field(default_factory=list)
     not_compared: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    serial_seconds: float = 0.0  # of ``seconds``: the reference and its nudged reruns
 
     @property
     def first(self) -> RolloutPoint | None:
@@ -458,11 +469,18 @@ def check_rollout(
 
     t0 = time.perf_counter()
     _has_predict(case)
-    reference = run_prediction(case, Topology.single(), steps, seed, autocast=autocast)
-    ensemble = [
-        run_prediction(case, Topology.single(), steps, seed, member=j, autocast=autocast)
-        for j in range(members)
-    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SERIAL_THREADS)
+    t_serial = time.perf_counter()
+    try:
+        reference = run_prediction(case, Topology.single(), steps, seed, autocast=autocast)
+        ensemble = [
+            run_prediction(case, Topology.single(), steps, seed, member=j, autocast=autocast)
+            for j in range(members)
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    serial = time.perf_counter() - t_serial
     given = None if spatial_size == pool.world_size else spatial_size
     try:
         ranks = pool.run(_rollout_entry, case, given, steps, seed, autocast, timeout=timeout)
@@ -475,6 +493,7 @@ def check_rollout(
         )
     record.autocast = "" if autocast is None else str(autocast).replace("torch.", "")
     record.seconds = time.perf_counter() - t0
+    record.serial_seconds = serial
     return record
 
 
