@@ -95,13 +95,14 @@ INFERENCE_CHECKS: dict[str, tuple[int, dict[str, Any]]] = {
 #: the faults that live in the sharded spectral weights (``shard_weights=True``)
 SHARD_FAULTS = frozenset({"shard-wrong-l", "shard-grad-replicated"})
 SHARD_INITS = ("sliced", "per-rank")
-SFNO_FAULTS = frozenset(FAULT_CHECKS) | frozenset(INFERENCE_CHECKS)
+SFNO_FAULTS = frozenset(FAULT_CHECKS)
 GRIDS = ("equiangular", "legendre-gauss")
 
 
 def check_faults(faults: Any) -> frozenset[str]:
     """``faults`` as a frozenset of known SFNO fault ids, or a ``ConfigError``."""
-    return _faults.check_faults(faults, SFNO_FAULTS, "SFNO")
+    known = SFNO_FAULTS | frozenset(INFERENCE_CHECKS)  # training faults, then inference's
+    return _faults.check_faults(faults, known, "SFNO")
 
 
 @dataclass(frozen=True)
