@@ -385,6 +385,8 @@ def judge_rollout(
                 for fs in rank_fields
             ],
         )
+        # a NaN or inf against a number: judged below as an infinite error at its step
+        found = [m for m in found if not (m.quantity == "field" and m.max_abs == math.inf)]
         for m in found:
             m.where = f"rollout step {k} of {record.steps}: {m.where}"
         record.mismatches += found
