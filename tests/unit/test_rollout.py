@@ -234,3 +234,22 @@ def test_an_autocast_check_whose_parameters_never_moved_is_vacuous():
 def test_factor_and_ratio_are_the_documented_ones():
     # docs/rollouts.md states them; a change must change the doc too
     assert (FACTOR, RATIO) == (10.0, 4.0)
+
+
+def test_a_members_batch_is_nudged_in_every_floating_tensor_and_nothing_else():
+    from dataclasses import dataclass
+
+    from harness.rollout import _Nudge
+
+    @dataclass
+    class Batch:
+        state: torch.Tensor
+        cells: torch.Tensor
+
+    x = torch.ones(64, dtype=torch.float64)
+    nudged = _Nudge(0).batch({"a": Batch(x, torch.arange(4)), "b": [x, (x,)]})
+    eps = torch.finfo(torch.float64).eps
+    for t in (nudged["a"].state, nudged["b"][0], nudged["b"][1][0]):
+        moved = (t - x).abs()
+        assert float(moved.min()) > 0 and float(moved.max()) <= NUDGE_ULPS * eps * 1.01
+    assert torch.equal(nudged["a"].cells, torch.arange(4))  # indexes are not rounding
