@@ -536,3 +536,35 @@ def iter_steps(record: RolloutRecord) -> Iterator[int]:
         if p.step not in seen:
             seen.add(p.step)
             yield p.step
+
+
+# ---------------------------------------------------------------------- plot
+
+
+def plot_rollout(record: RolloutRecord, path: Any, *, title: str = "") -> Any:
+    """The error curve of each field (the partitioned run's distance from the reference,
+    the rounding spread and the bound, per step, log scale) as a PNG at ``path``; the first
+    divergent step marked. Needs matplotlib (``harness.plots``)."""
+    from harness.plots import _figure, _save
+
+    names = list(dict.fromkeys(p.name for p in record.curve))
+    fig = _figure(7.0, 2.4 * max(len(names), 1))
+    axes = fig.subplots(max(len(names), 1), 1, squeeze=False)[:, 0]
+    first = record.first
+    for ax, name in zip(axes, names):
+        points = record.field_curve(name)
+        steps = [p.step for p in points]
+        tiny = 1e-300  # log scale: an exact match drawn at the floor, not dropped
+        ax.semilogy(steps, [max(p.error, tiny) for p in points], label="partitioned - reference")
+        ax.semilogy(steps, [max(p.spread, tiny) for p in points], label="rounding spread")
+        ax.semilogy(steps, [p.envelope for p in points], "--", label="bound")
+        if first is not None and first.name == name:
+            ax.axvline(first.step, color="red", lw=1)
+            ax.annotate(f"first divergent step {first.step}", (first.step, first.error))
+        ax.set_title(f"field '{name}'", fontsize=9)
+        ax.set_xlabel("rollout step")
+        ax.set_ylabel("max abs")
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return _save(fig, path)

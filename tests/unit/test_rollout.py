@@ -253,3 +253,12 @@ def test_a_members_batch_is_nudged_in_every_floating_tensor_and_nothing_else():
         moved = (t - x).abs()
         assert float(moved.min()) > 0 and float(moved.max()) <= NUDGE_ULPS * eps * 1.01
     assert torch.equal(nudged["a"].cells, torch.arange(4))  # indexes are not rounding
+
+
+def test_the_rollout_plot_is_a_png_of_every_fields_curve(tmp_path):
+    pytest.importorskip("matplotlib")
+    from harness.rollout import plot_rollout
+
+    record = judge(rollout(4), spreads=[1e-6] * 4, errors=[0.0, 2e-5, 1e-3, 1e-3])
+    path = plot_rollout(record, tmp_path / "curve.png", title="ring")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
