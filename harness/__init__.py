@@ -30,6 +30,7 @@ from harness.goldens import GoldenStore
 from harness.partition import CellPartition, LatLonPartition, cell_of, split_sizes
 from harness.pool import PoolRegistry, RankPool, Runner
 from harness.report import EquivalenceReport
+from harness.rollout import RolloutPoint, RolloutRecord
 from harness.topology import Topology
 
 __all__ = [
@@ -59,6 +60,8 @@ __all__ = [
     "RankPool",
     "RankProblem",
     "RankTimeout",
+    "RolloutPoint",
+    "RolloutRecord",
     "Runner",
     "Shard",
     "SpatialCase",

@@ -200,6 +200,15 @@ def ratio_rule(
     )
     report.mismatches[:0] = guard(high, case.label)
     report.mismatches += values
+    changed = any(
+        _l2(s, h) > 0 for _, _, _, _, h, s, _ in _pairs(high, serial, records, report.spatial_size)
+    )
+    if not changed:
+        report.notes.append(
+            f"autocast {name} changed nothing: the serial run under it is the high-precision "
+            "run bit for bit (CPU autocast leaves float64 alone; run the case in float32 to "
+            "test mixed precision)"
+        )
     report.notes.append(
         f"autocast {name}: each loss, gradient, field and parameter is judged by its distance "
         f"from the high-precision run, at most {RATIO:g}x the serial {name} run's (largest "

@@ -76,3 +76,14 @@ def test_an_autocast_check_whose_training_moves_nothing_fails_as_vacuous(spatial
 def test_an_autocast_dtype_the_cpu_cannot_run_is_one_clear_error(spatial):
     with pytest.raises(ConfigError, match=r"autocast=torch.float64: give torch.bfloat16"):
         check_equivalence(_mlp(), ranks=4, pool=spatial.pool(4), autocast=torch.float64)
+
+
+def test_autocast_of_a_float64_case_says_it_changed_nothing(spatial):
+    report = check_equivalence(
+        CoupledMLPCase(npos=37, batch_size=4),
+        ranks=4,
+        pool=spatial.pool(4),
+        autocast=torch.bfloat16,
+    )
+    assert report.ok, report
+    assert any("autocast bfloat16 changed nothing" in n for n in report.notes)
