@@ -65,3 +65,29 @@ def test_the_cases_rollout_steps_asks_for_a_rollout_without_the_argument(spatial
 def test_a_rollout_of_a_case_without_predict_is_one_clear_error(spatial):
     with pytest.raises(ConfigError, match=r"has no predict.*define predict\(self, model, batch"):
         check_equivalence(CoupledMLPCase(), ranks=4, pool=spatial.pool(4), rollout=2)
+
+
+def test_a_rollout_with_data_groups_compares_each_groups_samples(spatial):
+    from harness.steppers.healpix import HealpixCase
+
+    case = HealpixCase(nside=2, batch_size=4)
+    report = check_equivalence(case, ranks=4, spatial_size=2, pool=spatial.pool(4), rollout=3)
+    assert report.ok, report
+    assert [p.step for p in report.rollout.curve] == [0, 1, 2]
+
+
+class RaisingRing(RingCase):
+    """A ring whose predict raises on spatial rank 2 (module level: the ranks import it)."""
+
+    def predict(self, model, batch, topo, steps):
+        if topo.spatial_rank == 2:
+            raise RuntimeError("no forcing file for this tile")
+        return super().predict(model, batch, topo, steps)
+
+
+def test_a_rank_that_raises_in_predict_is_an_error_naming_the_rank_and_phase(spatial):
+    report = check_equivalence(RaisingRing(), ranks=4, pool=spatial.pool(4), rollout=3)
+    assert "error" in report.quantities, report
+    error = next(m for m in report.mismatches if m.quantity == "error")
+    assert error.rank == 2 and error.phase == "rollout predict"
+    assert "no forcing file for this tile" in error.detail
