@@ -147,8 +147,6 @@ class SpatialCase:
         one ``{name: Shard | tensor}`` dict per step, this rank's part of each field as in
         ``forward``. Run by rollout checks in eval mode under ``torch.no_grad()`` on the model
         as built, on the reference and on every rank (``harness.rollout``)."""
-        from harness.rollout import no_predict
-
         raise no_predict(self)
 
     def describe(self, topo: Topology | None = None) -> str:
@@ -205,6 +203,16 @@ class SpatialCase:
     @property
     def label(self) -> str:
         return self.name or type(self).__name__
+
+
+def no_predict(case: SpatialCase) -> ConfigError:
+    """The error for a rollout of a case without ``predict``."""
+    return ConfigError(
+        f"{case.label} has no predict, so it cannot be rolled out (rollout=N or the case's "
+        "rollout_steps asked for it); define predict(self, model, batch, topo, steps) on the "
+        "case: roll the model out autoregressively from the batch and return one "
+        "{name: Shard | tensor} dict per step"
+    )
 
 
 def data_share(n: int, topo: Topology) -> slice:

@@ -160,17 +160,22 @@ def check_equivalence(
 
             ratio_rule(case, report, reference, judged, records, amp)
     if n_rollout and not report.quantities & set(FAILURES):
-        report.rollout = check_rollout(
-            case,
-            pool,
-            spatial_size=s,
-            steps=n_rollout,
-            seed=seed,
-            bound=tol.field,
-            timeout=timeout,
-            autocast=amp,
-        )
-        report.mismatches += report.rollout.mismatches
+        try:
+            report.rollout = check_rollout(
+                case,
+                pool,
+                spatial_size=s,
+                steps=n_rollout,
+                seed=seed,
+                bound=tol.field,
+                timeout=timeout,
+                autocast=amp,
+            )
+        except RankFailure as failure:
+            report.mismatches += failure_mismatches(failure, case.label)
+            report.likely = report.likely or culprit_hint(failure)
+        else:
+            report.mismatches += report.rollout.mismatches
     report.seconds = time.perf_counter() - t0
     # locating reruns a training step without autocast: it would see nothing of bf16's
     if _should_locate(locate if amp is None else bool(locate), report, pool):

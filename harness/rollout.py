@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from harness.compare import Bound, Mismatch, Quantity
-from harness.errors import ConfigError, RankFailure
+from harness.errors import ConfigError
 from harness.records import FieldRecord, StepRecord
 from harness.topology import Topology
 
@@ -466,9 +466,8 @@ def check_rollout(
 ) -> RolloutRecord:
     """Roll ``case`` out ``steps`` steps on the reference, on ``members`` nudged reruns of
     it and on every rank of ``pool``; judge each step and field (``judge_rollout``).
-    A rank that raised, crashed or hung is a mismatch of the record, not an exception."""
-    from harness.equivalence import failure_mismatches
-
+    A rank that raised, crashed or hung raises its ``RankFailure`` (``check_equivalence``
+    makes it the report's mismatches)."""
     t0 = time.perf_counter()
     _has_predict(case)
     threads = torch.get_num_threads()
@@ -484,33 +483,18 @@ def check_rollout(
         torch.set_num_threads(threads)
     serial = time.perf_counter() - t_serial
     given = None if spatial_size == pool.world_size else spatial_size
-    try:
-        ranks = pool.run(_rollout_entry, case, given, steps, seed, autocast, timeout=timeout)
-    except RankFailure as failure:
-        record = RolloutRecord(steps, members, factor)
-        record.mismatches = failure_mismatches(failure, case.label)
-    else:
-        record = judge_rollout(
-            reference, ensemble, ranks, bound, spatial_size=spatial_size, factor=factor
-        )
+    ranks = pool.run(_rollout_entry, case, given, steps, seed, autocast, timeout=timeout)
+    record = judge_rollout(
+        reference, ensemble, ranks, bound, spatial_size=spatial_size, factor=factor
+    )
     record.autocast = "" if autocast is None else str(autocast).replace("torch.", "")
     record.seconds = time.perf_counter() - t0
     record.serial_seconds = serial
     return record
 
 
-def no_predict(case: SpatialCase) -> ConfigError:
-    """The error for a rollout of a case without ``predict``."""
-    return ConfigError(
-        f"{case.label} has no predict, so it cannot be rolled out (rollout=N or the case's "
-        "rollout_steps asked for it); define predict(self, model, batch, topo, steps) on the "
-        "case: roll the model out autoregressively from the batch and return one "
-        "{name: Shard | tensor} dict per step"
-    )
-
-
 def _has_predict(case: SpatialCase) -> None:
-    from harness.case import SpatialCase
+    from harness.case import SpatialCase, no_predict
 
     if type(case).predict is SpatialCase.predict:
         raise no_predict(case)
