@@ -176,6 +176,8 @@ def check_equivalence(
             report.likely = report.likely or culprit_hint(failure)
         else:
             report.mismatches += report.rollout.mismatches
+    elif n_rollout:
+        report.notes.append(f"rollout of {n_rollout} steps not run: the training run failed")
     report.seconds = time.perf_counter() - t0
     # locating reruns a training step without autocast: it would see nothing of bf16's
     if _should_locate(locate if amp is None else bool(locate), report, pool):
