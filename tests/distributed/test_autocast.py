@@ -87,3 +87,31 @@ def test_autocast_of_a_float64_case_says_it_changed_nothing(spatial):
     )
     assert report.ok, report
     assert any("autocast bfloat16 changed nothing" in n for n in report.notes)
+
+
+@pytest.mark.parametrize(("fault", "enters"), [(None, None), ("inference-noise-per-rank", 0)])
+def test_a_rollout_under_autocast_is_judged_by_the_same_envelope(spatial, fault, enters):
+    case = SFNOCase(
+        nlat=16, nlon=32, h=2, w=2, noise=1, dtype=torch.float32, faults=(fault,) if fault else ()
+    )
+    report = check_equivalence(
+        case, ranks=4, pool=spatial.pool(4), autocast=torch.bfloat16, rollout=5
+    )
+    assert report.rollout is not None and report.rollout.autocast == "bfloat16"
+    if fault is None:
+        assert report.ok, report
+    else:
+        assert report.quantities == {"rollout"} and report.rollout.first.step == enters, report
+
+
+def test_an_inference_bug_inside_bf16s_rounding_spread_passes_a_bf16_rollout(spatial):
+    # what a rollout check cannot see: the eval-mode local mean moves the SFNO's state by
+    # less than bf16 rounding does (it fails a float32 rollout at ~5000x the spread, see
+    # tests/faults/test_inference_faults.py), so under bf16 autocast it stays inside 10x
+    case = SFNOCase(nlat=16, nlon=32, h=2, w=2, dtype=torch.float32, faults=("eval-local-mean",))
+    report = check_equivalence(
+        case, ranks=4, pool=spatial.pool(4), autocast=torch.bfloat16, rollout=5
+    )
+    assert report.ok, report
+    plain = check_equivalence(case, ranks=4, pool=spatial.pool(4), rollout=5)
+    assert plain.rollout.first is not None and plain.rollout.first.step == 0

@@ -262,3 +262,16 @@ def test_the_rollout_plot_is_a_png_of_every_fields_curve(tmp_path):
     record = judge(rollout(4), spreads=[1e-6] * 4, errors=[0.0, 2e-5, 1e-3, 1e-3])
     path = plot_rollout(record, tmp_path / "curve.png", title="ring")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_serial_run_that_lands_next_to_high_precision_by_chance_does_not_shrink_the_bound():
+    from harness.compare import Tolerance
+
+    tol = Tolerance.for_dtype(torch.float64)
+    u = torch.finfo(torch.bfloat16).eps / 2
+    high = run(1.0, 1.0, 1.0, 1.0)
+    serial = run(1.0 + 1e-6, 1.0 + 1e-6, 1.0 + 1e-6, 1.0 + 1e-6)  # far inside one rounding
+    found, _ = judge_autocast(high, serial, [run(1.0 + 3 * u, 1.0, 1.0, 1.0)], tol, spatial_size=1)
+    assert found == []  # three bf16 roundings of the loss: within RATIO of one
+    found, _ = judge_autocast(high, serial, [run(1.0 + 5 * u, 1.0, 1.0, 1.0)], tol, spatial_size=1)
+    assert [m.quantity for m in found] == ["loss"]
