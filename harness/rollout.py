@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, is_dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -511,15 +511,6 @@ def rollout_steps(case: SpatialCase, rollout: int | None) -> int:
             ">= 1), or 0 / None for no rollout"
         )
     return n
-
-
-def iter_steps(record: RolloutRecord) -> Iterator[int]:
-    """The steps of the record's curve, once each, in order."""
-    seen: set[int] = set()
-    for p in record.curve:
-        if p.step not in seen:
-            seen.add(p.step)
-            yield p.step
 
 
 # ---------------------------------------------------------------------- plot
