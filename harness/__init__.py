@@ -31,6 +31,7 @@ from harness.layouts import Layout, LayoutsReport, check_layouts
 from harness.partition import CellPartition, LatLonPartition, cell_of, split_sizes
 from harness.pool import PoolRegistry, RankPool, Runner
 from harness.report import EquivalenceReport
+from harness.rollout import RolloutPoint, RolloutRecord
 from harness.topology import Topology
 
 __all__ = [
@@ -62,6 +63,8 @@ __all__ = [
     "RankPool",
     "RankProblem",
     "RankTimeout",
+    "RolloutPoint",
+    "RolloutRecord",
     "Runner",
     "Shard",
     "SpatialCase",

@@ -160,6 +160,12 @@ class SpatialCase:
     #: one dimension (bands, cell ranges), 2 for lat x lon blocks. ``check_layouts`` hands
     #: the case every grid of that many factors of the spatial group.
     mesh_dims: int = 1
+    #: Roll the model out this many steps with ``predict`` (inference) in every check, as
+    #: ``check_equivalence(..., rollout=N)`` does (``harness.rollout``). ``None``: no rollout.
+    rollout_steps: int | None = None
+    #: Run the check under ``torch.autocast`` at this dtype (``torch.bfloat16``), as
+    #: ``check_equivalence(..., autocast=...)`` does (``harness.autocast``). ``None``: off.
+    autocast: torch.dtype | None = None
 
     def build(self, topo: Topology) -> torch.nn.Module:
         raise NotImplementedError
@@ -169,6 +175,13 @@ class SpatialCase:
 
     def forward(self, model: torch.nn.Module, batch: Any, topo: Topology) -> Outputs:
         raise NotImplementedError
+
+    def predict(self, model: torch.nn.Module, batch: Any, topo: Topology, steps: int) -> Any:
+        """An autoregressive rollout of ``steps`` steps from ``batch`` (step 0's): a list with
+        one ``{name: Shard | tensor}`` dict per step, this rank's part of each field as in
+        ``forward``. Run by rollout checks in eval mode under ``torch.no_grad()`` on the model
+        as built, on the reference and on every rank (``harness.rollout``)."""
+        raise no_predict(self)
 
     def describe(self, topo: Topology | None = None) -> str:
         """A short description of the partition for reports (override to say more)."""
@@ -224,6 +237,16 @@ class SpatialCase:
     @property
     def label(self) -> str:
         return self.name or type(self).__name__
+
+
+def no_predict(case: SpatialCase) -> ConfigError:
+    """The error for a rollout of a case without ``predict``."""
+    return ConfigError(
+        f"{case.label} has no predict, so it cannot be rolled out (rollout=N or the case's "
+        "rollout_steps asked for it); define predict(self, model, batch, topo, steps) on the "
+        "case: roll the model out autoregressively from the batch and return one "
+        "{name: Shard | tensor} dict per step"
+    )
 
 
 def data_share(n: int, topo: Topology) -> slice:

@@ -46,6 +46,7 @@ class Quantity(str, Enum):
     DEADLOCK = "deadlock"
     PENDING = "pending"
     VACUOUS = "vacuous"
+    ROLLOUT = "rollout"
 
     def __str__(self) -> str:
         return self.value

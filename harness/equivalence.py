@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,48 +76,38 @@ def check_equivalence(
     locate: bool | None = None,
     mesh: tuple[int, ...] | None = None,
     reference: RunRecord | None = None,
+    rollout: int | None = None,
+    autocast: torch.dtype | None = None,
 ) -> EquivalenceReport:
     """Run ``case`` as the reference and on ``ranks`` ranks; compare everything.
 
     Returns an ``EquivalenceReport``; a crash, an exception or a timeout on any rank is a
-    mismatch of the report (``crash``, ``error``, ``timeout``), not an exception. ``pool``
-    defaults to a warm pool shared by the process (``harness.pool.shared_registry()``).
-    A NaN or inf anywhere is a ``nonfinite`` mismatch unless ``allow_nonfinite`` (default:
-    the case's ``expect_nonfinite``).
+    mismatch of the report (``crash``, ``error``, ``timeout``), not an exception; so is a
+    reference that raises. ``pool`` defaults to a warm pool shared by the process
+    (``harness.pool.shared_registry()``). A NaN or inf anywhere is a ``nonfinite`` mismatch
+    unless ``allow_nonfinite`` (default: the case's ``expect_nonfinite``).
 
     When the check fails (or always, with ``locate=True``; never with ``locate=False``) the
     first failing step is rerun with hooks on every module to find where the partitioned
     run first departs (``report.first_divergence``, ``harness.locate``). A run that raised,
-    crashed or hung is not rerun: its traceback says where.
+    crashed or hung is not rerun: its traceback says where. Locating is a diagnosis: if it
+    fails, a ``Not located:`` line says so and the verdict stands.
 
     ``mesh``: the spatial group's process grid handed to the case as ``Topology.mesh``
     (a tuple of ``case.mesh_dims`` sizes whose product is the spatial size); ``None``: the
     case chooses its own. ``harness.check_layouts`` runs every one, with one ``reference``
     (the reference's ``run_case`` record of this case, ``steps``, ``lr`` and ``seed``: it
     does not depend on the layout).
+
+    ``rollout`` (default: the case's ``rollout_steps``): also roll the model out that many
+    steps with ``predict`` and judge each step by its own rounding spread
+    (``harness.rollout``). ``autocast`` (default: the case's): run the reference and the
+    ranks under ``torch.autocast`` at that dtype, judged by the ratio rule
+    (``harness.autocast``).
     """
-    if not isinstance(case, SpatialCase):
-        raise ConfigError(
-            f"check_equivalence needs a harness.SpatialCase, got {type(case).__name__}; "
-            "subclass SpatialCase and implement build, batch and forward"
-        )
-    s = validate_sizes(ranks, spatial_size)
-    grid = check_mesh(mesh, s)
-    if grid and len(grid) != case.mesh_dims:
-        raise ConfigError(
-            f"mesh={grid} has {len(grid)} axes but {case.label}.mesh_dims is "
-            f"{case.mesh_dims}; give {case.mesh_dims} sizes, or set mesh_dims on the case"
-        )
-    if steps < 1:
-        raise ConfigError(f"steps must be >= 1, got {steps}")
-    if case.vacuous_ok is not None and not (
-        isinstance(case.vacuous_ok, str) and case.vacuous_ok.strip()
-    ):
-        raise ConfigError(
-            f"{case.label}.vacuous_ok = {case.vacuous_ok!r}: give the reason as a sentence "
-            '(vacuous_ok = "the model is replicated by design: ..."), or leave it None'
-        )
+    s, grid = _validate(case, ranks, spatial_size, steps, mesh)
     allow = case.expect_nonfinite if allow_nonfinite is None else allow_nonfinite
+    n_rollout, amp = _production_modes(case, rollout, autocast)
     t0 = time.perf_counter()
     if pool is None:
         from harness.pool import shared_registry
@@ -146,75 +137,190 @@ def check_equivalence(
     # the reference ran first: its initial values can travel to ranks that load them
     loads = case.load_reference_shards or case.load_reference_init
     init = reference.init if loads else None
+    run = _Run(case, pool, spatial_size, steps, lr, seed, timeout, init, grid or None)
+    _train(run, report, reference, tol, s, allow, amp)
+    if n_rollout:
+        _roll_out(run, report, s, n_rollout, tol, amp)
+    report.seconds = time.perf_counter() - t0
+    # locating reruns a training step without autocast: it would see nothing of bf16's
+    if _should_locate(locate if amp is None else bool(locate), report, pool):
+        trained = [m for m in report.mismatches if m.quantity != "rollout"]
+        step = min((m.step for m in trained if m.step is not None), default=0)
+        try:
+            _locate(run, report, step)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis never takes the verdict down
+            report.location = None
+            report.first_divergence = None
+            report.diagnoses.append(
+                f"Not located: the first divergence at step {step} ({exception_summary(exc)})"
+            )
+    return report
+
+
+def _validate(
+    case: SpatialCase,
+    ranks: int,
+    spatial_size: int | None,
+    steps: int,
+    mesh: tuple[int, ...] | None,
+) -> tuple[int, tuple[int, ...]]:
+    """The spatial size and the mesh (``()``: the case's own) of a check, or one
+    ``ConfigError`` naming what is wrong with what was asked."""
+    if not isinstance(case, SpatialCase):
+        raise ConfigError(
+            f"check_equivalence needs a harness.SpatialCase, got {type(case).__name__}; "
+            "subclass SpatialCase and implement build, batch and forward"
+        )
+    s = validate_sizes(ranks, spatial_size)
+    grid = check_mesh(mesh, s)
+    if grid and len(grid) != case.mesh_dims:
+        raise ConfigError(
+            f"mesh={grid} has {len(grid)} axes but {case.label}.mesh_dims is "
+            f"{case.mesh_dims}; give {case.mesh_dims} sizes, or set mesh_dims on the case"
+        )
+    if steps < 1:
+        raise ConfigError(f"steps must be >= 1, got {steps}")
+    if case.vacuous_ok is not None and not (
+        isinstance(case.vacuous_ok, str) and case.vacuous_ok.strip()
+    ):
+        raise ConfigError(
+            f"{case.label}.vacuous_ok = {case.vacuous_ok!r}: give the reason as a sentence "
+            '(vacuous_ok = "the model is replicated by design: ..."), or leave it None'
+        )
+    return s, grid
+
+
+def _production_modes(
+    case: SpatialCase, rollout: int | None, autocast: torch.dtype | None
+) -> tuple[int, torch.dtype | None]:
+    """The rollout's step count (0: none) and the autocast dtype (``None``: off) asked for
+    by the call or the case, checked up front."""
+    from harness.rollout import _has_predict, rollout_steps
+
+    n_rollout = rollout_steps(case, rollout)
+    if n_rollout:
+        _has_predict(case)
+    amp = case.autocast if autocast is None else autocast
+    if amp is not None:
+        from harness.autocast import check_dtype
+
+        amp = check_dtype(amp)
+    return n_rollout, amp
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every phase of one check runs with (the ranks' side of it)."""
+
+    case: SpatialCase
+    pool: Runner
+    spatial_size: int | None
+    steps: int
+    lr: float
+    seed: int
+    timeout: float | None
+    init: dict[str, torch.Tensor] | None
+    mesh: tuple[int, ...] | None
+
+
+def _train(
+    run: _Run,
+    report: EquivalenceReport,
+    reference: RunRecord,
+    tol: Tolerance,
+    s: int,
+    allow: bool,
+    amp: torch.dtype | None,
+) -> None:
+    """The training steps on every rank, compared into ``report`` (under autocast: with
+    the serial run under it, by the ratio rule)."""
+    case, ranks = run.case, report.ranks
+    judged, judge_tol, entry = reference, tol, (_rank_entry,)
+    if amp is not None:  # the ranks under autocast, judged against the serial run under it
+        from harness.autocast import serial_run
+
+        judged, judge_tol, entry = serial_run(case, amp, run.steps, run.lr, run.seed)
+    on_grid = {"mesh": run.mesh} if run.mesh else {}
     try:
-        on_grid = {"mesh": grid} if grid else {}
-        records = pool.run(
-            _rank_entry, case, spatial_size, steps, lr, seed, init, timeout=timeout, **on_grid
+        records = run.pool.run(
+            entry[0],
+            *entry[1:],
+            case,
+            run.spatial_size,
+            run.steps,
+            run.lr,
+            run.seed,
+            run.init,
+            timeout=run.timeout,
+            **on_grid,
         )
     except RankFailure as failure:
         report.mismatches = failure_mismatches(failure, case.label)
         report.likely = culprit_hint(failure)
         report.partition = _layout(case.describe(None), s, ranks // s)
-    else:
-        report.partition = _layout(records[0].describe, s, ranks // s)
-        report.notes += _loaded_note(records, case.load_reference_init)
-        found = compare_runs(reference, records, tol, spatial_size=s, allow_nonfinite=allow)
-        report.mismatches, report.stats = found.mismatches, found.stats
-        if not case.vacuous_ok:
-            report.mismatches[:0] = check_vacuous(case.label, reference, records, s)
-        report.field_errors, report.likely = found.field_errors, found.likely
-        report.diagnoses += found.diagnoses
-    report.seconds = time.perf_counter() - t0
-    if _should_locate(locate, report, pool):
-        steps_failed = [m.step for m in report.mismatches if m.step is not None]
-        try:
-            _locate(
-                case,
-                pool,
-                report,
-                spatial_size,
-                min(steps_failed, default=0),
-                lr,
-                seed,
-                timeout,
-                init,
-                grid or None,
-            )
-        except Exception as exc:  # noqa: BLE001 - a diagnosis never takes the verdict down
-            report.location = None
-            report.first_divergence = None
-            report.diagnoses.append(
-                f"Not located: the first divergence at step {min(steps_failed, default=0)} "
-                f"({exception_summary(exc)})"
-            )
-    return report
+        return
+    report.partition = _layout(records[0].describe, s, ranks // s)
+    report.notes += _loaded_note(records, case.load_reference_init)
+    found = compare_runs(judged, records, judge_tol, spatial_size=s, allow_nonfinite=allow)
+    report.mismatches, report.stats = found.mismatches, found.stats
+    if not case.vacuous_ok:
+        report.mismatches[:0] = check_vacuous(case.label, judged, records, s)
+    report.field_errors, report.likely = found.field_errors, found.likely
+    report.diagnoses += found.diagnoses
+    if amp is not None:
+        from harness.autocast import ratio_rule
+
+        ratio_rule(case, report, reference, judged, records, amp)
 
 
-def _locate(
-    case: SpatialCase,
-    pool: Runner,
+def _roll_out(
+    run: _Run,
     report: EquivalenceReport,
-    spatial_size: int | None,
-    step: int,
-    lr: float,
-    seed: int,
-    timeout: float | None,
-    init: dict[str, torch.Tensor] | None,
-    mesh: tuple[int, ...] | None,
+    s: int,
+    n_rollout: int,
+    tol: Tolerance,
+    amp: torch.dtype | None,
 ) -> None:
-    """Locate the first divergence into ``report`` (``harness.locate``)."""
+    """The inference rollout, judged step by step into ``report`` (not after a training
+    run that raised, crashed or hung: its traceback says more)."""
+    from harness.rollout import check_rollout
+
+    if report.quantities & set(FAILURES):
+        report.notes.append(f"rollout of {n_rollout} steps not run: the training run failed")
+        return
+    try:
+        report.rollout = check_rollout(
+            run.case,
+            run.pool,
+            spatial_size=s,
+            steps=n_rollout,
+            seed=run.seed,
+            bound=tol.field,
+            timeout=run.timeout,
+            autocast=amp,
+        )
+    except RankFailure as failure:
+        report.mismatches += failure_mismatches(failure, run.case.label)
+        report.likely = report.likely or culprit_hint(failure)
+    else:
+        report.mismatches += report.rollout.mismatches
+
+
+def _locate(run: _Run, report: EquivalenceReport, step: int) -> None:
+    """Locate the first divergence of training step ``step`` into ``report``
+    (``harness.locate``)."""
     from harness.locate import locate as locate_run
 
     report.location = locate_run(
-        case,
-        pool,
-        spatial_size=spatial_size,
+        run.case,
+        run.pool,
+        spatial_size=run.spatial_size,
         step=step,
-        lr=lr,
-        seed=seed,
-        timeout=timeout,
-        reference_init=init,
-        mesh=mesh,
+        lr=run.lr,
+        seed=run.seed,
+        timeout=run.timeout,
+        reference_init=run.init,
+        mesh=run.mesh,
     )
     report.first_divergence = report.location.first
     report.location.lines()  # rendered now: a line it cannot write is said here, not in str()
@@ -287,8 +393,9 @@ def _should_locate(locate: bool | None, report: EquivalenceReport, pool: Runner)
     that raised or hung, nor in a mutant's rerun, which only asks whether a check fails)."""
     if locate is False or report.quantities & set(FAILURES):
         return False
-    if locate is None:
-        return not report.ok and getattr(pool, "mutant", None) is None
+    if locate is None:  # a rollout's divergence is not a training step's: it is not rerun
+        trained = any(m.quantity != "rollout" for m in report.mismatches)
+        return trained and getattr(pool, "mutant", None) is None
     return True
 
 

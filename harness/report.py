@@ -20,6 +20,7 @@ from harness.errors import EquivalenceFailure
 
 if TYPE_CHECKING:
     from harness.divergence import Divergence, Location
+    from harness.rollout import RolloutRecord
 
 
 class SummaryRow(TypedDict, total=False):
@@ -110,6 +111,12 @@ REMEDIES: dict[str, str] = {
         "some member never entered, or an isend nobody receives. Match every collective on every "
         "member and every send with a receive before returning."
     ),
+    Quantity.ROLLOUT: (
+        "An inference rollout left the rounding spread at the step named: look for what "
+        "only inference does (eval mode, no_grad, state kept across steps): a halo or buffer "
+        "received once and reused, a statistic taken over the rank's part in eval mode, "
+        "noise drawn per rank, a step counter kept per rank."
+    ),
     Quantity.VACUOUS: (
         "The check proves nothing about the parallel code: give each rank only its part "
         "of the domain, return its part of each field as a Shard, and communicate what the model "
@@ -168,6 +175,8 @@ class EquivalenceReport:
     #: what a diagnosis (locating, a hint) could not do, one line each, shown as written
     #: (``Not located: ... (TypeError: ...)``): it failed, the verdict stands
     diagnoses: list[str] = field(default_factory=list)
+    #: the inference rollout's per-step error curve (``check_equivalence(..., rollout=N)``)
+    rollout: RolloutRecord | None = None
 
     @property
     def ok(self) -> bool:
@@ -228,11 +237,13 @@ class EquivalenceReport:
             )
             verdict = head + f"equivalent to the reference (worst relative error: {worst})"
             located = self._located()
-            return "\n".join([verdict, *(f"Note: {n}" for n in self.notes), *located])
+            rolled = self.rollout.lines() if self.rollout is not None else []
+            return "\n".join([verdict, *(f"Note: {n}" for n in self.notes), *rolled, *located])
         lines = [
             head + f"{len(self.mismatches)} mismatch(es) with the reference",
             *(f"Note: {n}" for n in self.notes),
             f"First: {self.mismatches[0].headline()}",
+            *(self.rollout.lines() if self.rollout is not None else []),
             *self._located(),
             *([f"Likely cause: {self.likely}"] if self.likely else []),
             "",

@@ -151,6 +151,9 @@ class SpatialFixture:
             if plots and report.field_errors:
                 maps = write_error_maps(report, plots, self._node.nodeid)
                 text += "\n\nError maps:\n" + "\n".join(f"  {p}" for p in maps)
+            if plots and report.rollout is not None and report.rollout.curve:
+                curve = write_rollout_curve(report, plots, self._node.nodeid)
+                text += f"\n\nRollout error curve: {curve}"
             failures.append(text)
         if golden_failure:
             lead = "The golden check failed too:\n" if failures else ""
@@ -505,6 +508,17 @@ def _error_map(report: EquivalenceReport, fe: Any, path: Path) -> str | None:
         bounds = [0, *np.cumsum(counts).tolist()]
         return str(plots.plot_healpix_error(err, path, bounds=bounds, title=title))
     return None
+
+
+def write_rollout_curve(report: EquivalenceReport, directory: str, nodeid: str) -> str:
+    """The rollout's per-step error curve of ``report`` as a PNG under ``directory``."""
+    from harness.rollout import plot_rollout
+
+    assert report.rollout is not None
+    stem = golden_stem(nodeid).replace("/", ".")
+    path = Path(directory) / f"{stem}.rollout.png"
+    title = f"{report.case}: rollout of {report.rollout.steps} steps"
+    return str(plot_rollout(report.rollout, path, title=title))
 
 
 def _run_lengths(values: Any) -> list[int]:

@@ -111,6 +111,30 @@ def fault_matrix(ranks: int) -> Iterator[Fault]:
         yield "healpix", _healpix, kwargs, spatial_size, fault, expected
 
 
+#: One inference fault of the catalogue: (stepper, factory, kwargs, spatial_size, fault id,
+#: the rollout step where it enters).
+InferenceFault = tuple[str, Maker, dict[str, Any], int | None, str, int]
+#: the rollout a check of an inference fault runs: long enough to see the bugs that enter
+#: after the first step, short enough to keep the catalogue quick
+INFERENCE_ROLLOUT = 4
+
+
+def inference_matrix(ranks: int) -> Iterator[InferenceFault]:
+    """The faults that live only in inference (``predict`` in eval mode, no_grad): a
+    training check passes them, a rollout check (``rollout=INFERENCE_ROLLOUT``) fails at
+    the step where each enters. Sized for 4 ranks, like the steppers' training faults."""
+    if ranks != 4:
+        return
+    from harness.steppers.sfno import INFERENCE_CHECKS
+
+    for fault, (enters, kwargs) in INFERENCE_CHECKS.items():
+        yield "sfno", _sfno, kwargs, None, fault, enters
+    from harness.steppers.healpix import INFERENCE_CHECKS as HEALPIX_INFERENCE
+
+    for fault, (enters, kwargs) in HEALPIX_INFERENCE.items():
+        yield "healpix", _healpix, kwargs, None, fault, enters
+
+
 def skipped_faults(ranks: int) -> list[tuple[str, str, str]]:
     """(stepper, fault id, why) for each fault of the catalogue that ``ranks`` cannot show."""
     out = []
@@ -248,6 +272,37 @@ DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
 }
 
 
+#: (stepper, fault id) -> (the bug, what goes wrong) for the faults that live only in inference
+INFERENCE_DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
+    ("sfno", "inference-cached-mean"): (
+        "the other ranks' share of the global mean, received at the first rollout step, kept "
+        "as a buffer and reused",
+        "every later step conditions on step 0's mean",
+    ),
+    ("sfno", "eval-local-mean"): (
+        "in eval mode the global mean is taken over the rank's own block",
+        "each tile conditions on its own mean (fme's clip_latent_global_means shape)",
+    ),
+    ("sfno", "inference-noise-per-rank"): (
+        "ensemble inference seeds its noise generator with the rank",
+        "tiles of one member see different noise",
+    ),
+    ("sfno", "step-counter-per-rank"): (
+        "the rollout's step counter advanced only on the group's first rank",
+        "the other ranks keep applying step 0's forcing",
+    ),
+    ("healpix", "inference-cached-latent"): (
+        "the gathered latent of the first rollout step kept; later steps refresh only the "
+        "rank's own cells",
+        "other ranks' cells stale from step 1 on (a halo cached across steps)",
+    ),
+    ("healpix", "inference-noise-per-rank"): (
+        "ensemble perturbations of the latent drawn at the rank's shape from the shared seed",
+        "each rank's cells perturbed with another field's noise",
+    ),
+}
+
+
 #: (stepper, fault id) -> where the first divergence must point (``Divergence.located``):
 #: the module whose own code holds the bug (``''`` is the model itself: these steppers keep
 #: their gathers, losses and global means in the model's methods, outside submodules);
@@ -374,6 +429,19 @@ def markdown_table(ranks: int = 4) -> list[str]:
     return rows
 
 
+def inference_table(ranks: int = 4) -> list[str]:
+    """FAULTS.md's table of the faults that live only in inference, with the rollout step
+    where each enters (what a rollout check names)."""
+    rows = [
+        "| stepper | fault | the bug | what goes wrong | first divergent step |",
+        "|---|---|---|---|---|",
+    ]
+    for stepper, _make, _kw, _s, fault, enters in inference_matrix(ranks):
+        bug, effect = INFERENCE_DESCRIPTIONS[(stepper, fault)]
+        rows.append(f"| {stepper} | `{fault}` | {bug} | {effect} | step {enters} |")
+    return rows
+
+
 def document(ranks: int = 4) -> str:
     """FAULTS.md: the catalogue the harness's own tests and ``harness-check`` prove."""
     lines = [
@@ -388,6 +456,16 @@ def document(ranks: int = 4) -> str:
         "(`python -m harness.steppers.catalogue > FAULTS.md`); a test fails if it drifts.",
         "",
         *markdown_table(ranks),
+        "",
+        "## Faults that live only in inference",
+        "",
+        "A training check runs the model in training mode with gradients: these bugs never",
+        "run there, and the steppers' training checks pass with them switched on.",
+        "`tests/faults/test_inference_faults.py` shows that a rollout check",
+        f"(`check_equivalence(..., rollout={INFERENCE_ROLLOUT})`, `harness.rollout`) fails on each",
+        "at the step where it enters (steps numbered from 0), naming that step and the field.",
+        "",
+        *inference_table(ranks),
         "",
         "The harness's own faults (a rank raises, dies, hangs, returns something unpicklable,",
         "leaves a collective or a send pending; a rank function that cannot be imported) are",

@@ -62,6 +62,13 @@ from harness.partition import CellPartition, cell_of
 from harness.steppers import faults as _faults
 from harness.topology import Topology, cached_groups
 
+#: faults that live only in inference (``predict`` in eval mode, under no_grad): fault id ->
+#: (the rollout step where the bug enters, ``HealpixCase`` kwargs on 4 ranks)
+INFERENCE_CHECKS: dict[str, tuple[int, dict[str, Any]]] = {
+    "inference-cached-latent": (1, {"nside": 2}),
+    "inference-noise-per-rank": (1, {"nside": 2}),  # perturbs the next step's latent
+}
+
 HEALPIX_FAULTS = frozenset(
     {
         "rank-major-gather",  # gathered predictions viewed rank-major as (B, npix, C)
@@ -114,7 +121,8 @@ _DEPTH = 4
 
 def check_faults(faults: Any) -> frozenset[str]:
     """``faults`` as a frozenset of known HEALPix fault ids, or a ``ConfigError``."""
-    return _faults.check_faults(faults, HEALPIX_FAULTS, "HEALPix")
+    known = HEALPIX_FAULTS | frozenset(INFERENCE_CHECKS)  # training faults, then inference's
+    return _faults.check_faults(faults, known, "HEALPix")
 
 
 # ---------------------------------------------------------------------- gathers
@@ -350,6 +358,44 @@ class HealpixStepper(nn.Module):
                 "empty, so each parameter gets a zero gradient, not None"
             )
 
+    # ------------------------------------------------------------ inference
+
+    @torch.no_grad()
+    def rollout(
+        self, batch: dict[str, torch.Tensor], steps: int, spread: float = 0.01
+    ) -> list[torch.Tensor]:
+        """A latent rollout from the batch's observations, as a forecast engine runs one:
+        assimilate and encode once, then per step gather the latent, mix it globally,
+        perturb it (one ensemble member: noise drawn for the whole globe and batch from a
+        fixed seed, ``spread`` times) and decode; the mixed latent of the rank's own cells is
+        the next step's. Each step's forecast of the rank's cells ``(B, n_local, C)``."""
+        topo = self.topo
+        b = batch["target"].shape[0]
+        z = self.encode(self.assimilate(batch["obs"], batch["slot"], b))
+        generator = torch.Generator().manual_seed(4321)
+        rows = data_share(b * topo.data_size, topo)
+        kept: torch.Tensor | None = None
+        out = []
+        for _ in range(steps):
+            if "inference-cached-latent" in self.faults and not self.training and kept is not None:
+                # the bug: the other ranks' cells, gathered at the first step, are kept (a
+                # halo cached across steps); only the rank's own cells are refreshed
+                full = kept.clone()
+                full[:, self.lo : self.hi] = z
+            else:
+                full = self.gather_latent(z)  # replicated, cell order
+                kept = full
+            mixed = self.mix(full)
+            if "inference-noise-per-rank" in self.faults and not self.training:
+                # the bug: the member's noise drawn at this rank's shape, not the globe's
+                noise = torch.randn(b, self.n_local, self.hidden, generator=generator)
+            else:
+                shape = (b * topo.data_size, self.partition.npix, self.hidden)
+                noise = torch.randn(shape, generator=generator)[rows, self.lo : self.hi]
+            z = mixed[:, self.lo : self.hi] + spread * noise.to(mixed.dtype)
+            out.append(self.decode(mixed))
+        return out
+
     # ------------------------------------------------------------ one step
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -580,6 +626,18 @@ class HealpixCase(SpatialCase):
             loss,
             {"prediction": Shard(full[:, model.lo : model.hi], index, dim=1, unit="cell")},
         )
+
+    def predict(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], topo: Topology, steps: int
+    ) -> list[dict[str, Shard | torch.Tensor]]:
+        """The stepper's latent rollout (one ensemble member); each step's forecast of the
+        rank's cells."""
+        assert isinstance(model, HealpixStepper), type(model)
+        steps_out = model.rollout(batch, steps)
+        if topo.spatial_group is None:
+            return [{"forecast": f} for f in steps_out]
+        index = torch.arange(model.lo, model.hi)
+        return [{"forecast": Shard(f, index, dim=1, unit="cell")} for f in steps_out]
 
     def token_prediction(
         self,

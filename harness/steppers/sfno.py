@@ -83,6 +83,15 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
         None,
     ),
 }
+#: faults that live only in inference (``predict`` in eval mode, under no_grad): fault id ->
+#: (the rollout step where the bug enters, ``SFNOCase`` kwargs on 4 ranks). A training check
+#: cannot see them; a rollout check (``check_equivalence(..., rollout=N)``) names that step.
+INFERENCE_CHECKS: dict[str, tuple[int, dict[str, Any]]] = {
+    "inference-cached-mean": (1, _H2W2),
+    "eval-local-mean": (0, _H2W2),
+    "inference-noise-per-rank": (0, {"noise": 1, **_H2W2}),
+    "step-counter-per-rank": (1, _H2W2),
+}
 #: the faults that live in the sharded spectral weights (``shard_weights=True``)
 SHARD_FAULTS = frozenset({"shard-wrong-l", "shard-grad-replicated"})
 SHARD_INITS = ("sliced", "per-rank")
@@ -92,7 +101,8 @@ GRIDS = ("equiangular", "legendre-gauss")
 
 def check_faults(faults: Any) -> frozenset[str]:
     """``faults`` as a frozenset of known SFNO fault ids, or a ``ConfigError``."""
-    return _faults.check_faults(faults, SFNO_FAULTS, "SFNO")
+    known = SFNO_FAULTS | frozenset(INFERENCE_CHECKS)  # training faults, then inference's
+    return _faults.check_faults(faults, known, "SFNO")
 
 
 @dataclass(frozen=True)
@@ -352,6 +362,8 @@ class SFNOStepper(nn.Module):
 
         seed = cfg.noise_seed + (topo.rank if "per-rank-noise" in self.faults else 0)
         self.noise_generator = torch.Generator().manual_seed(seed)
+        self.step_count = 0  # the rollout's step, which picks each step's forcing
+        self._others: dict[int, torch.Tensor] = {}  # inference-cached-mean: per block
 
         if "grad-sync-mean" in self.faults:
             _sync_gradients_mean(self, topo)
@@ -371,9 +383,11 @@ class SFNOStepper(nn.Module):
         if self.config.noise:
             x = torch.cat([x, self.draw_noise(state.shape[0])], dim=-3)
         x = self.encoder(x)
-        for spectral, mlp, gain in zip(self.filters, self.mlps, self.mean_gains):
+        for block, (spectral, mlp, gain) in enumerate(
+            zip(self.filters, self.mlps, self.mean_gains)
+        ):
             # partial removal keeps the (0, 0) mode, whose gradient would otherwise be rounding
-            y = x + gain[:, None, None] * self.global_mean(x)
+            y = x + gain[:, None, None] * self.global_mean(x, block)
             y = self.isht(spectral(self.sht(y)))  # (B, E, lat, lon) -> (B, E, l, m) -> back
             x = x + mlp(F.gelu(y))
         out: torch.Tensor = state + self.decoder(x)
@@ -383,13 +397,25 @@ class SFNOStepper(nn.Module):
         """The area weights of this rank's latitudes."""
         return self.area_weights[self.lat_slice]
 
-    def global_mean(self, x: torch.Tensor) -> torch.Tensor:
+    def global_mean(self, x: torch.Tensor, block: int = 0) -> torch.Tensor:
         """Area-weighted mean over the whole sphere, per sample and channel: (..., 1, 1)."""
         local = torch.einsum("...ij,i->...", x, self.local_area_weights())
+        inference = not self.training
+        if "eval-local-mean" in self.faults and inference:
+            # the bug: in eval mode the "global" statistic is taken over this rank's block
+            # (the shape of fme's clip_latent_global_means eval finding)
+            area = self.local_area_weights().sum() * x.shape[-1]
+            return (local / area)[..., None, None]
+        if "inference-cached-mean" in self.faults and inference and block in self._others:
+            # the bug: the other ranks' share of the sum, received at the first step, is
+            # kept as a buffer and reused at every later step of the rollout
+            return ((local + self._others[block]) / self.area_total)[..., None, None]
         if "coupling-identity-backward" in self.faults:
             total = reduce_loss(local, self.topo)  # the bug: other ranks' uses are not summed back
         else:
             total = spatial_sum(local, self.topo)  # replicated; backward summed over the group
+        if "inference-cached-mean" in self.faults and inference:
+            self._others[block] = total - local  # what the other ranks sent (0: the reference)
         return (total / self.area_total)[..., None, None]
 
     def draw_noise(self, batch_local: int) -> torch.Tensor:
@@ -466,12 +492,30 @@ class SFNOStepper(nn.Module):
         return TrainOutput(loss, torch.stack(predictions, dim=1))
 
     @torch.no_grad()
-    def predict(self, initial: torch.Tensor, n_steps: int) -> torch.Tensor:
-        """Roll out ``n_steps`` from ``initial`` (B, C, lat, lon): (B, n_steps, C, lat, lon)."""
+    def predict(
+        self, initial: torch.Tensor, n_steps: int, forcing: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Roll out ``n_steps`` from ``initial`` (B, C, lat, lon): (B, n_steps, C, lat, lon).
+
+        ``forcing`` (B, n_steps, C, lat, lon), this rank's block: added to the state before
+        each step, the one of the step the stepper's counter is at.
+        """
         x, out = initial, []
+        self.step_count = 0
+        if "inference-noise-per-rank" in self.faults and not self.training:
+            # the bug: each ensemble inference draws its noise from a generator seeded with
+            # the rank (rank 0's is the reference's; the others' tiles see other noise)
+            seed = self.config.noise_seed + self.topo.rank
+            self.noise_generator = torch.Generator().manual_seed(seed)
         for _ in range(n_steps):
+            if forcing is not None:
+                x = x + forcing[:, self.step_count]
             x = self(x)
             out.append(x)
+            if "step-counter-per-rank" not in self.faults or self.topo.spatial_rank == 0:
+                # the bug: only the group's first rank (the one that logs) advances the
+                # counter; the others keep applying step 0's forcing
+                self.step_count += 1
         return torch.stack(out, dim=1)
 
     def scatter(self, field: torch.Tensor) -> torch.Tensor:
@@ -651,6 +695,27 @@ class SFNOCase(SpatialCase):
             rollout = stepper.predict(batch["state"][:, 0], self.rollout)
             fields["rollout"] = stepper.shard(rollout)
         return Outputs(out.loss, fields)
+
+    def predict(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], topo: Topology, steps: int
+    ) -> list[dict[str, Shard | torch.Tensor]]:
+        """An autoregressive rollout from the batch's first state, forced at each step by a
+        travelling, insolation-like pattern; each step's state."""
+        stepper = cast(SFNOStepper, model)
+        forcing = stepper.scatter(self.forcing(steps))[: batch["state"].shape[0]]
+        rollout = stepper.predict(batch["state"][:, 0], steps, forcing)
+        return [{"state": stepper.shard(rollout[:, k])} for k in range(steps)]
+
+    def forcing(self, steps: int) -> torch.Tensor:
+        """``0.1 cos(lat) cos(lon - 2 pi k / 8)`` on the whole globe for step ``k``, every
+        sample and channel: ``(batch, steps, channels, nlat, nlon)``."""
+        cfg = self.config
+        lat = torch.linspace(torch.pi / 2, -torch.pi / 2, cfg.nlat)
+        lon = torch.arange(cfg.nlon) * 2 * torch.pi / cfg.nlon
+        phase = torch.arange(steps) * 2 * torch.pi / 8
+        wave = torch.cos(lon[None, :] - phase[:, None])  # (steps, nlon)
+        field = 0.1 * torch.cos(lat)[None, :, None] * wave[:, None, :]  # (steps, nlat, nlon)
+        return field[None, :, None].expand(self.batch_size, steps, cfg.channels, -1, -1)
 
     def parameter_shards(self, model: nn.Module, topo: Topology) -> dict[str, Shard]:
         """With ``shard_weights``: each spectral weight as the rank's l modes (dim 1) of the

@@ -1,0 +1,117 @@
+"""What a 150-step rollout check costs against the 2-step training check, and how many
+nudged reruns (ensemble members) its envelope needs.
+
+    python benchmarks/rollout_cost.py [--steps 150] [--repeats 2] [--members 1 2 4 8]
+
+The SFNO stepper (16x32, 2x2 process grid, float32) on 4 ranks: the training check
+(``check_equivalence``, 2 steps) against the rollout that ``rollout=150`` adds (the
+reference, ``MEMBERS`` nudged reruns of it and the partitioned rollout, then the
+judgement), medians of ``--repeats`` through one warm pool (the goal: at most 3x), the
+rollout split into its serial part (reference + members) and the rest (the ranks' run).
+
+Ensemble size: the ranks' rollout is run once, the reference nudged ``max(--members)``
+times; for each size ``m`` the envelope from the first ``m`` members is compared with the
+largest one's: the narrowest it gets (its smallest spread over the steps, relative to the
+largest ensemble's) and the worst ratio of the partitioned run's error to the spread
+(which must stay well under ``FACTOR``). The same for the chaotic Lorenz-96 ring of the
+tests (``tests/distributed/ring.py``). Nothing asserts on timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.distributed.ring
+
+from harness import PoolRegistry, Tolerance, Topology, check_equivalence
+from harness.rollout import (
+    FACTOR,
+    MEMBERS,
+    SERIAL_THREADS,
+    _rollout_entry,
+    judge_rollout,
+    run_prediction,
+)
+
+RANKS = 4
+
+
+def _cost(case, pool, steps: int, repeats: int) -> None:
+    check_equivalence(case, ranks=RANKS, pool=pool, rollout=2)  # warm: imports, groups
+    trains, rolls, serials = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        report = check_equivalence(case, ranks=RANKS, pool=pool)
+        trains.append(time.perf_counter() - t0)
+        assert report.ok, report
+        rolled = check_equivalence(case, ranks=RANKS, pool=pool, rollout=steps)
+        assert rolled.ok and rolled.rollout is not None, rolled
+        rolls.append(rolled.rollout.seconds)
+        serials.append(rolled.rollout.serial_seconds)
+    train, roll = statistics.median(trains), statistics.median(rolls)
+    serial = statistics.median(serials)
+    print(f"  training check (2 steps):        {train:6.2f} s")
+    print(
+        f"  {steps}-step rollout ({MEMBERS} members):   {roll:6.2f} s  -> {roll / train:.1f}x the "
+        f"training check ({(roll + train) / train:.1f}x for the check with both)"
+    )
+    print(
+        f"    of which serial (ref + members): {serial:6.2f} s; the ranks' partitioned "
+        f"rollout and the judgement: {roll - serial:.2f} s"
+    )
+
+
+def _members(case, pool, steps: int, sizes: list[int]) -> None:
+    bound = Tolerance.for_dtype(torch.float32).field
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SERIAL_THREADS)
+    try:
+        reference = run_prediction(case, Topology.single(), steps, 0)
+        members = [
+            run_prediction(case, Topology.single(), steps, 0, member=j) for j in range(max(sizes))
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    ranks = pool.run(_rollout_entry, case, None, steps, 0, None)
+    full = judge_rollout(reference, members, ranks, bound, spatial_size=RANKS)
+    for m in sizes:
+        record = judge_rollout(reference, members[:m], ranks, bound, spatial_size=RANKS)
+        narrow = min(p.spread / q.spread for p, q in zip(record.curve, full.curve) if q.spread > 0)
+        worst = max(p.ratio for p in record.curve)
+        verdict = "passes" if record.first is None else f"fails at step {record.first.step}"
+        print(
+            f"  {m} member(s): spread down to {narrow:.2f}x the {max(sizes)}-member one; worst "
+            f"error/spread {worst:.2f} (bound {FACTOR:g}); {verdict}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--members", type=int, nargs="+", default=[1, 2, 4, 8])
+    args = parser.parse_args()
+    from harness.steppers.sfno import SFNOCase
+    from tests.distributed.ring import RingCase
+
+    sfno = SFNOCase(nlat=16, nlon=32, h=2, w=2, dtype=torch.float32)
+    registry = PoolRegistry()
+    try:
+        pool = registry.get(RANKS)
+        print(f"SFNO 16x32 on 2x2 ranks, float32, median of {args.repeats}")
+        _cost(sfno, pool, args.steps, args.repeats)
+        for label, case in (("SFNO 16x32", sfno), ("Lorenz-96 ring of 40", RingCase())):
+            print(f"{label}: ensemble size, {args.steps} steps")
+            _members(case, pool, args.steps, sorted(args.members))
+    finally:
+        registry.close()
+
+
+if __name__ == "__main__":
+    main()

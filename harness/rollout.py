@@ -1,0 +1,545 @@
+"""Inference rollouts, step by step: ``SpatialCase.predict`` run on the reference, on a small
+ensemble of the reference nudged by a few units of rounding, and on every rank; each step
+and field judged against the spread that rounding alone reaches there.
+
+A chaotic rollout cannot be judged with a fixed tolerance: its rounding differences grow
+step after step (the float32 Lorenz-96 ring of the tests: ~1e-7 at step 0, ~1e-4 by step
+90, ~1e-2 by step 150), so any fixed bound either fails a correct rollout late or misses a
+bug early. What rounding *can* reach at each step is measured instead, the way MeteoSwiss'
+probtest and CESM's ensemble consistency test do for their codes: the reference is rerun
+``members`` times with its parameters and its batch moved by ``NUDGE_ULPS`` units of
+rounding (random signs, a private generator per member). The spread of step ``k`` and
+field ``f`` is the largest distance of any member from the reference; the partitioned run
+fails there when its own distance exceeds ``FACTOR`` times that spread and the check's
+fixed field tolerance (which covers the first steps, where a field that hardly depends on
+its inputs has a spread of ~0).
+
+Rank-side code: imports no pytest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, is_dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from harness.compare import Bound, Mismatch, Quantity
+from harness.errors import ConfigError
+from harness.records import FieldRecord, StepRecord
+from harness.topology import Topology
+
+if TYPE_CHECKING:
+    from harness.case import SpatialCase
+    from harness.pool import Runner
+
+#: each member's nudge: every floating value times (1 +- NUDGE_ULPS * eps), as ``harness.locate``
+NUDGE_ULPS = 4.0
+#: Ensemble members (nudged reruns of the reference) that measure the rounding spread. Fewer
+#: members see less of it: over 150 steps (benchmarks/rollout_cost.py) the spread of one
+#: member dipped at some step to 0.1x that of eight, of two to 0.34x, of four to 0.58x (SFNO
+#: and the Lorenz-96 ring alike). With four, FACTOR x the spread stays above 5x what eight
+#: members would measure, and a member costs one serial rollout (0.2-1.3 s for 150 SFNO
+#: steps here, a fraction of the partitioned rollout's own time).
+MEMBERS = 4
+#: A step fails when the partitioned run is further from the reference than FACTOR times the
+#: furthest member. The partitioned run is one more draw of the same rounding process (sums
+#: in another order instead of nudged inputs), usually a smaller one: measured (float32, 4
+#: ranks, every step and field of 150-step rollouts, 4 members) the ratio error/spread was
+#: at most 1.0 on the Lorenz-96 ring (its replicated 'energy' sum, seeds 0-2;
+#: tests/distributed/ring.py) and 0.64 on the SFNO stepper (benchmarks/rollout_cost.py).
+#: 10 leaves a margin of 10x over the worst seen; the inference bugs measured enter at
+#: 700x..3e5x the spread (ring and SFNO faults), so the margin costs them no detection.
+FACTOR = 10.0
+#: torch threads for the serial rollouts (reference and members) in the calling process, as
+#: every rank runs. A rollout is many small steps, where intra-op threads cost more than
+#: they give: measured, one 150-step float32 rollout of the 16x32 SFNO stepper took 4.6 s
+#: with torch's default threads and 0.55 s with one, on a loaded 2-core machine.
+SERIAL_THREADS = 1
+
+
+# ---------------------------------------------------------------------- records
+
+
+@dataclass
+class RolloutPoint:
+    """One step and field of a rollout: how far the partitioned run is from the reference
+    (``error``, max abs), how far rounding alone took the ensemble (``spread``), the bound
+    (``envelope``) and ``ratio = error / spread``."""
+
+    step: int
+    name: str
+    error: float
+    spread: float
+    envelope: float
+    scale: float  # the reference's max abs at this step (for a relative reading)
+
+    @property
+    def ratio(self) -> float:
+        if self.spread > 0:
+            return self.error / self.spread
+        return 0.0 if self.error == 0 else math.inf
+
+    @property
+    def divergent(self) -> bool:
+        return not (self.error <= self.envelope)  # NaN is divergent
+
+
+@dataclass
+class RolloutRecord:
+    """What a rollout check found: every step's error curve, the first divergent step."""
+
+    steps: int
+    members: int
+    factor: float
+    autocast: str = ""
+    curve: list[RolloutPoint] = field(default_factory=list)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    not_compared: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    serial_seconds: float = 0.0  # of ``seconds``: the reference and its nudged reruns
+
+    @property
+    def first(self) -> RolloutPoint | None:
+        """The first divergent step (the earliest field of it, in the reference's order)."""
+        return next((p for p in self.curve if p.divergent), None)
+
+    def field_curve(self, name: str) -> list[RolloutPoint]:
+        return [p for p in self.curve if p.name == name]
+
+    def lines(self) -> list[str]:
+        first = self.first
+        out = []
+        if first is not None:
+            ratio = "inf" if math.isinf(first.ratio) else f"{first.ratio:.3g}"
+            out.append(
+                f"First divergent step: step {first.step} of {self.steps}, field "
+                f"'{first.name}': max abs {first.error:.3g}, {ratio}x the rounding spread "
+                f"({first.spread:.3g} over {self.members} nudged reruns; bound "
+                f"{self.factor:g}x, at least the check's field tolerance {first.envelope:.3g})"
+            )
+        elif self.curve:
+            worst = max(self.curve, key=lambda p: p.ratio if p.spread > 0 else 0.0)
+            out.append(
+                f"Rollout: {self.steps} steps within {self.factor:g}x the rounding spread of "
+                f"{self.members} nudged reruns (worst {worst.ratio:.2g}x at step {worst.step}, "
+                f"field '{worst.name}')"
+            )
+        out += [f"Not compared: {n}" for n in self.not_compared]
+        return out
+
+
+# ---------------------------------------------------------------------- running predict
+
+
+def autocast_context(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` on the CPU at ``dtype``, or nothing."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=dtype)
+
+
+def _nudged(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return t
+    real = {torch.complex128: torch.float64, torch.complex64: torch.float32}.get(t.dtype, t.dtype)
+    sign = torch.randint(0, 2, t.shape, generator=generator).to(real) * 2 - 1
+    return t * (1 + NUDGE_ULPS * torch.finfo(real).eps * sign)
+
+
+def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to each tensor of its tuples, lists, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_map(v, fn) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map(v, fn) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    if is_dataclass(obj) and not isinstance(obj, type):
+        names = [f for f in obj.__dataclass_fields__ if obj.__dataclass_fields__[f].init]
+        return replace(obj, **{n: _map(getattr(obj, n), fn) for n in names})
+    return obj
+
+
+class _Nudge:
+    """One ensemble member: its inputs (the parameters as built, the batch) nudged once.
+
+    Only the inputs: nudging every module's input at every call too (as locating does for
+    one step) made the spread of the Lorenz-96 ring 2-3x wider still, while the partitioned
+    run's own rounding is already 5-100x inside the input-only spread there; the looser
+    envelope would only hide bugs."""
+
+    def __init__(self, member: int) -> None:
+        self.generator = torch.Generator().manual_seed(20_261_204 + 7919 * member)
+        self.handles: list[Any] = []
+
+    def attach(self, model: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.copy_(_nudged(p, self.generator))
+
+    def batch(self, batch: Any) -> Any:
+        return _map(batch, lambda t: _nudged(t, self.generator))
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
+def run_prediction(
+    case: SpatialCase,
+    topo: Topology,
+    steps: int,
+    seed: int,
+    *,
+    member: int | None = None,
+    autocast: torch.dtype | None = None,
+    progress: Callable[[str, int | None], None] | None = None,
+) -> list[dict[str, FieldRecord]]:
+    """Build the case (seeded as a check's build), take step 0's batch, and roll out
+    ``steps`` steps with ``case.predict`` in eval mode under ``torch.no_grad()`` (and
+    ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge.
+    Leaves the caller's RNG states, default dtype and grad mode as it found them."""
+    from harness._state import CallerState
+    from harness.case import _check_batch, _check_model, _mark_phase, _seed, _step_seed
+
+    saved = CallerState.save()
+    if case.dtype is not None:
+        torch.set_default_dtype(case.dtype)
+    model: torch.nn.Module | None = None
+    nudge = None if member is None else _Nudge(member)
+    phase = "rollout build"
+    try:
+        if progress is not None:
+            progress(phase, None)
+        _seed(seed)
+        model = _check_model(case, case.build(topo))
+        model.eval()
+        _seed(_step_seed(seed, 0))
+        batch = _check_batch(case, case.batch(topo, 0), 0)
+        if nudge is not None:
+            nudge.attach(model)
+            batch = nudge.batch(batch)
+        phase = "rollout predict"
+        if progress is not None:
+            progress(phase, None)
+        with torch.no_grad(), autocast_context(autocast):
+            out = case.predict(model, batch, topo, steps)
+        records = _step_records(case, out, steps)
+        phase = "teardown"
+        case.teardown(model, topo)
+        return records
+    except BaseException as exc:
+        _mark_phase(exc, phase)
+        if phase != "teardown":
+            with contextlib.suppress(Exception):
+                case.teardown(model, topo)
+        raise
+    finally:
+        if nudge is not None:
+            nudge.detach()
+        saved.restore()
+
+
+def _step_records(case: SpatialCase, out: Any, steps: int) -> list[dict[str, FieldRecord]]:
+    from harness.case import _field_record
+
+    where = f"{case.label}.predict"
+    if not isinstance(out, (list, tuple)):
+        raise ConfigError(
+            f"{where} returned a {type(out).__name__}; return a list with one "
+            "{name: Shard | tensor} dict per step of the rollout"
+        )
+    if len(out) != steps:
+        raise ConfigError(
+            f"{where} returned {len(out)} step(s) for a rollout of {steps}; return one "
+            "{name: Shard | tensor} dict per step (steps numbered from 0)"
+        )
+    records = []
+    for k, fields in enumerate(out):
+        if not isinstance(fields, dict) or not fields:
+            got = "an empty dict" if isinstance(fields, dict) else f"a {type(fields).__name__}"
+            raise ConfigError(
+                f"{where}: step {k} of the rollout is {got}; give each step a non-empty "
+                "{name: Shard | tensor} dict of its fields"
+            )
+        records.append({str(n): _field_record(case, str(n), v) for n, v in fields.items()})
+    return records
+
+
+def _rollout_entry(
+    case: SpatialCase,
+    spatial_size: int | None,
+    steps: int,
+    seed: int,
+    autocast: torch.dtype | None,
+) -> list[dict[str, FieldRecord]]:
+    """What every rank of the pool runs for a rollout (module level: the pool pickles it)."""
+    from harness.pool import report_progress
+
+    topo = Topology.create(spatial_size)
+    return run_prediction(case, topo, steps, seed, autocast=autocast, progress=report_progress)
+
+
+# ---------------------------------------------------------------------- judging
+
+
+def _assemble(
+    name: str, ref: torch.Tensor, recs: list[FieldRecord], spatial_size: int
+) -> torch.Tensor:
+    """The partitioned field in the reference's layout (a grid shard's field flattened as
+    ``Shard.grid`` does), each data group's spatial ranks placed in that group's samples.
+    Structure (coverage, shapes) was checked by ``checks.check_fields`` before this."""
+    groups = len(recs) // spatial_size
+    parts = []
+    grid = next((f.grid for f in recs if f.grid), None)
+    if grid is not None and tuple(ref.shape[-2:]) == tuple(grid):
+        ref = ref.reshape(*ref.shape[:-2], -1)
+    for g in range(groups):
+        shards = recs[g * spatial_size : (g + 1) * spatial_size]
+        if not any(f.sharded for f in shards):
+            parts.append(shards[0].values)
+            continue
+        dim = (shards[0].dim or 0) % max(ref.dim(), 1)
+        n = ref.shape[dim] if ref.dim() else 1
+        from harness.checks import data_part
+
+        out = torch.zeros_like(data_part(ref, g, groups))
+        for f in shards:
+            idx = f.positions(n)
+            if ref.dim():
+                out.index_copy_(dim, idx, f.values.to(out.dtype))
+            elif idx.numel():
+                out.copy_(f.values.reshape(()))
+        parts.append(out)
+    return parts[0] if groups == 1 else torch.cat(parts, dim=0)
+
+
+def _flat(whole: FieldRecord, recs: list[FieldRecord]) -> torch.Tensor:
+    """A whole field (the reference's, a member's) in the layout ``_assemble`` gives the
+    ranks' shards ``recs``: flattened lat x lon where they are ``Shard.grid`` blocks."""
+    v = whole.values
+    grid = next((f.grid for f in recs if f.grid), None)
+    if grid is not None and tuple(v.shape[-2:]) == tuple(grid):
+        v = v.reshape(*v.shape[:-2], -1)
+    return v
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return math.inf
+    if not a.numel():
+        return 0.0
+    d = (a.to(torch.float64) - b.to(torch.float64)).abs()
+    return float(d.nan_to_num(nan=math.inf).max())
+
+
+def judge_rollout(
+    reference: list[dict[str, FieldRecord]],
+    members: list[list[dict[str, FieldRecord]]],
+    ranks: list[list[dict[str, FieldRecord]]],
+    bound: Bound,
+    *,
+    spatial_size: int,
+    factor: float = FACTOR,
+) -> RolloutRecord:
+    """Judge every step and field of the ranks' rollout against the reference's, within
+    ``factor`` times the members' spread (and at least the fixed ``bound``)."""
+    from harness.checks import Judge, Layout, check_fields
+    from harness.compare import NUMERIC, QuantityStats, Tolerance
+
+    record = RolloutRecord(len(reference), len(members), factor)
+    layout = Layout(len(ranks), spatial_size)
+    # structure only (missing fields, coverage, shard shapes): values are judged below
+    loose = Judge(
+        Tolerance.uniform(math.inf, math.inf), layout, {q: QuantityStats() for q in NUMERIC}
+    )
+    skipped: set[str] = set()
+    stopped: set[str] = set()  # fields whose reference or spread stopped being finite
+    zero = torch.zeros(())
+    for k, ref_fields in enumerate(reference):
+        rank_fields = [r[k] for r in ranks]
+        keyed = {n for n, f in ref_fields.items() if f.keyed}
+        keyed |= {n for fs in rank_fields for n, f in fs.items() if f.keyed}
+        for n in sorted(keyed - skipped):
+            record.not_compared.append(
+                f"field '{n}' of the rollout is keyed (Shard.keyed): rollouts compare "
+                "positional shards and whole tensors"
+            )
+        skipped |= keyed
+        plain = {n: f for n, f in ref_fields.items() if n not in keyed}
+        found, _ = check_fields(
+            loose,
+            k,
+            StepRecord(zero, fields=plain),
+            [
+                StepRecord(zero, fields={n: f for n, f in fs.items() if n in plain})
+                for fs in rank_fields
+            ],
+        )
+        # a NaN or inf against a number: judged below as an infinite error at its step
+        found = [m for m in found if not (m.quantity == "field" and m.max_abs == math.inf)]
+        for m in found:
+            m.where = f"rollout step {k} of {record.steps}: {m.where}"
+        record.mismatches += found
+        broken = {m.name for m in found}
+        for n, ref_field in plain.items():
+            if n in broken:
+                continue
+            shards = [fs[n] for fs in rank_fields]
+            ref_values = _flat(ref_field, shards)
+            if n in stopped:
+                continue
+            if not bool(torch.isfinite(ref_values).all()):
+                record.mismatches.append(
+                    Mismatch(
+                        Quantity.NONFINITE,
+                        n,
+                        k,
+                        None,
+                        where=f"rollout step {k} of {record.steps}: the reference's rollout is "
+                        "not finite, so nothing after it can be judged",
+                        run="reference",
+                        of="rollout",
+                    )
+                )
+                stopped.add(n)
+                continue
+            got = _assemble(n, ref_field.values, shards, spatial_size)
+            spread = max(
+                (_max_abs(_flat(m[k][n], shards), ref_values) for m in members), default=0.0
+            )
+            if math.isinf(spread):
+                record.not_compared.append(
+                    f"field '{n}' from step {k} on: a nudged rerun of the reference was not "
+                    "finite there, so the rounding spread is unknown"
+                )
+                stopped.add(n)
+                continue
+            scale = float(ref_values.abs().max()) if ref_values.numel() else 0.0
+            floor = bound.atol + bound.rtol * scale
+            point = RolloutPoint(
+                k, n, _max_abs(got, ref_values), spread, max(factor * spread, floor), scale
+            )
+            record.curve.append(point)
+    first = record.first
+    if first is not None:
+        ratio = "inf" if math.isinf(first.ratio) else f"{first.ratio:.3g}"
+        record.mismatches.append(
+            Mismatch(
+                Quantity.ROLLOUT,
+                first.name,
+                first.step,
+                None,
+                max_abs=first.error,
+                max_rel=first.error / first.scale if first.scale else math.inf,
+                where=f"step {first.step} of {record.steps}: {ratio}x the rounding spread "
+                f"{first.spread:.3g} (bound {factor:g}x)",
+            )
+        )
+    return record
+
+
+# ---------------------------------------------------------------------- the check
+
+
+def check_rollout(
+    case: SpatialCase,
+    pool: Runner,
+    *,
+    spatial_size: int,
+    steps: int,
+    seed: int,
+    bound: Bound,
+    timeout: float | None = None,
+    members: int = MEMBERS,
+    autocast: torch.dtype | None = None,
+    factor: float = FACTOR,
+) -> RolloutRecord:
+    """Roll ``case`` out ``steps`` steps on the reference, on ``members`` nudged reruns of
+    it and on every rank of ``pool``; judge each step and field (``judge_rollout``).
+    A rank that raised, crashed or hung raises its ``RankFailure`` (``check_equivalence``
+    makes it the report's mismatches)."""
+    t0 = time.perf_counter()
+    _has_predict(case)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SERIAL_THREADS)
+    t_serial = time.perf_counter()
+    try:
+        reference = run_prediction(case, Topology.single(), steps, seed, autocast=autocast)
+        ensemble = [
+            run_prediction(case, Topology.single(), steps, seed, member=j, autocast=autocast)
+            for j in range(members)
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    serial = time.perf_counter() - t_serial
+    given = None if spatial_size == pool.world_size else spatial_size
+    ranks = pool.run(_rollout_entry, case, given, steps, seed, autocast, timeout=timeout)
+    record = judge_rollout(
+        reference, ensemble, ranks, bound, spatial_size=spatial_size, factor=factor
+    )
+    record.autocast = "" if autocast is None else str(autocast).replace("torch.", "")
+    record.seconds = time.perf_counter() - t0
+    record.serial_seconds = serial
+    return record
+
+
+def _has_predict(case: SpatialCase) -> None:
+    from harness.case import SpatialCase, no_predict
+
+    if type(case).predict is SpatialCase.predict:
+        raise no_predict(case)
+
+
+def rollout_steps(case: SpatialCase, rollout: int | None) -> int:
+    """The rollout asked for: ``rollout`` if given, else the case's ``rollout_steps``."""
+    n = case.rollout_steps if rollout is None else rollout
+    if n is None or n is False:
+        return 0
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(
+            f"rollout={n!r} for {case.label}: give the number of steps to roll out (an int "
+            ">= 1), or 0 / None for no rollout"
+        )
+    return n
+
+
+# ---------------------------------------------------------------------- plot
+
+
+def plot_rollout(record: RolloutRecord, path: Any, *, title: str = "") -> Any:
+    """The error curve of each field (the partitioned run's distance from the reference,
+    the rounding spread and the bound, per step, log scale) as a PNG at ``path``; the first
+    divergent step marked. Needs matplotlib (``harness.plots``)."""
+    from harness.plots import _figure, _save
+
+    names = list(dict.fromkeys(p.name for p in record.curve))
+    fig = _figure(7.0, 2.4 * max(len(names), 1))
+    axes = fig.subplots(max(len(names), 1), 1, squeeze=False)[:, 0]
+    first = record.first
+    for ax, name in zip(axes, names):
+        points = record.field_curve(name)
+        steps = [p.step for p in points]
+        tiny = 1e-300  # log scale: an exact match drawn at the floor, not dropped
+        ax.semilogy(steps, [max(p.error, tiny) for p in points], label="partitioned - reference")
+        ax.semilogy(steps, [max(p.spread, tiny) for p in points], label="rounding spread")
+        ax.semilogy(steps, [p.envelope for p in points], "--", label="bound")
+        if first is not None and first.name == name:
+            ax.axvline(first.step, color="red", lw=1)
+            ax.annotate(f"first divergent step {first.step}", (first.step, first.error))
+        ax.set_title(f"field '{name}'", fontsize=9)
+        ax.set_xlabel("rollout step")
+        ax.set_ylabel("max abs")
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
