@@ -68,7 +68,7 @@ def test_missing_gradient_sync_is_named_as_such_with_rank_step_and_position(spat
     text = str(report)
     assert "First: rank 0: grad 'encoder.weight' at step 0" in text
     assert "sync" in text and "differs from spatial rank 0" in text
-    assert "sum parameter gradients over the spatial group" in text
+    assert "summed once over the spatial group" in text  # the remedy, in the evidence's words
 
 
 def test_a_wrong_shard_index_names_the_position_and_its_owner(spatial):
