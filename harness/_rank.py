@@ -382,15 +382,25 @@ def _run_one(
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - a rank's SystemExit is a failure too
-        # Tear the group down at once: peers blocked in a collective with this rank then
-        # fail fast ("Connection closed by peer") instead of waiting for the timeout.
-        tracker.end()
-        _end_group()
-        return False, {
+        fields = {
             "summary": exception_summary(exc),
             "detail": user_traceback(exc),
             "phase": getattr(exc, "harness_phase", None),
         }
+        counts = tracker.counts()
+        leftovers, unseen = tracker.leftovers(), tracker.unseen(counts)
+        tracker.end()
+        if leftovers or unseen != 0:
+            # Work of this rank may be in flight: tearing the group down would wait in it
+            # (gloo joins its worker threads) until gloo's timeout. Leave it; the report
+            # says so and the pool replaces this rank's process instead.
+            groups = {name: ranks for name, (_, ranks) in group_sequence_numbers().items()}
+            fields["report"] = Report(counts, groups, leftovers=leftovers, unseen=unseen)
+            return False, fields
+        # Tear the group down at once: peers blocked in a collective with this rank then
+        # fail fast ("Connection closed by peer") instead of waiting for the timeout.
+        _end_group()
+        return False, fields
     counts = tracker.counts()
     report = Report(
         counts=counts,

@@ -272,7 +272,7 @@ class RankPool:
 
     def _settle_fence(self) -> None:
         """Read the answers of the last kept run's fence (see ``prove_clean``): a group not
-        proven in step is not reused; ranks that no longer answer are replaced."""
+        proven in step is not reused, and its ranks are replaced."""
         previous, self._verifying = self._verifying, None
         if previous is None or not self._group_ok:
             return
@@ -285,12 +285,14 @@ class RankPool:
                 HarnessWarning(
                     f"run {previous.run_id} left the process groups out of step although "
                     f"every rank's counts matched ({detail}); the next run starts on fresh "
-                    "groups. Please report this with the test that ran it."
+                    "ranks. Please report this with the test that ran it."
                 ),
                 stacklevel=3,
             )
-            if "did not answer" in detail or "died" in detail:
-                self._kill()
+            # ranks that no longer answer, or whose fence collective failed or timed out
+            # (it may still be in flight: tearing its group down would wait in it until
+            # gloo's timeout, through the next run), are replaced
+            self._kill()
 
     def _begin(self, payload: bytes, timeout: float) -> Run:
         self._settle_fence()
