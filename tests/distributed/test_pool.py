@@ -220,6 +220,22 @@ def test_a_skipped_collective_is_a_deadlock_found_long_before_the_timeout(spatia
     assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0  # only that run failed
 
 
+def print_then_skip_collective_on(bad_rank: int) -> int:
+    print(f"about to all_reduce on rank {dist.get_rank()}", flush=True)
+    return skip_collective_on(bad_rank)
+
+
+@pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
+def test_what_hung_ranks_printed_is_in_the_report_although_their_processes_are_gone(spatial):
+    # the pool kills hung ranks and removes their directory, logs included: read first
+    with pytest.raises(RankDeadlock) as info:
+        spatial.run(print_then_skip_collective_on, 3)
+    assert sorted(p.rank for p in info.value.problems) == [0, 1, 2, 3]
+    for problem in info.value.problems:
+        assert problem.output == f"about to all_reduce on rank {problem.rank}\n"
+
+
 @pytest.mark.spatial_pool
 def test_without_deadlock_detection_a_skipped_collective_waits_for_the_timeout():
     # 8 s: long enough for rank 3 to have returned even on a loaded runner, so the verdict
