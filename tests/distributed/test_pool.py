@@ -169,12 +169,11 @@ def test_a_rank_that_dies_is_named_within_a_second_and_the_pool_restarts(spatial
     pool = spatial.pool(4)
     spatial.run(rank_and_sum, 0.0)  # warm
     starts = pool.starts
-    t0 = time.monotonic()
     with pytest.raises(RankCrash) as info:
         spatial.run(exit_on, 1, how, timeout=60)
-    # Noticed through the process sentinel, not by running into the timeout (and not by
-    # waiting for the stuck ranks' error grace either).
-    assert time.monotonic() - t0 < 30
+    # Noticed through the process sentinel, not by running into the timeout (that would be
+    # a RankTimeout): evidence, where a stopwatch fails on a loaded runner.
+    assert type(info.value) is RankCrash
     # the rank that died is named first; its peers may follow when gloo aborts them on the
     # lost connection (seen on a loaded machine: [1, 0, 2])
     first = info.value.problems[0]
@@ -190,12 +189,10 @@ def test_a_rank_that_dies_is_named_within_a_second_and_the_pool_restarts(spatial
 @pytest.mark.spatial_pool
 @pytest.mark.assumes_ranks(4)
 def test_a_skipped_collective_is_a_deadlock_found_long_before_the_timeout(spatial):
-    t0 = time.monotonic()
     with pytest.raises(RankDeadlock) as info:
         spatial.run(skip_collective_on, 3)
-    # found by the deadlock watch (about 2-3 s), not by the 100 s timeout: a logic check with
-    # room for a loaded machine; the seconds themselves are measured in benchmarks/hangs.py
-    assert time.monotonic() - t0 < 50
+    # found by the deadlock watch (about 2-3 s), not by the 100 s timeout: the message says
+    # "before the 100s timeout" (checked below); the seconds are measured in benchmarks/hangs.py
     err = info.value
     assert isinstance(err, RankTimeout)  # code that handles hangs handles this too
     assert err.ranks == [0, 1, 2]
@@ -561,3 +558,54 @@ def test_numpy_and_python_rngs_are_put_back_like_torchs(spatial):
     first = spatial.run(draw_from_every_rng, ranks=2)
     spatial.run(draw_from_every_rng, ranks=2)  # moves every generator on
     assert spatial.run(draw_from_every_rng, ranks=2) == first
+
+
+# ---------------------------------------------------------------- a start takes what it takes
+
+#: a module a rank imports at start (``preload``): it burns CPU, or sleeps, for a while
+AT_START = """
+import multiprocessing, time
+
+if not multiprocessing.current_process().name.startswith("harness-rank"):
+    # the fork server skips a preload that raises ImportError: ranks import it afresh
+    raise ImportError("only rank processes import this module")
+t0 = time.monotonic()
+while time.monotonic() - t0 < {seconds}:
+    {body}
+"""
+
+
+def _start_module(tmp_path, monkeypatch, name: str, seconds: float, body: str) -> str:
+    (tmp_path / f"{name}.py").write_text(AT_START.format(seconds=seconds, body=body))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+@pytest.mark.spatial_pool
+def test_a_start_that_takes_long_but_makes_progress_is_waited_for(tmp_path, monkeypatch):
+    import harness.pool
+
+    # no progress for 1 s fails a start; this one (CPU busy at import) takes at least 3 s.
+    # A fixed start deadline fails it, as the old 180 s would a loaded runner's spawn start
+    # (122 s measured here at load 34)
+    monkeypatch.setattr(harness.pool, "START_STALL", 1.0)
+    monkeypatch.setattr(harness.pool, "START_TIMEOUT", 1.0)
+    busy = _start_module(tmp_path, monkeypatch, "busy_at_start", 3.0, "pass")
+    with RankPool(2, start_method="forkserver", preload=[busy]) as pool:
+        assert pool.run(rank_and_sum, 0.0) == [(0, 2, 1.0), (1, 2, 1.0)]
+
+
+@pytest.mark.spatial_pool
+def test_a_start_that_makes_no_progress_fails_naming_the_rank(tmp_path, monkeypatch):
+    import harness.pool
+
+    monkeypatch.setattr(harness.pool, "START_STALL", 1.0)
+    stuck = _start_module(tmp_path, monkeypatch, "stuck_at_start", 10**6, "time.sleep(1000)")
+    pool = RankPool(2, start_method="forkserver", preload=[stuck])
+    with pytest.raises(RankCrash) as info:
+        pool.start()
+    assert str(info.value).startswith(
+        "rank 0/2 failed to start (no progress for 1s: no CPU time used, neither runnable nor "
+        "in I/O); its output follows."
+    )
+    assert not pool.alive and pool.pids == []
