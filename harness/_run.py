@@ -40,6 +40,7 @@ from harness._events import (
     receive,
     send,
 )
+from harness._rank import THREAD_ERROR_END
 from harness._rank import VERIFY_TIMEOUT as _VERIFY_TIMEOUT
 from harness.board import Board, Slot, State
 from harness.deadlock import Counts, Op, RankView, Status, Verdict
@@ -73,8 +74,8 @@ class Ranks(Protocol):
     procs: list[Any]
     board: Board
 
-    def log_size(self, rank: int) -> int: ...
-    def read_log(self, rank: int, offset: int) -> str: ...
+    def log_size(self, rank: int, what: str = "out") -> int: ...
+    def read_log(self, rank: int, offset: int, what: str = "out") -> str: ...
     def crash_log(self, rank: int) -> str: ...
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]: ...
     def kill(self) -> None: ...
@@ -260,6 +261,7 @@ class Run:
         self.n = ranks.world_size
         self.t0 = time.monotonic()
         self.offsets = [ranks.log_size(r) for r in range(self.n)]
+        self.thread_offsets = [ranks.log_size(r, "threads") for r in range(self.n)]
         self.pending = set(range(self.n))  # ranks that have not answered "done"
         self.results: dict[int, Any] = {}
         self.reports: dict[int, Report] = {}
@@ -529,7 +531,8 @@ def name_the_stuck(run: Run, verdict: Verdict | None) -> NoReturn:
                 "stopped",
                 "still running after another rank failed (waiting in a collective?)",
             )
-        run.fail(r, kind, why, stacks.get(r, "") or "(no stack collected)")
+        why, detail = _with_thread_errors(run, r, why, stacks.get(r, "") or "(no stack collected)")
+        run.fail(r, kind, why, detail)
     headline = None
     if verdict is not None:
         for m in verdict.culprits:
@@ -548,6 +551,18 @@ def name_the_stuck(run: Run, verdict: Verdict | None) -> NoReturn:
         )
     run.kill()  # ranks stuck in a collective cannot be reused: start afresh next run
     raise run.failure(headline)
+
+
+def _with_thread_errors(run: Run, rank: int, why: str, detail: str) -> tuple[str, str]:
+    """A hung rank's reason and stack, with what its threads raised during the run (a
+    worker whose failure leaves the main thread waiting on its queue): often the cause."""
+    text = run.ranks.read_log(rank, run.thread_offsets[rank], "threads")
+    errors = [e.strip() for e in text.split(THREAD_ERROR_END) if e.strip()]
+    if not errors:
+        return why, detail
+    first = errors[0].splitlines()[0]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{why}; its {first}{more}", detail + "\n\n" + "\n\n".join(errors)
 
 
 def _culprit(run: Run, rank: int, verdict: Verdict) -> RankProblem:

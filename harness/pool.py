@@ -479,11 +479,11 @@ class _Processes:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     # what a Run reads
-    def log_size(self, rank: int) -> int:
-        return self.logs.size(rank)
+    def log_size(self, rank: int, what: str = "out") -> int:
+        return self.logs.size(rank, what)
 
-    def read_log(self, rank: int, offset: int) -> str:
-        return self.logs.read(rank, offset)
+    def read_log(self, rank: int, offset: int, what: str = "out") -> str:
+        return self.logs.read(rank, offset, what)
 
     def crash_log(self, rank: int) -> str:
         return self.logs.crash(rank)

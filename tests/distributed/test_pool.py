@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
+import threading
 import time
 
 import pytest
@@ -287,6 +289,31 @@ def test_a_busy_loop_times_out_on_every_rank(spatial):
         spatial.run(spin_forever, timeout=1.5)
     assert info.value.ranks == [0, 1, 2, 3]
     assert all("spin_forever" in p.detail for p in info.value.problems)
+
+
+def loader_fails() -> None:
+    raise ValueError("the loader failed on its input")
+
+
+def wait_for_a_failed_worker() -> object:
+    inbox: queue.Queue[object] = queue.Queue()
+    worker = threading.Thread(target=loader_fails, name="loader")
+    worker.start()
+    worker.join()  # it raised (and its hook ran) before the wait: no race with the timeout
+    return inbox.get()  # waits for ever: the worker never puts anything
+
+
+@pytest.mark.spatial_pool
+def test_a_hung_rank_names_the_exception_its_worker_thread_raised(spatial):
+    with pytest.raises(RankTimeout) as info:
+        spatial.run(wait_for_a_failed_worker, ranks=2, timeout=3)
+    assert [p.rank for p in info.value.problems] == [0, 1]
+    for problem in info.value.problems:
+        assert problem.summary.endswith(
+            "; its thread 'loader' raised ValueError: the loader failed on its input"
+        )
+        assert "wait_for_a_failed_worker" in problem.detail  # the main thread's stack
+        assert 'raise ValueError("the loader failed on its input")' in problem.detail
 
 
 @pytest.mark.spatial_pool
