@@ -74,6 +74,11 @@ def _source(model: str) -> ModelAdapter:
             f"the {model} model is not installed here ({exc}); install it first, then the "
             f"harness beside it: pip install 'pytest-spatial-harness[{model}]'"
         ) from exc
+    except Exception as exc:  # the model's own import raised
+        raise ConfigError(
+            f"the {model} model's adapter failed to import it: {type(exc).__name__}: {exc}; "
+            "fix the model's installation (importing it alone shows the traceback)"
+        ) from exc
     return adapter
 
 
@@ -204,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         source = _source(args.model)
     except ConfigError as exc:
-        parser.error(f"--model {args.model}: {exc}")
+        # one line, the problem and its fix (the usage would only push it out of sight)
+        print(f"{parser.prog}: error: --model {args.model}: {exc}", file=sys.stderr)
+        return 2
     registry = PoolRegistry(
         default_ranks=args.ranks,
         timeout=args.timeout,

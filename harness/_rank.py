@@ -167,6 +167,7 @@ def _worker_main(
     stack = open(os.path.join(workdir, f"rank{rank}.stack"), "w")
     faulthandler.enable(file=crash, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True)
+    threading.excepthook = _ThreadErrors(os.path.join(workdir, f"rank{rank}.threads"))
     threading.Thread(target=_watch_parent, args=(parent_pid, workdir), daemon=True).start()
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -194,6 +195,31 @@ def _worker_main(
         ).start()
     send(conn, Ready(pid=os.getpid()))
     _CURRENT.serve()
+
+
+#: Between the thread errors in a rank's ``rank<N>.threads`` file.
+THREAD_ERROR_END = "\x1e\n"
+
+
+class _ThreadErrors:
+    """``threading.excepthook`` of a rank: a thread that raised (a data loader's worker
+    whose failure leaves the main thread waiting on its queue for ever) is printed as
+    Python would, and written to a file of the pool's directory, so the report of the hung
+    run names it (``Run``): its first line, then its traceback."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.original = threading.excepthook
+
+    def __call__(self, args: Any) -> None:
+        self.original(args)
+        with contextlib.suppress(Exception):  # never fail in a hook
+            name = args.thread.name if args.thread is not None else "(unknown)"
+            exc = args.exc_value if args.exc_value is not None else args.exc_type()
+            text = "".join(traceback.format_exception(args.exc_type, exc, args.exc_traceback))
+            with open(self.path, "a") as f:
+                f.write(f"thread {name!r} raised {exception_summary(exc)}\n{text}")
+                f.write(THREAD_ERROR_END)
 
 
 def _warm_up(torch: Any, store_path: str, backend: str) -> None:
@@ -382,15 +408,25 @@ def _run_one(
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - a rank's SystemExit is a failure too
-        # Tear the group down at once: peers blocked in a collective with this rank then
-        # fail fast ("Connection closed by peer") instead of waiting for the timeout.
-        tracker.end()
-        _end_group()
-        return False, {
+        fields = {
             "summary": exception_summary(exc),
             "detail": user_traceback(exc),
             "phase": getattr(exc, "harness_phase", None),
         }
+        counts = tracker.counts()
+        leftovers, unseen = tracker.leftovers(), tracker.unseen(counts)
+        tracker.end()
+        if leftovers or unseen != 0:
+            # Work of this rank may be in flight: tearing the group down would wait in it
+            # (gloo joins its worker threads) until gloo's timeout. Leave it; the report
+            # says so and the pool replaces this rank's process instead.
+            groups = {name: ranks for name, (_, ranks) in group_sequence_numbers().items()}
+            fields["report"] = Report(counts, groups, leftovers=leftovers, unseen=unseen)
+            return False, fields
+        # Tear the group down at once: peers blocked in a collective with this rank then
+        # fail fast ("Connection closed by peer") instead of waiting for the timeout.
+        _end_group()
+        return False, fields
     counts = tracker.counts()
     report = Report(
         counts=counts,

@@ -40,6 +40,7 @@ from harness._events import (
     receive,
     send,
 )
+from harness._rank import THREAD_ERROR_END
 from harness._rank import VERIFY_TIMEOUT as _VERIFY_TIMEOUT
 from harness.board import Board, Slot, State
 from harness.deadlock import Counts, Op, RankView, Status, Verdict
@@ -73,8 +74,8 @@ class Ranks(Protocol):
     procs: list[Any]
     board: Board
 
-    def log_size(self, rank: int) -> int: ...
-    def read_log(self, rank: int, offset: int) -> str: ...
+    def log_size(self, rank: int, what: str = "out") -> int: ...
+    def read_log(self, rank: int, offset: int, what: str = "out") -> str: ...
     def crash_log(self, rank: int) -> str: ...
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]: ...
     def kill(self) -> None: ...
@@ -260,6 +261,7 @@ class Run:
         self.n = ranks.world_size
         self.t0 = time.monotonic()
         self.offsets = [ranks.log_size(r) for r in range(self.n)]
+        self.thread_offsets = [ranks.log_size(r, "threads") for r in range(self.n)]
         self.pending = set(range(self.n))  # ranks that have not answered "done"
         self.results: dict[int, Any] = {}
         self.reports: dict[int, Report] = {}
@@ -271,6 +273,7 @@ class Run:
         self.crashed = False
         self.dead: set[int] = set()
         self.outputs: list[str] = [""] * self.n
+        self.outputs_read = False
         self.keep = False  # may the next run reuse the process groups?
         self.reused = False  # did this run start on the groups of the run before?
         self.verify = False  # was the fence collective asked for?
@@ -392,9 +395,7 @@ class Run:
         if self.pending:
             name_the_stuck(self, None)
         if self.problems:
-            self.release_all(keep=False)
-            if self.crashed:
-                self.ranks.kill()
+            self.end_failed()
             raise self.failure()
         return prove_clean(self)
 
@@ -415,7 +416,7 @@ class Run:
                     "did not answer the pool after returning (stuck in "
                     "an operation left in flight?)",
                 )
-            self.ranks.kill()
+            self.kill()
             raise self.failure()
 
     def verified(self) -> tuple[bool, str]:
@@ -435,6 +436,37 @@ class Run:
         bad = [f"rank {r}: {d}" for r, (ok, d) in sorted(self.releases.items()) if not ok]
         return (not bad), "; ".join(bad)
 
+    def in_flight(self, *, seen: bool = True) -> list[int]:
+        """Ranks that may still have work in flight on their groups: operations they
+        issued that had not completed when they returned or raised (with ``seen``), or
+        operations torch counted that the harness did not see one by one (issued from C++:
+        nobody knows whether they completed), or counts that could not be read."""
+        return sorted(
+            r
+            for r, rep in self.reports.items()
+            if (seen and rep.leftovers) or rep.counts is None or rep.unseen != 0
+        )
+
+    def end_failed(self) -> None:
+        """A failed run's ranks: torn down in place, or replaced where that could hang.
+
+        Tearing a gloo group down waits for its worker threads, and a thread inside an
+        operation that can never complete (a collective some members never entered) waits
+        there until gloo's own timeout, twice the run's: the rank would sit in
+        ``destroy_process_group`` through the next run, and its peers in that run's
+        ``init_process_group``, so an innocent test would time out. Ranks that may have work
+        in flight are therefore never torn down in place: the pool starts afresh."""
+        if self.crashed or self.in_flight():
+            self.kill()
+        else:
+            self.release_all(keep=False)
+
+    def kill(self) -> None:
+        """Stop every rank process, keeping what they printed for the report first (the
+        pool's directory goes with them)."""
+        self.attach_outputs()
+        self.ranks.kill()
+
     def release_all(self, *, keep: bool, verify: bool = False) -> None:
         """Every rank that answered waits for this, error or not."""
         for r, conn in enumerate(self.ranks.conns):
@@ -445,7 +477,9 @@ class Run:
     # ------------------------------------------------------------------ the verdict
 
     def attach_outputs(self) -> None:
-        self.outputs = [self.ranks.read_log(r, self.offsets[r]) for r in range(self.n)]
+        if not self.outputs_read:  # once: the logs are gone after a kill
+            self.outputs = [self.ranks.read_log(r, self.offsets[r]) for r in range(self.n)]
+            self.outputs_read = True
         for p in self.problems:
             p.output = self.outputs[p.rank]
 
@@ -497,7 +531,8 @@ def name_the_stuck(run: Run, verdict: Verdict | None) -> NoReturn:
                 "stopped",
                 "still running after another rank failed (waiting in a collective?)",
             )
-        run.fail(r, kind, why, stacks.get(r, "") or "(no stack collected)")
+        why, detail = _with_thread_errors(run, r, why, stacks.get(r, "") or "(no stack collected)")
+        run.fail(r, kind, why, detail)
     headline = None
     if verdict is not None:
         for m in verdict.culprits:
@@ -514,8 +549,20 @@ def name_the_stuck(run: Run, verdict: Verdict | None) -> NoReturn:
             "proves a deadlock (every wait seen could still complete): raise the timeout "
             "(--spatial-timeout) if the work is really that slow; every rank's state follows."
         )
-    run.ranks.kill()  # ranks stuck in a collective cannot be reused: start afresh next run
+    run.kill()  # ranks stuck in a collective cannot be reused: start afresh next run
     raise run.failure(headline)
+
+
+def _with_thread_errors(run: Run, rank: int, why: str, detail: str) -> tuple[str, str]:
+    """A hung rank's reason and stack, with what its threads raised during the run (a
+    worker whose failure leaves the main thread waiting on its queue): often the cause."""
+    text = run.ranks.read_log(rank, run.thread_offsets[rank], "threads")
+    errors = [e.strip() for e in text.split(THREAD_ERROR_END) if e.strip()]
+    if not errors:
+        return why, detail
+    first = errors[0].splitlines()[0]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{why}; its {first}{more}", detail + "\n\n" + "\n\n".join(errors)
 
 
 def _culprit(run: Run, rank: int, verdict: Verdict) -> RankProblem:
@@ -613,7 +660,7 @@ def prove_clean(run: Run) -> list[Any]:
             )
         )
     if run.problems:
-        run.release_all(keep=False)
+        run.end_failed()  # what can never complete is in flight: fresh ranks next run
         raise run.failure()
     if leftovers:  # matched: they complete by themselves; wait for them
         grace = max(1.0, min(FENCE_WAIT, run.t0 + run.timeout - time.monotonic()))
@@ -634,7 +681,7 @@ def prove_clean(run: Run) -> list[Any]:
                     )
                 )
         if run.problems:
-            run.release_all(keep=False)
+            run.end_failed()
             raise run.failure()
     keep = len(counts) == run.n and deadlock.consistent(counts, groups)
     # Kept groups are in step by the counts: torch's sequence numbers agree between members
@@ -644,7 +691,12 @@ def prove_clean(run: Run) -> list[Any]:
     # its answers are read before the next run starts (``Run.verified``) and decide only
     # whether that run may reuse the groups.
     verify = keep and (not run.reused or any(rep is None or rep.unseen != 0 for rep in reports))
-    run.release_all(keep=keep, verify=verify)
+    if not keep and run.in_flight(seen=False):
+        # groups out of step with operations nobody saw complete: tearing them down could
+        # wait in one of those (see ``Run.end_failed``); the next run gets fresh ranks
+        run.kill()
+    else:
+        run.release_all(keep=keep, verify=verify)
     run.verify = verify
     run.keep = keep
     run.unwaited = [(r, op) for r, rep in enumerate(reports) if rep for op in rep.unwaited]

@@ -179,9 +179,11 @@ def find_adapter(name: str) -> ModelAdapter:
     if name in found:
         try:
             obj = found[name].load()
-        except ImportError as exc:
+        except Exception as exc:  # whatever its module raises on import
             raise ConfigError(
-                f"the {GROUP} entry point {name!r} ({found[name].value}) cannot be loaded: {exc}"
+                f"the {GROUP} entry point {name!r} ({found[name].value}) cannot be loaded: "
+                f"{type(exc).__name__}: {exc}; fix or reinstall the package that registers "
+                "it (python -c 'import MODULE' shows the traceback)"
             ) from exc
         return as_adapter(name, obj)
     if name in _OWN:

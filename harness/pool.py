@@ -37,7 +37,7 @@ import types
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 from harness._compat import stop_forkserver
 from harness._events import Ready, RunCall, Stop, receive, send
@@ -63,8 +63,12 @@ MIN_TIMEOUT = 1.0
 #: How long healthy ranks get to finish after another rank raised, before they are taken to
 #: be stuck in a collective with the failed rank and the pool is restarted.
 ERROR_GRACE = 3.0
-#: How long a rank may take to start (import torch, set up) before the start counts as failed.
-START_TIMEOUT = 180.0
+#: A rank may take as long as it needs to start (import torch, set up: minutes on a loaded
+#: runner): its start fails only when it exits, or when the starting ranks have made no
+#: progress (used no CPU time, were neither runnable nor in disk I/O) for this long.
+START_STALL = 60.0
+#: Where the OS does not say whether a process makes progress (no /proc): a fixed deadline.
+START_TIMEOUT = 600.0
 #: A deadlock proven from the ranks' evidence (``harness.deadlock``: a rank waits for a peer
 #: that returned without its part, ranks entered different collectives, or wait on each
 #: other in a cycle) fails the run once the proof has held this long, instead of at the
@@ -204,7 +208,7 @@ class RankPool:
         self._ranks = _Processes(self.world_size, workdir)
         with _no_main_module():
             self._ranks.spawn(ctx, os.getpid(), self.backend, self.preload)
-        self._ranks.await_ready(time.monotonic() + START_TIMEOUT)
+        self._ranks.await_ready(ProgressWatch(START_STALL, fallback=START_TIMEOUT))
         self.starts += 1
 
     def close(self) -> None:
@@ -272,7 +276,7 @@ class RankPool:
 
     def _settle_fence(self) -> None:
         """Read the answers of the last kept run's fence (see ``prove_clean``): a group not
-        proven in step is not reused; ranks that no longer answer are replaced."""
+        proven in step is not reused, and its ranks are replaced."""
         previous, self._verifying = self._verifying, None
         if previous is None or not self._group_ok:
             return
@@ -285,12 +289,14 @@ class RankPool:
                 HarnessWarning(
                     f"run {previous.run_id} left the process groups out of step although "
                     f"every rank's counts matched ({detail}); the next run starts on fresh "
-                    "groups. Please report this with the test that ran it."
+                    "ranks. Please report this with the test that ran it."
                 ),
                 stacklevel=3,
             )
-            if "did not answer" in detail or "died" in detail:
-                self._kill()
+            # ranks that no longer answer, or whose fence collective failed or timed out
+            # (it may still be in flight: tearing its group down would wait in it until
+            # gloo's timeout, through the next run), are replaced
+            self._kill()
 
     def _begin(self, payload: bytes, timeout: float) -> Run:
         self._settle_fence()
@@ -417,23 +423,36 @@ class _Processes:
             self.conns.append(parent_end)
             self.probes.append(probe_end)
 
-    def await_ready(self, deadline: float) -> None:
-        for rank, conn in enumerate(self.conns):
-            left = max(0.0, deadline - time.monotonic())
-            ready = wait([conn, self.procs[rank].sentinel], timeout=left)
-            if conn in ready:
-                with contextlib.suppress(EOFError, OSError):
-                    if isinstance(receive(conn), Ready):
-                        continue
-            output = self.read_log(rank, 0)
-            self.kill()
-            raise RankCrash(
-                f"rank {rank}/{self.world_size} failed to start "
-                f"({'timed out' if not ready else 'process exited'}); its output follows. "
-                "Check that torch imports in a fresh interpreter.",
-                self.world_size,
-                [RankProblem(rank, "crash", "failed to start", output)],
-            )
+    def await_ready(self, watch: ProgressWatch) -> None:
+        """Wait for every rank's ``Ready``, for as long as the starting ranks make progress."""
+        starting = set(range(self.world_size))
+        while starting:
+            by_waitable = {}
+            for r in starting:
+                by_waitable[self.conns[r]] = by_waitable[self.procs[r].sentinel] = r
+            ready = wait(list(by_waitable), timeout=0.5)
+            for r in sorted({by_waitable[w] for w in ready}):
+                if r not in starting:
+                    continue
+                ok = False
+                if self.conns[r] in ready:
+                    with contextlib.suppress(EOFError, OSError):
+                        ok = isinstance(receive(self.conns[r]), Ready)
+                if not ok:
+                    self._failed_to_start(r, "process exited")
+                starting.discard(r)
+            if starting and watch.stalled([self.procs[r].pid for r in starting]):
+                self._failed_to_start(min(starting), watch.why())
+
+    def _failed_to_start(self, rank: int, why: str) -> NoReturn:
+        output = self.read_log(rank, 0)
+        self.kill()
+        raise RankCrash(
+            f"rank {rank}/{self.world_size} failed to start ({why}); its output follows. "
+            "Check that torch imports in a fresh interpreter.",
+            self.world_size,
+            [RankProblem(rank, "crash", "failed to start", output)],
+        )
 
     def close(self) -> None:
         for conn in self.conns:
@@ -460,17 +479,64 @@ class _Processes:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     # what a Run reads
-    def log_size(self, rank: int) -> int:
-        return self.logs.size(rank)
+    def log_size(self, rank: int, what: str = "out") -> int:
+        return self.logs.size(rank, what)
 
-    def read_log(self, rank: int, offset: int) -> str:
-        return self.logs.read(rank, offset)
+    def read_log(self, rank: int, offset: int, what: str = "out") -> str:
+        return self.logs.read(rank, offset, what)
 
     def crash_log(self, rank: int) -> str:
         return self.logs.crash(rank)
 
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         return self.logs.stacks({r: self.procs[r].pid for r in ranks if r < len(self.procs)})
+
+
+class ProgressWatch:
+    """Whether processes still get anywhere: a wait that lasts as long as they do.
+
+    A process makes progress while its CPU time grows, or while it is runnable or in disk
+    I/O (Linux ``/proc/PID/stat``): a loaded machine slows it down, it does not stop it.
+    ``stalled`` says when none of the watched processes has made progress for ``stall``
+    seconds. Where the OS does not say (no ``/proc``), ``stalled`` is a plain deadline of
+    ``fallback`` seconds from the first call.
+    """
+
+    def __init__(self, stall: float, *, fallback: float) -> None:
+        self.stall, self.fallback = stall, fallback
+        self.ticks: dict[int, int] = {}
+        self.started = self.moved = time.monotonic()
+        self.known = False
+
+    def stalled(self, pids: Sequence[int]) -> bool:
+        now = time.monotonic()
+        for pid in pids:
+            sample = process_progress(pid)
+            if sample is None:
+                continue
+            self.known = True
+            state, ticks = sample
+            if state in "RD" or self.ticks.get(pid) != ticks:
+                self.moved = now
+            self.ticks[pid] = ticks
+        if not self.known:
+            return now - self.started > self.fallback
+        return now - self.moved > self.stall
+
+    def why(self) -> str:
+        if not self.known:
+            return f"not started after {self.fallback:g}s"
+        return f"no progress for {self.stall:g}s: no CPU time used, neither runnable nor in I/O"
+
+
+def process_progress(pid: int) -> tuple[str, int] | None:
+    """``(state, CPU clock ticks used)`` of ``pid`` from ``/proc``; ``None`` where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[11]) + int(fields[12])  # state; utime + stime
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class RankLogs:

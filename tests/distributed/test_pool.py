@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import signal
+import threading
 import time
 
 import pytest
@@ -168,12 +171,11 @@ def test_a_rank_that_dies_is_named_within_a_second_and_the_pool_restarts(spatial
     pool = spatial.pool(4)
     spatial.run(rank_and_sum, 0.0)  # warm
     starts = pool.starts
-    t0 = time.monotonic()
     with pytest.raises(RankCrash) as info:
         spatial.run(exit_on, 1, how, timeout=60)
-    # Noticed through the process sentinel, not by running into the timeout (and not by
-    # waiting for the stuck ranks' error grace either).
-    assert time.monotonic() - t0 < 30
+    # Noticed through the process sentinel, not by running into the timeout (that would be
+    # a RankTimeout): evidence, where a stopwatch fails on a loaded runner.
+    assert type(info.value) is RankCrash
     # the rank that died is named first; its peers may follow when gloo aborts them on the
     # lost connection (seen on a loaded machine: [1, 0, 2])
     first = info.value.problems[0]
@@ -189,12 +191,10 @@ def test_a_rank_that_dies_is_named_within_a_second_and_the_pool_restarts(spatial
 @pytest.mark.spatial_pool
 @pytest.mark.assumes_ranks(4)
 def test_a_skipped_collective_is_a_deadlock_found_long_before_the_timeout(spatial):
-    t0 = time.monotonic()
     with pytest.raises(RankDeadlock) as info:
         spatial.run(skip_collective_on, 3)
-    # found by the deadlock watch (about 2-3 s), not by the 100 s timeout: a logic check with
-    # room for a loaded machine; the seconds themselves are measured in benchmarks/hangs.py
-    assert time.monotonic() - t0 < 50
+    # found by the deadlock watch (about 2-3 s), not by the 100 s timeout: the message says
+    # "before the 100s timeout" (checked below); the seconds are measured in benchmarks/hangs.py
     err = info.value
     assert isinstance(err, RankTimeout)  # code that handles hangs handles this too
     assert err.ranks == [0, 1, 2]
@@ -217,6 +217,22 @@ def test_a_skipped_collective_is_a_deadlock_found_long_before_the_timeout(spatia
             "rank 3 never entered it: it returned after 0 collectives on group 0"
         )
     assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0  # only that run failed
+
+
+def print_then_skip_collective_on(bad_rank: int) -> int:
+    print(f"about to all_reduce on rank {dist.get_rank()}", flush=True)
+    return skip_collective_on(bad_rank)
+
+
+@pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
+def test_what_hung_ranks_printed_is_in_the_report_although_their_processes_are_gone(spatial):
+    # the pool kills hung ranks and removes their directory, logs included: read first
+    with pytest.raises(RankDeadlock) as info:
+        spatial.run(print_then_skip_collective_on, 3)
+    assert sorted(p.rank for p in info.value.problems) == [0, 1, 2, 3]
+    for problem in info.value.problems:
+        assert problem.output == f"about to all_reduce on rank {problem.rank}\n"
 
 
 @pytest.mark.spatial_pool
@@ -273,6 +289,31 @@ def test_a_busy_loop_times_out_on_every_rank(spatial):
         spatial.run(spin_forever, timeout=1.5)
     assert info.value.ranks == [0, 1, 2, 3]
     assert all("spin_forever" in p.detail for p in info.value.problems)
+
+
+def loader_fails() -> None:
+    raise ValueError("the loader failed on its input")
+
+
+def wait_for_a_failed_worker() -> object:
+    inbox: queue.Queue[object] = queue.Queue()
+    worker = threading.Thread(target=loader_fails, name="loader")
+    worker.start()
+    worker.join()  # it raised (and its hook ran) before the wait: no race with the timeout
+    return inbox.get()  # waits for ever: the worker never puts anything
+
+
+@pytest.mark.spatial_pool
+def test_a_hung_rank_names_the_exception_its_worker_thread_raised(spatial):
+    with pytest.raises(RankTimeout) as info:
+        spatial.run(wait_for_a_failed_worker, ranks=2, timeout=3)
+    assert [p.rank for p in info.value.problems] == [0, 1]
+    for problem in info.value.problems:
+        assert problem.summary.endswith(
+            "; its thread 'loader' raised ValueError: the loader failed on its input"
+        )
+        assert "wait_for_a_failed_worker" in problem.detail  # the main thread's stack
+        assert 'raise ValueError("the loader failed on its input")' in problem.detail
 
 
 @pytest.mark.spatial_pool
@@ -366,6 +407,48 @@ def test_a_collective_left_pending_fails_its_own_run_and_not_the_next(spatial):
         err.problems[0].summary
     )
     assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0  # the next run is innocent and passes
+
+
+def leave_work_in_flight_on(bad_ranks: tuple[int, ...], how: str) -> int:
+    """Work in flight on ``bad_ranks`` that the other ranks never join."""
+    if dist.get_rank() in bad_ranks:
+        if how == "functional":  # issued from C++: the harness does not see it one by one
+            import torch.distributed._functional_collectives as fc
+
+            global IN_FLIGHT
+            IN_FLIGHT = fc.all_reduce(torch.ones(1), "sum", dist.group.WORLD)  # type: ignore[name-defined]
+        else:
+            dist.all_reduce(torch.ones(1), async_op=True)  # never waited on
+            if how == "raise":
+                raise ValueError("raised with an all_reduce in flight")
+    return 0
+
+
+@pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
+@pytest.mark.parametrize(
+    ("how", "bad", "failure"),
+    [
+        ("pending", (0, 1), RankPending),  # the issue's case: gloo pairs 0 and 1 in the ring
+        ("pending", (0, 1, 2), RankPending),
+        ("raise", (0, 1), RankError),
+        ("functional", (0, 1), None),
+    ],
+)
+def test_whatever_a_run_leaves_in_flight_the_next_innocent_run_passes(spatial, how, bad, failure):
+    # Tearing a gloo group down waits for its worker threads; one inside an all_reduce that
+    # can never complete waits there until gloo's timeout (twice the run's). A rank torn
+    # down in place sat in destroy_process_group through the next run, whose ranks all hung
+    # in init_process_group: that innocent run timed out. The pool replaces such ranks.
+    if failure is None:  # a run that passes (the harness cannot see this work one by one)
+        with contextlib.suppress(RankPending):
+            spatial.run(leave_work_in_flight_on, bad, how)
+    else:
+        with pytest.raises(failure) as info:
+            spatial.run(leave_work_in_flight_on, bad, how)
+        # the failure itself, at once: not a timeout of ranks stuck tearing down
+        assert type(info.value) is failure and sorted(info.value.ranks) == list(bad)
+    assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0
 
 
 @pytest.mark.spatial_pool
@@ -502,3 +585,54 @@ def test_numpy_and_python_rngs_are_put_back_like_torchs(spatial):
     first = spatial.run(draw_from_every_rng, ranks=2)
     spatial.run(draw_from_every_rng, ranks=2)  # moves every generator on
     assert spatial.run(draw_from_every_rng, ranks=2) == first
+
+
+# ---------------------------------------------------------------- a start takes what it takes
+
+#: a module a rank imports at start (``preload``): it burns CPU, or sleeps, for a while
+AT_START = """
+import multiprocessing, time
+
+if not multiprocessing.current_process().name.startswith("harness-rank"):
+    # the fork server skips a preload that raises ImportError: ranks import it afresh
+    raise ImportError("only rank processes import this module")
+t0 = time.monotonic()
+while time.monotonic() - t0 < {seconds}:
+    {body}
+"""
+
+
+def _start_module(tmp_path, monkeypatch, name: str, seconds: float, body: str) -> str:
+    (tmp_path / f"{name}.py").write_text(AT_START.format(seconds=seconds, body=body))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+@pytest.mark.spatial_pool
+def test_a_start_that_takes_long_but_makes_progress_is_waited_for(tmp_path, monkeypatch):
+    import harness.pool
+
+    # no progress for 1 s fails a start; this one (CPU busy at import) takes at least 3 s.
+    # A fixed start deadline fails it, as the old 180 s would a loaded runner's spawn start
+    # (122 s measured here at load 34)
+    monkeypatch.setattr(harness.pool, "START_STALL", 1.0)
+    monkeypatch.setattr(harness.pool, "START_TIMEOUT", 1.0)
+    busy = _start_module(tmp_path, monkeypatch, "busy_at_start", 3.0, "pass")
+    with RankPool(2, start_method="forkserver", preload=[busy]) as pool:
+        assert pool.run(rank_and_sum, 0.0) == [(0, 2, 1.0), (1, 2, 1.0)]
+
+
+@pytest.mark.spatial_pool
+def test_a_start_that_makes_no_progress_fails_naming_the_rank(tmp_path, monkeypatch):
+    import harness.pool
+
+    monkeypatch.setattr(harness.pool, "START_STALL", 1.0)
+    stuck = _start_module(tmp_path, monkeypatch, "stuck_at_start", 10**6, "time.sleep(1000)")
+    pool = RankPool(2, start_method="forkserver", preload=[stuck])
+    with pytest.raises(RankCrash) as info:
+        pool.start()
+    assert str(info.value).startswith(
+        "rank 0/2 failed to start (no progress for 1s: no CPU time used, neither runnable nor "
+        "in I/O); its output follows."
+    )
+    assert not pool.alive and pool.pids == []

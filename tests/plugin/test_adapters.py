@@ -82,6 +82,52 @@ def test_harness_check_finds_a_downstream_adapter_through_its_entry_point(tmp_pa
     assert "skipped 1 fault(s), no such fault on this count: tiny:made-up" in out
 
 
+BROKEN = {
+    # its module raises on import (not an ImportError: a bad config, a missing file...)
+    "import": 'raise RuntimeError("no config file at /etc/model.yaml")\n',
+    # it loads, but importing the model itself raises
+    "require": """
+class Adapter:
+    name, preload = "broken", ()
+
+    def require(self):
+        raise RuntimeError("no config file at /etc/model.yaml")
+
+    def layouts(self, ranks):
+        return []
+
+    faults = skipped = layouts
+
+
+adapter = Adapter()
+""",
+}
+
+
+@pytest.mark.parametrize("where", sorted(BROKEN))
+def test_an_adapter_that_raises_is_one_clear_line_and_exit_code_2(tmp_path, where):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "broken_adapter.py").write_text(BROKEN[where])
+    info = site / "broken_adapter-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-adapter\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{GROUP}]\nbroken = broken_adapter:adapter\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", "--model", "broken"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr  # no traceback
+    assert lines[0].startswith("harness-check: error: --model broken: ")
+    assert "RuntimeError: no config file at /etc/model.yaml" in lines[0]  # the problem
+    assert "fix" in lines[0]  # and what to do
+
+
 def test_an_unregistered_model_is_a_usage_error_naming_the_registered_ones(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "harness", "--model", "nope"],

@@ -12,11 +12,12 @@ import tempfile
 import textwrap
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from harness.pool import DEADLOCK_WINDOW
+from harness.pool import DEADLOCK_WINDOW, ProgressWatch, process_progress
 
 DOWNSTREAM = """
 import torch
@@ -80,12 +81,40 @@ def _tagged_pids(tag: str) -> list[int]:
     return found
 
 
-def _wait_gone(tag: str, seconds: float = 5.0) -> list[int]:
-    """Tagged processes still alive after ``seconds`` (rank watchdogs poll every 0.5 s)."""
-    deadline = time.monotonic() + seconds
-    while _tagged_pids(tag) and time.monotonic() < deadline:
+#: A wait on a subprocess fails when nothing it started has made progress for this long (no
+#: CPU time used, nothing runnable): a loaded machine slows a session, it never stops one.
+STALL = 60.0
+
+
+def _await(what: str, done: Callable[[], bool], proc: subprocess.Popen[bytes], tag: str) -> None:
+    """Wait until ``done()``, for as long as the pytest ``proc`` or its ranks (``tag``) make
+    progress; fail naming ``what`` if pytest exits first or everything stalls."""
+    watch = ProgressWatch(STALL, fallback=10 * STALL)
+    while not done():
+        if proc.poll() is not None:
+            pytest.fail(f"{what}: pytest exited first (code {proc.returncode})")
+        if watch.stalled([proc.pid, *_tagged_pids(tag)]):
+            pytest.fail(f"{what}: pytest and its ranks made {watch.why()}")
         time.sleep(0.2)
-    return _tagged_pids(tag)
+
+
+def _wait_gone(tag: str, seconds: float = 30.0) -> list[int]:
+    """Tagged processes still alive once they stopped getting anywhere: none runnable or
+    exiting (state R or D) and none gone for ``seconds`` (rank watchdogs poll their owner
+    every 0.5 s, so a survivor had its chances), or after 10 s of CPU time between them."""
+    alive = _tagged_pids(tag)
+    moved, cpu = time.monotonic(), 0
+    while alive:
+        time.sleep(0.2)
+        now_alive = _tagged_pids(tag)
+        samples = [process_progress(pid) for pid in now_alive]
+        if len(now_alive) < len(alive) or any(s and s[0] in "RD" for s in samples):
+            moved = time.monotonic()
+        cpu = max(cpu, sum(s[1] for s in samples if s))
+        alive = now_alive
+        if time.monotonic() - moved > seconds or cpu > 10 * os.sysconf("SC_CLK_TCK"):
+            break
+    return alive
 
 
 @pytest.mark.parametrize("value", ["0", "abc", "-2", "1.5"])
@@ -567,6 +596,7 @@ import pytest
 import torch, torch.distributed as dist
 
 def late():
+    open("entered-%d" % dist.get_rank(), "w").close()  # the test waits for this, not a clock
     if dist.get_rank() == 0:
         time.sleep(1000)
     dist.all_reduce(torch.ones(1))
@@ -602,24 +632,27 @@ def test_a_deadlock_fails_before_the_timeout_the_next_test_passes_and_no_rank_su
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_or_a_cancelled_job_leaves_no_rank_and_no_directory_behind(pytester, sig):
-    pytester.makepyfile(test_hang=LATE_FOREVER.format(timeout=100))
+    # a timeout no loaded runner reaches before the signal: the run is interrupted, not over
+    pytester.makepyfile(test_hang=LATE_FOREVER.format(timeout=3600))
     tag = uuid.uuid4().hex
     tmp = Path(tempfile.mkdtemp(prefix="hk-"))  # short: the fork server's socket lives there
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_hang.py"],
-        cwd=pytester.path,
-        env={**_tag_env(tag), "TMPDIR": str(tmp)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while len(_tagged_pids(tag)) < 5 and time.monotonic() < deadline:  # pytest + 4 ranks
-        time.sleep(0.2)
-    assert len(_tagged_pids(tag)) >= 5, "ranks never started"
-    time.sleep(1.0)  # let the run enter its collective
+    log = pytester.path / "session.log"  # a file, not a pipe nobody reads while we wait
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_hang.py"],
+            cwd=pytester.path,
+            env={**_tag_env(tag), "TMPDIR": str(tmp)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    # No start deadline: the ranks start as slowly as the machine lets them (minutes at load
+    # 30-50); each says it is inside the run's function with a file, then waits (rank 0
+    # sleeps, the others wait for it in the all_reduce).
+    entered = [pytester.path / f"entered-{r}" for r in range(4)]
+    _await("the ranks entering the run", lambda: all(p.exists() for p in entered), proc, tag)
     proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=60)
-    assert b"KeyboardInterrupt" in out  # pytest stopped as on Ctrl-C: the session's end ran
+    _await("pytest ending after the signal", lambda: proc.poll() is not None, proc, tag)
+    assert b"KeyboardInterrupt" in log.read_bytes()  # stopped as on Ctrl-C: the session ended
     assert _wait_gone(tag) == []
     ours = [p.name for p in tmp.iterdir() if p.name.startswith(("harness-", "pymp-"))]
     assert ours == []  # no pool directory, no fork server socket directory
