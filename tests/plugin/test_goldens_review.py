@@ -163,6 +163,8 @@ def test_an_unused_golden_is_pruned_after_a_whole_passing_run(pytester):
 
 
 FAILING = "def test_c():\n    assert False\n"
+# ends the session, exit status 0, before test_d runs: nothing failed, yet not every test ran
+STOPS = "import pytest\n\ndef test_c():\n    pytest.exit('enough', returncode=0)\n\ndef test_d():\n    pass\n"
 
 
 @pytest.mark.parametrize(
@@ -178,8 +180,14 @@ FAILING = "def test_c():\n    assert False\n"
         (["-x"], FAILING, "the run failed (1 test failed)"),
         (["-m", "slow"], "", "the run was partial (-m 'slow')"),
         (["--deselect", "test_review.py::test_b"], "", "the run was partial (--deselect)"),
+        (
+            [],
+            STOPS,
+            "the run stopped early (1 of 4 collected tests did not run: -x, --maxfail or a "
+            "lost worker)",
+        ),
     ],
-    ids=["-k", "node id", "failing", "-x", "-m", "--deselect"],
+    ids=["-k", "node id", "failing", "-x", "-m", "--deselect", "pytest.exit"],
 )
 def test_prune_is_refused_after_a_partial_or_failing_run_and_says_why(pytester, args, more, why):
     _recorded(pytester)
