@@ -171,7 +171,6 @@ class HarnessSession:
                 return f"the run was partial ({flag} {value!r})"
         for flag, dest in (
             ("--deselect", "deselect"),
-            ("--ignore", "ignore"),
             ("--ignore-glob", "ignore_glob"),
             ("--last-failed", "lf"),
             ("--stepwise", "stepwise"),
@@ -200,19 +199,26 @@ class HarnessSession:
             )
         return ""
 
-    def _scopes(self, config: pytest.Config) -> list[str] | None:
-        """The paths the run was given, relative to the rootdir (nodeids are): only the
-        goldens of tests below them can be judged. ``None``: one lies outside the rootdir."""
+    def _scopes(self, config: pytest.Config, option: str = "") -> list[str] | None:
+        """The paths the run was given (or those of ``option``, e.g. ``--ignore``), relative
+        to the rootdir (nodeids are): only the goldens of tests below the paths given, and
+        not below the ignored ones, can be judged. ``None``: a path given lies outside the
+        rootdir (an ignored one there is no matter: no golden of the run's is there)."""
         base = Path(config.invocation_params.dir)
         root = Path(config.rootpath).resolve()
         scopes = []
-        for arg in config.args:
-            path = (base / arg.split("::", 1)[0]).resolve()
+        args = (getattr(config.option, option, None) or []) if option else config.args
+        for arg in args:
+            path = (base / str(arg).split("::", 1)[0]).resolve()
             if path != root and root not in path.parents:
+                if option:
+                    continue
                 return None
             scopes.append(path.relative_to(root).as_posix())
         return scopes
 
     def unused_goldens(self, config: pytest.Config | None = None) -> list[str]:
-        under = None if config is None else self._scopes(config)
-        return unused_goldens(self.goldens.root, self.nodeids, under)
+        if config is None:
+            return unused_goldens(self.goldens.root, self.nodeids)
+        ignored = self._scopes(config, "ignore") or []  # never None: see _scopes
+        return unused_goldens(self.goldens.root, self.nodeids, self._scopes(config), ignored)

@@ -164,7 +164,10 @@ def test_an_unused_golden_is_pruned_after_a_whole_passing_run(pytester):
 
 FAILING = "def test_c():\n    assert False\n"
 # ends the session, exit status 0, before test_d runs: nothing failed, yet not every test ran
-STOPS = "import pytest\n\ndef test_c():\n    pytest.exit('enough', returncode=0)\n\ndef test_d():\n    pass\n"
+STOPS = (
+    "import pytest\n\ndef test_c():\n    pytest.exit('enough', returncode=0)\n\n"
+    "def test_d():\n    pass\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -238,3 +241,20 @@ def test_prune_under_xdist_sees_every_workers_tests(pytester):
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([f"  removed {gone}"])
     assert not gone.exists() and _golden(pytester, "test_b").exists()
+
+
+def test_goldens_of_an_ignored_directory_are_not_judged_unused(pytester):
+    _recorded(pytester)
+    slow = pytester.path / "slow"
+    slow.mkdir()
+    (slow / "test_slow.py").write_text(
+        "import torch\n\ndef test_s(golden):\n    golden.check({'s': torch.ones(1)})\n"
+    )
+    pytester.runpytest("-p", "no:cacheprovider", "--update-goldens").assert_outcomes(passed=3)
+    kept = pytester.path / "goldens" / "slow" / "test_slow" / "test_s.pt"
+    gone = pytester.path / "goldens" / "test_review" / "test_gone.pt"
+    gone.write_bytes(_golden(pytester, "test_b").read_bytes())
+    result = pytester.runpytest("-p", "no:cacheprovider", "--goldens-prune", "--ignore=slow")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([f"  removed {gone}"])
+    assert kept.exists() and not gone.exists()

@@ -624,6 +624,7 @@ def test_unused_goldens_are_judged_only_below_the_paths_a_run_was_given(tmp_path
     assert unused_goldens(tmp_path, ran, ["a"]) == [gone]
     assert unused_goldens(tmp_path, ran, [""]) == [gone, other]
     assert unused_goldens(tmp_path, ran, ["b/test_y.py"]) == [other]
+    assert unused_goldens(tmp_path, ran, [""], ignored=["b"]) == [gone]  # --ignore b
 
 
 def test_pruning_removes_each_file_and_the_directories_it_empties_and_lists_them(tmp_path):
