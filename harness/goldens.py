@@ -630,25 +630,30 @@ class GoldenTally:
 
 
 def unused_goldens(
-    root: Path, nodeids: Iterable[str], under: Iterable[str] | None = None
+    root: Path,
+    nodeids: Iterable[str],
+    under: Iterable[str] | None = None,
+    ignored: Iterable[str] = (),
 ) -> list[str]:
     """The golden files under ``root`` that none of the tests ``nodeids`` names (with or
     without a ``name=``); the main job's, under ``main/``, are left out. ``under``: only the
     goldens of tests below these paths (relative to the rootdir, e.g. ``tests/plugin`` or
-    ``tests/test_a.py``; ``""`` is everything), the paths a run was given."""
+    ``tests/test_a.py``; ``""`` is everything), the paths a run was given; ``ignored``: not
+    those below these (``--ignore``d paths: their tests were not collected)."""
     if not root.is_dir():
         return []
     used = {golden_stem(n) for n in nodeids}
     scopes = None if under is None else [_scope(u) for u in under]
+    skipped = [_scope(i) for i in ignored]
     unused = []
     for path in sorted(root.rglob("*.pt")):
         stem = path.relative_to(root).as_posix()[:-3]
         if stem.startswith("main/"):
             continue  # the main job's (harness-check), not a test's
-        if scopes is not None and not any(
-            not sc or stem == sc or stem.startswith(sc + "/") for sc in scopes
-        ):
+        if scopes is not None and not any(_below(stem, sc) for sc in scopes):
             continue  # a test this run was not given: nothing is known of it
+        if any(_below(stem, sc) for sc in skipped):
+            continue  # an --ignore'd test: nor of this one
         base = stem.split("].", 1)[0] + "]" if "]." in stem else stem.rsplit(".", 1)[0]
         if (
             stem not in used
@@ -657,6 +662,10 @@ def unused_goldens(
         ):
             unused.append(str(path))
     return unused
+
+
+def _below(stem: str, scope: str) -> bool:
+    return not scope or stem == scope or stem.startswith(scope + "/")
 
 
 def _scope(path: str) -> str:

@@ -109,10 +109,10 @@ class HarnessSession:
                 "interrupted (its writer was killed); the golden itself is intact."
             )
         # what each write changed, for the reviewer; unchanged goldens are only counted
-        for path in sorted(self.golden_change):
-            status = self.golden_status.get(path)
+        for golden in sorted(self.golden_change):
+            status = self.golden_status.get(golden)
             if status in (GoldenStatus.WRITTEN, GoldenStatus.UPDATED):
-                for line in self.golden_change[path].lines(path, status):
+                for line in self.golden_change[golden].lines(golden, status):
                     tr.write_line(line)
         for line in tally.lines(self.goldens.root):
             tr.write_line(line)
