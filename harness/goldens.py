@@ -2,9 +2,18 @@
 
 A golden is a dict saved by ``torch.save``::
 
-    {"format": "harness-golden", "version": 1,
+    {"format": "harness-golden", "version": 2,
      "provenance": {...strings and numbers...},
      "tensors": {"step0/loss": tensor, ...}}
+
+Format 2 adds nothing to the structure; it promises that the provenance holds the versions
+the golden was recorded with (``torch``, ``torch_harmonics``) and, for a golden of an
+equivalence check, its layout (``ranks``, ``spatial_size``, ``data_size``, ``partition``).
+Format 1 goldens (written before) are still read: what they do not record is said as "not
+recorded" where it matters, when a check against them fails.
+
+A golden holds any named tensors: per-step fields of a rollout are more names
+(``rollout/step3/state``) in the same map, diffed and summarised like the rest.
 
 It is loaded with ``torch.load(weights_only=True)``: nothing in a golden is ever executed.
 Writes go to a temporary file in the same directory, then ``os.replace``: a golden is either
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import re
 import tempfile
@@ -45,7 +55,12 @@ from harness.errors import GoldenError, exception_summary
 from harness.report import EquivalenceReport
 
 FORMAT = "harness-golden"
-VERSION = 1
+VERSION = 2
+#: the format versions this harness reads (1: before versions and layout were recorded)
+READABLE = (1, 2)
+#: what a golden records of the software it was recorded with, and of the layout
+VERSION_KEYS = ("torch", "torch_harmonics")
+LAYOUT_KEYS = ("ranks", "spatial_size", "data_size", "partition")
 UPDATE_HINT = "run pytest with --update-goldens, review the diff and commit the goldens"
 
 
@@ -104,6 +119,8 @@ class GoldenResult:
     path: Path
     status: GoldenStatus
     lines: list[str] = field(default_factory=list)
+    #: what a write changed (``written`` and ``updated`` only): the review summary's material
+    change: GoldenChange | None = None
 
     def __post_init__(self) -> None:
         self.status = GoldenStatus(self.status)
@@ -148,11 +165,22 @@ class GoldenStore:
                 f"golden {path} is not a harness golden (no format marker '{FORMAT}'); "
                 f"delete it and {UPDATE_HINT}."
             )
-        if data.get("version") != VERSION:
-            raise GoldenError(
-                f"golden {path} has format version {data.get('version')!r}, this harness "
-                f"reads version {VERSION}; {UPDATE_HINT}."
+        version = data.get("version")
+        if type(version) is not int or version not in READABLE:
+            newer = isinstance(version, int) and version > VERSION
+            remedy = (
+                "it was written by a newer harness: upgrade this one (pip install -U "
+                "pytest-spatial-harness), or"
+                if newer
+                else "delete it and"
             )
+            raise GoldenError(
+                f"golden {path} has format version {version!r}, this harness reads versions "
+                f"{', '.join(map(str, READABLE))}; {remedy} {UPDATE_HINT}."
+            )
+        if not isinstance(data.get("provenance", {}), dict):
+            raise GoldenError(f"golden {path} has no valid provenance; {UPDATE_HINT}.")
+        data.setdefault("provenance", {})
         tensors = data.get("tensors")
         if not isinstance(tensors, dict) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
@@ -246,28 +274,36 @@ class GoldenStore:
         provenance = {**default_provenance(), **(provenance or {})}
         exists = path.exists()
         lines: list[str] = []
+        golden: GoldenFile | None = None
         if exists:
             try:
-                golden = self.load(path)["tensors"]
+                golden = self.load(path)
             except GoldenError:
                 if not self.update:
                     raise
-                golden = None
             if golden is not None:
-                lines = diff_tensors(tensors, golden, bound, allow_nonfinite=allow_nonfinite)
+                lines = diff_tensors(
+                    tensors, golden["tensors"], bound, allow_nonfinite=allow_nonfinite
+                )
                 if not lines:
                     return GoldenResult(
                         path, GoldenStatus.UNCHANGED if self.update else GoldenStatus.PASSED
                     )
         if not self.update:
-            if not exists:
+            if golden is None:
                 return GoldenResult(
                     path,
                     GoldenStatus.MISSING,
                     [f"no golden at {path}: {UPDATE_HINT} (then commit the new file)."],
                 )
             return GoldenResult(
-                path, GoldenStatus.FAILED, [*lines, f"If the change is intended, {UPDATE_HINT}."]
+                path,
+                GoldenStatus.FAILED,
+                [
+                    *lines,
+                    *recorded_elsewhere(golden["provenance"], provenance),
+                    f"If the change is intended, {UPDATE_HINT}.",
+                ],
             )
         bad = [] if allow_nonfinite else _nonfinite_lines(tensors, "this run produced")
         if bad:
@@ -282,7 +318,13 @@ class GoldenStore:
                 ],
             )
         self.write(path, tensors, provenance)
-        return GoldenResult(path, GoldenStatus.UPDATED if exists else GoldenStatus.WRITTEN, lines)
+        old = None if golden is None else golden["tensors"]
+        return GoldenResult(
+            path,
+            GoldenStatus.UPDATED if exists else GoldenStatus.WRITTEN,
+            lines,
+            GoldenChange.between(tensors, old, bound, unreadable=exists and golden is None),
+        )
 
     def not_updated(self, path: Path, reason: str) -> GoldenResult:
         """The result for a golden left as it was because the check behind it failed."""
@@ -336,10 +378,189 @@ def report_provenance(report: EquivalenceReport) -> dict[str, Any]:
         "case": report.case,
         "ranks": report.ranks,
         "spatial_size": report.spatial_size,
+        # the data-parallel groups the ranks form (ranks = spatial_size x data_size)
+        "data_size": report.ranks // report.spatial_size if report.spatial_size else 1,
         "partition": report.partition,
         "dtype": report.dtype,
         "steps": report.steps,
     }
+
+
+def recorded_elsewhere(recorded: Mapping[str, Any], running: Mapping[str, Any]) -> list[str]:
+    """Lines for a failing golden check: the versions (and layout) the golden was recorded
+    with, where they differ from this run's. A likely cause of the difference, said as such:
+    the tensors' differences stand above it.
+
+    >>> for line in recorded_elsewhere({"torch": "2.12.0"}, {"torch": "2.13.0"}):
+    ...     print(line)
+    Recorded with torch 2.12.0, this run has torch 2.13.0: a likely cause of the difference ...
+    """
+    out = []
+    changed = [
+        f"{_NAMES[k]} {recorded[k]}"
+        for k in VERSION_KEYS
+        if k in recorded and k in running and str(recorded[k]) != str(running[k])
+    ]
+    if changed:
+        now = ", ".join(
+            f"{_NAMES[k]} {running[k]}"
+            for k in VERSION_KEYS
+            if k in recorded and k in running and str(recorded[k]) != str(running[k])
+        )
+        out.append(
+            f"Recorded with {', '.join(changed)}, this run has {now}: a likely cause of the "
+            "difference (kernels round differently across versions); if only rounding "
+            "moved, review and update."
+        )
+    unknown = [_NAMES[k] for k in VERSION_KEYS if k not in recorded and k in running]
+    if unknown:
+        out.append(
+            f"The golden does not record its {' or '.join(unknown)} version (format 1, "
+            "written before versions were stored): a version change cannot be ruled out."
+        )
+    layout = [
+        k
+        for k in LAYOUT_KEYS
+        if k in recorded and k in running and str(recorded[k]) != str(running[k])
+    ]
+    if layout:
+        was = ", ".join(f"{k} {recorded[k]}" for k in layout)
+        now = ", ".join(f"{k} {running[k]}" for k in layout)
+        out.append(f"Recorded on a different layout ({was}); this run: {now}.")
+    return out
+
+
+_NAMES = {"torch": "torch", "torch_harmonics": "torch-harmonics"}
+#: names listed per kind in a change summary before "and N more"
+_SHOWN = 8
+
+
+@dataclass(frozen=True)
+class GoldenChange:
+    """What rewriting a golden changed, for the reviewer of ``--update-goldens``: the tensors
+    changed (over the check's tolerance, or a new dtype or shape), added (produced, not in the
+    old golden), removed (in the old golden, not produced), how many stayed within tolerance,
+    and the largest change: ``(name, max abs, max rel)`` of the changed tensor with the
+    largest relative change (scale-free, so a loss and a gradient compare; then max abs).
+
+    Plain data (``plain``/``from_plain``): it travels to xdist's controller in a report.
+    """
+
+    changed: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    unchanged: int = 0
+    largest: tuple[str, float, float] | None = None
+    #: the old file could not be read (corrupt, foreign): everything is "added"
+    unreadable: bool = False
+    #: a changed tensor whose dtype or shape changed: name -> what changed
+    kinds: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def between(
+        cls,
+        new: Mapping[str, torch.Tensor],
+        old: Mapping[str, torch.Tensor] | None,
+        bound: Bound,
+        *,
+        unreadable: bool = False,
+    ) -> GoldenChange:
+        if old is None:  # a new golden, or one that could not be read
+            return cls(added=tuple(sorted(new)), unreadable=unreadable)
+        changed, kinds, unchanged = [], [], 0
+        largest: tuple[str, float, float] | None = None
+        for name in sorted(new.keys() & old.keys()):
+            d = compare_tensors(new[name], old[name], bound, allow_nonfinite=True)
+            if d.problem:
+                changed.append(name)
+                kinds.append((name, d.problem.replace("the reference", "the golden")))
+            elif not d.ok:
+                changed.append(name)
+                if largest is None or (d.max_rel, d.max_abs) > (largest[2], largest[1]):
+                    largest = (name, d.max_abs, d.max_rel)
+            else:
+                unchanged += 1
+        return cls(
+            changed=tuple(changed),
+            added=tuple(sorted(new.keys() - old.keys())),
+            removed=tuple(sorted(old.keys() - new.keys())),
+            unchanged=unchanged,
+            largest=largest,
+            kinds=tuple(kinds),
+        )
+
+    def lines(self, path: str, status: GoldenStatus | str) -> list[str]:
+        """The review summary of one rewritten golden: a headline, then one line per kind.
+
+        >>> change = GoldenChange(("loss",), ("w",), (), 1, ("loss", 0.5, 0.25))
+        >>> for line in change.lines("g.pt", "updated"):
+        ...     print(line)
+        updated g.pt: 1 changed, 1 added, 0 removed, 1 unchanged; largest change loss: max ...
+          changed: loss
+          added: w
+        """
+        if GoldenStatus(status) is GoldenStatus.WRITTEN:
+            head = f"written {path}: new golden, {_count(self.added, 'tensor')}"
+        elif self.unreadable:
+            head = (
+                f"updated {path}: the old golden could not be read; rewritten with "
+                f"{_count(self.added, 'tensor')}"
+            )
+        else:
+            head = (
+                f"updated {path}: {len(self.changed)} changed, {len(self.added)} added, "
+                f"{len(self.removed)} removed, {self.unchanged} unchanged"
+            )
+            if self.largest is not None:
+                name, abs_, rel = self.largest
+                head += f"; largest change {name}: max abs {abs_:.3g}, max rel {rel:.3g}"
+        out = [head]
+        kinds = dict(self.kinds)
+        changed = [f"{n} ({kinds[n]})" if n in kinds else n for n in self.changed]
+        for label, names in (
+            ("changed", changed),
+            ("added", self.added),
+            ("removed", self.removed),
+        ):
+            if names and not (label == "added" and GoldenStatus(status) is GoldenStatus.WRITTEN):
+                out.append(f"  {label}: {_names(names)}")
+        return out
+
+    def plain(self) -> dict[str, Any]:
+        return {
+            "changed": list(self.changed),
+            "added": list(self.added),
+            "removed": list(self.removed),
+            "unchanged": self.unchanged,
+            "largest": None if self.largest is None else list(self.largest),
+            "unreadable": self.unreadable,
+            "kinds": [list(k) for k in self.kinds],
+        }
+
+    @classmethod
+    def from_plain(cls, data: Mapping[str, Any]) -> GoldenChange:
+        largest = data.get("largest")
+        return cls(
+            changed=tuple(data.get("changed", ())),
+            added=tuple(data.get("added", ())),
+            removed=tuple(data.get("removed", ())),
+            unchanged=int(data.get("unchanged", 0)),
+            largest=None
+            if largest is None
+            else (str(largest[0]), float(largest[1]), float(largest[2])),
+            unreadable=bool(data.get("unreadable", False)),
+            kinds=tuple((str(a), str(b)) for a, b in data.get("kinds", ())),
+        )
+
+
+def _count(items: tuple[str, ...], noun: str) -> str:
+    return f"{len(items)} {noun}{'s' if len(items) != 1 else ''}"
+
+
+def _names(names: Iterable[str]) -> str:
+    names = list(names)
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f", and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
 #: The tally's words for a status, where the bare status would not say enough.
@@ -408,17 +629,31 @@ class GoldenTally:
         return out
 
 
-def unused_goldens(root: Path, nodeids: Iterable[str]) -> list[str]:
+def unused_goldens(
+    root: Path,
+    nodeids: Iterable[str],
+    under: Iterable[str] | None = None,
+    ignored: Iterable[str] = (),
+) -> list[str]:
     """The golden files under ``root`` that none of the tests ``nodeids`` names (with or
-    without a ``name=``); the main job's, under ``main/``, are left out."""
+    without a ``name=``); the main job's, under ``main/``, are left out. ``under``: only the
+    goldens of tests below these paths (relative to the rootdir, e.g. ``tests/plugin`` or
+    ``tests/test_a.py``; ``""`` is everything), the paths a run was given; ``ignored``: not
+    those below these (``--ignore``d paths: their tests were not collected)."""
     if not root.is_dir():
         return []
     used = {golden_stem(n) for n in nodeids}
+    scopes = None if under is None else [_scope(u) for u in under]
+    skipped = [_scope(i) for i in ignored]
     unused = []
     for path in sorted(root.rglob("*.pt")):
         stem = path.relative_to(root).as_posix()[:-3]
         if stem.startswith("main/"):
             continue  # the main job's (harness-check), not a test's
+        if scopes is not None and not any(_below(stem, sc) for sc in scopes):
+            continue  # a test this run was not given: nothing is known of it
+        if any(_below(stem, sc) for sc in skipped):
+            continue  # an --ignore'd test: nor of this one
         base = stem.split("].", 1)[0] + "]" if "]." in stem else stem.rsplit(".", 1)[0]
         if (
             stem not in used
@@ -427,6 +662,41 @@ def unused_goldens(root: Path, nodeids: Iterable[str]) -> list[str]:
         ):
             unused.append(str(path))
     return unused
+
+
+def _below(stem: str, scope: str) -> bool:
+    return not scope or stem == scope or stem.startswith(scope + "/")
+
+
+def _scope(path: str) -> str:
+    path = path.strip("/").removesuffix(".py")
+    return "" if path in ("", ".") else path
+
+
+def prune_goldens(paths: Iterable[str | os.PathLike[str]], root: Path) -> list[str]:
+    """Remove each unused golden (one ``unlink`` each: a file is there or gone, never half);
+    then the directories under ``root`` it leaves empty. Returns one line per file: what was
+    removed, or why it could not be (the rest are still removed)."""
+    lines = []
+    for raw in paths:
+        path = Path(raw)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            lines.append(f"  {path}: already gone")
+            continue
+        except OSError as exc:
+            lines.append(f"  {path}: not removed ({exception_summary(exc)})")
+            continue
+        lines.append(f"  removed {path}")
+        parent = path.parent
+        while parent != root and root in parent.parents:
+            try:
+                parent.rmdir()  # only if empty
+            except OSError:
+                break
+            parent = parent.parent
+    return lines
 
 
 def diff_tensors(
@@ -492,13 +762,27 @@ def _not_a_directory(path: Path) -> None:
 
 
 def default_provenance() -> dict[str, Any]:
+    """What every golden records of where it was made: the harness, torch and torch-harmonics
+    versions, and when (UTC)."""
     from harness._version import __version__
 
     return {
         "harness": __version__,
         "torch": torch.__version__,
+        "torch_harmonics": _torch_harmonics_version(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_harmonics_version() -> str:
+    """Its installed version, read from the package metadata (no import of the package)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch-harmonics")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def _plain(value: Any) -> Any:

@@ -453,7 +453,9 @@ class GoldenFixture:
 
     def _record(self, path: Path, result: GoldenResult) -> None:
         # plain text: user properties travel to xdist's controller
-        self._node.user_properties.append((_GOLDEN_PROP, (str(path), str(result.status))))
+        # (what a write changed rides along, for the review summary)
+        change = None if result.change is None else result.change.plain()
+        self._node.user_properties.append((_GOLDEN_PROP, (str(path), str(result.status), change)))
 
 
 def write_error_maps(report: EquivalenceReport, directory: str, nodeid: str) -> list[str]:

@@ -118,7 +118,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--goldens-unused",
         action="store_true",
         dest="goldens_unused",
-        help="list golden files that no test of this run used",
+        help="list golden files that no test of this run used (only after a run in which "
+        "every test ran and passed)",
+    )
+    group.addoption(
+        "--goldens-prune",
+        action="store_true",
+        dest="goldens_prune",
+        help="remove the golden files no test of this run used, only after a run in which "
+        "every test ran and passed (never after -k, -m, node ids, -x or a failure)",
     )
     parser.addini(
         "golden_dir", "directory of .pt golden files (default: goldens)", default="goldens"
@@ -231,6 +239,8 @@ class Settings:
     calibrate: bool = False
     #: sweep every layout up to this many ranks before each spatial.check (None: off)
     layouts: int | None = None
+    #: remove unused goldens after a whole, passing run
+    goldens_prune: bool = False
 
     @classmethod
     def parse(cls, config: pytest.Config) -> Settings:
@@ -277,6 +287,7 @@ class Settings:
             locate=bool(config.getoption("spatial_locate") or config.getini("spatial_locate")),
             calibrate=bool(config.getoption("spatial_calibrate")),
             layouts=_parse_layouts(config.getoption("spatial_layouts"), oversubscribe),
+            goldens_prune=bool(config.getoption("goldens_prune")),
         )
 
 

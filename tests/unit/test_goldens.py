@@ -413,7 +413,7 @@ def test_a_golden_that_cannot_be_written_names_the_path(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def _report(ok: bool, scale: float = 1.0):
+def _report(ok: bool, scale: float = 1.0, ranks: int = 2, spatial_size: int = 2):
     """What the golden policy reads of an EquivalenceReport."""
     from types import SimpleNamespace
 
@@ -421,8 +421,8 @@ def _report(ok: bool, scale: float = 1.0):
         ok=ok,
         reference=tensors(scale),
         case="toy",
-        ranks=2,
-        spatial_size=2,
+        ranks=ranks,
+        spatial_size=spatial_size,
         partition="halves",
         dtype="torch.float64",
         steps=1,
@@ -465,3 +465,180 @@ def test_the_tally_counts_each_status_and_says_what_to_do(tmp_path):
     assert unused_goldens(tmp_path, ["t/test_a.py::test_x"]) == [
         str(tmp_path / "t/test_a/test_gone.pt")
     ]
+
+
+# ---------------------------------------------------------------- a reviewer's goldens
+
+
+def test_an_update_says_which_tensors_changed_were_added_and_removed_and_the_largest_change(
+    tmp_path,
+):
+    path = tmp_path / "a.pt"
+    store = GoldenStore(tmp_path, update=True)
+    old = {"loss": torch.tensor(0.5, dtype=torch.float64), "w": torch.ones(4, dtype=torch.float64),
+           "kept": torch.zeros(2, dtype=torch.float64), "gone": torch.ones(1)}  # fmt: skip
+    written = store.check(path, old, bound=EXACT)
+    assert written.change.lines(str(path), written.status) == [
+        f"written {path}: new golden, 4 tensors"
+    ]
+    new = {"loss": torch.tensor(0.75, dtype=torch.float64), "w": torch.ones(4, dtype=torch.float64),
+           "kept": torch.zeros(2, dtype=torch.float64), "extra": torch.ones(3)}  # fmt: skip
+    new["w"][2] = 3.0  # abs 2, rel 2: larger than the loss's abs 0.25, rel 0.5
+    updated = store.check(path, new, bound=EXACT)
+    assert updated.status == "updated"
+    assert updated.change.lines(str(path), updated.status) == [
+        f"updated {path}: 2 changed, 1 added, 1 removed, 1 unchanged; largest change w: "
+        "max abs 2, max rel 2",
+        "  changed: loss, w",
+        "  added: extra",
+        "  removed: gone",
+    ]
+
+
+def test_a_changed_shape_is_named_in_the_update_summary_and_long_lists_are_cut(tmp_path):
+    from harness.goldens import GoldenChange
+
+    old = {f"t{i:02d}": torch.zeros(2) for i in range(10)}
+    new = {**{f"t{i:02d}": torch.ones(2) for i in range(9)}, "t09": torch.zeros(3)}
+    change = GoldenChange.between(new, old, EXACT)
+    lines = change.lines("g.pt", "updated")
+    assert lines[1] == ("  changed: t00, t01, t02, t03, t04, t05, t06, t07, and 2 more")
+    assert change.kinds == (("t09", "shape (3,) where the golden has (2,)"),)
+    assert GoldenChange.from_plain(change.plain()) == change  # it travels to xdist's controller
+    unreadable = GoldenChange.between(new, None, EXACT, unreadable=True)
+    assert unreadable.lines("g.pt", "updated") == [
+        "updated g.pt: the old golden could not be read; rewritten with 10 tensors",
+        "  added: t00, t01, t02, t03, t04, t05, t06, t07, and 2 more",
+    ]
+
+
+def test_a_golden_records_the_versions_and_the_layout_it_was_recorded_on(tmp_path):
+    from importlib.metadata import version
+
+    from harness.goldens import VERSION, check_report
+
+    path = tmp_path / "g.pt"
+    store = GoldenStore(tmp_path, update=True)
+    check_report(store, path, _report(ok=True, ranks=4, spatial_size=2))
+    data = store.load(path)
+    assert data["version"] == VERSION == 2
+    provenance = data["provenance"]
+    assert provenance["torch"] == torch.__version__
+    assert provenance["torch_harmonics"] == version("torch-harmonics")
+    layout = {k: provenance[k] for k in ("ranks", "spatial_size", "data_size", "partition")}
+    assert layout == {"ranks": 4, "spatial_size": 2, "data_size": 2, "partition": "halves"}
+
+
+def test_a_failing_golden_of_other_versions_says_they_are_a_likely_cause(tmp_path):
+    from importlib.metadata import version
+
+    path = tmp_path / "a.pt"
+    then = {"torch": "1.0.0", "torch_harmonics": "0.1.0", "ranks": 4, "partition": "h2w2"}
+    GoldenStore(tmp_path, update=True).check(path, tensors(), bound=EXACT, provenance=then)
+    reader = GoldenStore(tmp_path)
+    now = {"ranks": 2, "partition": "h1w2"}
+    assert reader.check(path, tensors(), bound=EXACT, provenance=now).status == "passed"
+    failed = reader.check(path, tensors(2.0), bound=EXACT, provenance=now)
+    assert failed.lines[-3:] == [
+        f"Recorded with torch 1.0.0, torch-harmonics 0.1.0, this run has torch "
+        f"{torch.__version__}, torch-harmonics {version('torch-harmonics')}: a likely cause of "
+        "the difference (kernels round differently across versions); if only rounding moved, "
+        "review and update.",
+        "Recorded on a different layout (ranks 4, partition h2w2); this run: ranks 2, "
+        "partition h1w2.",
+        "If the change is intended, run pytest with --update-goldens, review the diff and "
+        "commit the goldens.",
+    ]
+    same = GoldenStore(tmp_path, update=True)
+    same.check(path, tensors(3.0), bound=EXACT)  # rewritten with this run's versions
+    assert not any(
+        "Recorded" in line for line in reader.check(path, tensors(2.0), bound=EXACT).lines
+    )
+
+
+def _format_1(path, values):
+    """A golden as harness wrote it before format 2: no torch-harmonics, no layout."""
+    torch.save(
+        {
+            "format": "harness-golden",
+            "version": 1,
+            "provenance": {"harness": "0.1.0", "torch": str(torch.__version__), "case": "toy"},
+            "tensors": values,
+        },
+        path,
+    )
+
+
+def test_a_format_1_golden_still_loads_checks_and_says_what_it_does_not_record(tmp_path):
+    path = tmp_path / "old.pt"
+    _format_1(path, tensors())
+    reader = GoldenStore(tmp_path)
+    assert reader.load(path)["version"] == 1
+    assert reader.check(path, tensors(), bound=EXACT).status == "passed"
+    failed = reader.check(path, tensors(2.0), bound=EXACT)
+    assert failed.status == "failed"
+    assert failed.lines[-2] == (
+        "The golden does not record its torch-harmonics version (format 1, written before "
+        "versions were stored): a version change cannot be ruled out."
+    )
+    # updating leaves an unchanged format-1 golden as it is, and rewrites a changed one as 2
+    before = path.read_bytes()
+    assert GoldenStore(tmp_path, update=True).check(path, tensors(), bound=EXACT).status == (
+        "unchanged"
+    )
+    assert path.read_bytes() == before
+    GoldenStore(tmp_path, update=True).check(path, tensors(2.0), bound=EXACT)
+    assert reader.load(path)["version"] == 2
+
+
+@pytest.mark.parametrize(
+    ("version", "says"),
+    [
+        (
+            3,
+            "format version 3, this harness reads versions 1, 2; it was written by a newer "
+            "harness: upgrade this one",
+        ),
+        (True, "format version True, this harness reads versions 1, 2; delete it and run"),
+        ("1", "format version '1', this harness reads versions 1, 2; delete it and run"),
+    ],
+)
+def test_a_golden_of_an_unknown_format_version_is_one_clear_error(tmp_path, version, says):
+    path = tmp_path / "g.pt"
+    torch.save({"format": "harness-golden", "version": version, "tensors": tensors()}, path)
+    with pytest.raises(GoldenError) as info:
+        GoldenStore(tmp_path).load(path)
+    assert says in str(info.value)
+
+
+def test_unused_goldens_are_judged_only_below_the_paths_a_run_was_given(tmp_path):
+    from harness.goldens import unused_goldens
+
+    store = GoldenStore(tmp_path, update=True)
+    for nodeid in ("a/test_x.py::test_1", "a/test_x.py::test_gone", "b/test_y.py::test_2"):
+        store.check(store.path_for(nodeid), tensors(), bound=EXACT)
+    ran = ["a/test_x.py::test_1"]
+    gone, other = str(tmp_path / "a/test_x/test_gone.pt"), str(tmp_path / "b/test_y/test_2.pt")
+    assert unused_goldens(tmp_path, ran) == [gone, other]
+    assert unused_goldens(tmp_path, ran, ["a/test_x.py"]) == [gone]
+    assert unused_goldens(tmp_path, ran, ["a"]) == [gone]
+    assert unused_goldens(tmp_path, ran, [""]) == [gone, other]
+    assert unused_goldens(tmp_path, ran, ["b/test_y.py"]) == [other]
+    assert unused_goldens(tmp_path, ran, [""], ignored=["b"]) == [gone]  # --ignore b
+
+
+def test_pruning_removes_each_file_and_the_directories_it_empties_and_lists_them(tmp_path):
+    from harness.goldens import prune_goldens
+
+    gone = tmp_path / "t" / "test_old" / "test_a.pt"
+    kept = tmp_path / "t" / "test_new" / "test_b.pt"
+    for path in (gone, kept):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"x")
+    missing = tmp_path / "t" / "never.pt"
+    assert prune_goldens([gone, missing], tmp_path) == [
+        f"  removed {gone}",
+        f"  {missing}: already gone",
+    ]
+    assert not gone.parent.exists() and kept.exists()
+    assert (tmp_path / "t").is_dir()  # still holds test_new
