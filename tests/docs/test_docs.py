@@ -1,4 +1,4 @@
-"""Every Python block of the README, the guide and the example repository's README runs.
+"""Every Python block of the README, the docs pages and the example repository's README runs.
 
 Blocks are found and run with pytest-examples (each as its own ``__main__`` module, from a
 file, so rank processes can load the classes it defines). Conventions of these documents:
@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [
     ROOT / "README.md",
     ROOT / "docs" / "guide.md",
+    ROOT / "docs" / "rollouts.md",
+    ROOT / "docs" / "layouts.md",
+    ROOT / "docs" / "goldens.md",
     ROOT / "examples" / "downstream" / "README.md",
 ]
 EXAMPLES = [e for e in find_examples(*DOCUMENTS) if e.prefix_settings().get("test") != "skip"]
