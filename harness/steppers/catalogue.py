@@ -8,6 +8,7 @@ and a test fails when either file drifts from this module.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -415,17 +416,36 @@ def located_text(stepper: str, fault: str) -> str:
     return where.replace("''", "`''`")
 
 
+def layout_text(stepper: str, fault: str) -> str:
+    """The README's words for the smallest layout that shows a fault.
+
+    >>> layout_text("sfno", "mean-of-means"), layout_text("sfno", "no-grad-sync")
+    ('3 ranks: grid 3x1', '2 ranks: 2 data groups of 1x1')
+    >>> layout_text("coupled-mlp", "wrong-shard-index")
+    '1 rank'
+    """
+    world, mesh = SMALLEST_LAYOUT[(stepper, fault)]
+    if world == 1:
+        return "1 rank"
+    grid, data = "x".join(map(str, mesh)), world // math.prod(mesh)
+    return f"{world} ranks: " + (f"{data} data groups of {grid}" if data > 1 else f"grid {grid}")
+
+
 def markdown_table(ranks: int = 4) -> list[str]:
     """The README's fault table: one row per fault of the matrix on ``ranks`` ranks."""
     rows = [
-        "| stepper | fault | the bug | what goes wrong | caught as | first divergence |",
-        "|---|---|---|---|---|---|",
+        "| stepper | fault | the bug | what goes wrong | caught as | first divergence "
+        "| smallest failing layout |",
+        "|---|---|---|---|---|---|---|",
     ]
     for stepper, _make, _kw, _s, fault, expected in fault_matrix(ranks):
         bug, effect = DESCRIPTIONS[(stepper, fault)]
         caught = ", ".join(sorted(expected))
         where = located_text(stepper, fault)
-        rows.append(f"| {stepper} | `{fault}` | {bug} | {effect} | {caught} | {where} |")
+        smallest = layout_text(stepper, fault)
+        rows.append(
+            f"| {stepper} | `{fault}` | {bug} | {effect} | {caught} | {where} | {smallest} |"
+        )
     return rows
 
 
@@ -452,7 +472,9 @@ def document(ranks: int = 4) -> str:
         "`tests/faults/test_catalogue.py` shows that `check_equivalence` fails on each with one",
         "of the quantities below (and passes on the same layout without it), and that its first",
         "divergence points where the bug lives; `harness-check`",
-        "prints the same matrix. Generated from `harness/steppers/catalogue.py`",
+        "prints the same matrix. The last column is the smallest layout that shows the fault",
+        "(`harness.check_layouts` up to 4 ranks; `tests/distributed/test_layouts.py`).",
+        "Generated from `harness/steppers/catalogue.py`",
         "(`python -m harness.steppers.catalogue > FAULTS.md`); a test fails if it drifts.",
         "",
         *markdown_table(ranks),
