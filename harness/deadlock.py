@@ -57,6 +57,13 @@ SAME_SIZE = frozenset(
     {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"}
 )
 
+#: public names of one collective (torch 2.13 adds ``*_single`` beside the names it
+#: deprecates): either side of a match may use either
+SAME_OP = {
+    "all_gather_single": "all_gather_into_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+}
+
 
 @dataclass(frozen=True)
 class Op:
@@ -380,11 +387,12 @@ def _collective_of(view: RankView, group: str, index: int) -> Op | None:
 
 def compatible(a: Op, b: Op) -> bool:
     """Can ``a`` and ``b`` be the two sides of one collective?"""
-    if a.op != b.op:
+    op = SAME_OP.get(a.op, a.op)
+    if op != SAME_OP.get(b.op, b.op):
         return False
     if a.dtype and b.dtype and a.dtype != b.dtype:
         return False
-    if a.op in SAME_SIZE and a.numel is not None and b.numel is not None:
+    if op in SAME_SIZE and a.numel is not None and b.numel is not None:
         return a.numel == b.numel
     return True
 
