@@ -97,11 +97,13 @@ _PUBLIC = frozenset(
 )  # fmt: skip
 
 #: public functions that only forward to another public one (torch 2.13 deprecates the
-#: ``*_into_tensor`` / ``*_tensor`` names for ``*_single``): the name the user wrote is the
-#: outer one
+#: ``*_into_tensor`` / ``*_tensor`` names for ``*_single``; a blocking ``send`` is an
+#: ``isend`` waited on): the name the user wrote is the outer one
 _FORWARDS: dict[str, tuple[str, ...]] = {
     "all_gather_single": ("all_gather_into_tensor", "_all_gather_base"),
     "reduce_scatter_single": ("reduce_scatter_tensor", "_reduce_scatter_base"),
+    "isend": ("send",),
+    "irecv": ("recv",),
 }
 
 #: Work methods through which a caller learns that the operation finished, or hands its
