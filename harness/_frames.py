@@ -61,15 +61,22 @@ def standard_library(path: str) -> bool:
 def user_site(frame: FrameType | None, skip: tuple[str, ...] = ()) -> tuple[str, str]:
     """Walk ``frame`` outwards: (the innermost frame of model code, else of the harness's
     library), each as ``"model.py:42"`` (``""`` where none). Frames whose file starts with
-    one of ``skip`` (torch's directory) are passed over, and so are plumbing frames met
-    before any user code; the first plumbing frame after user code ends the walk."""
+    one of ``skip`` (torch's directory) are passed over, and so are the standard library's
+    and plumbing frames met before any user code; the first plumbing frame after user code
+    ends the walk, and so does the standard library after plumbing alone (an operation the
+    harness issued itself, on a rank that multiprocessing started)."""
     library = ""
     entered = False  # a frame of user code (model or library) was passed
+    inside = False  # a plumbing frame was passed
     while frame is not None:
         path = frame.f_code.co_filename
-        if path.startswith(skip) or standard_library(path):
+        if path.startswith(skip):
             pass
+        elif standard_library(path):
+            if inside and not entered:
+                break  # past the harness's own operation: a rank's start, nobody's code
         elif plumbing(path):
+            inside = True
             if entered:
                 break  # where the harness started the user's code: none of it lies beyond
         else:

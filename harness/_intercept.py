@@ -327,7 +327,10 @@ class Tracker:
         first = None
         while frame is not None:
             path = frame.f_code.co_filename
-            if not path.startswith(_TORCH) and not standard_library(path):
+            if standard_library(path):
+                if first is not None:
+                    break  # past the harness's own code: where multiprocessing started it
+            elif not path.startswith(_TORCH):
                 if not plumbing(path):
                     return self._text(frame)
                 if first is None and path not in _OWN:

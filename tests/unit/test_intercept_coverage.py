@@ -213,6 +213,7 @@ def _rank_main(rank: int, store: str, out: str) -> None:
             "mutable": sorted({s.method for s in tracker.sites.values() if s.method in _BY_METHOD}),
             "sites": sorted({s.method for s in tracker.sites.values()}),
             "dtypes": sorted(tracker.dtypes),
+            "files": sorted({w.rsplit(":", 1)[0] for w in tracker.sites}),
         }
     tracker.end()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -260,6 +261,8 @@ def test_every_public_function_is_mutated_and_named_as_the_user_wrote_it(reached
     got = reached[fn]
     unknown = sorted(set(got["sites"]) - set(got["mutable"]))
     assert got["sites"] and not unknown, f"dist.{fn}: the mutants know no mutant of {unknown}"
+    # the call site is this file's line, never torch's deprecation wrapper or the harness's
+    assert got["files"] == [os.path.abspath(__file__)], got["files"]
     name = fn.split(" ")[0]
     if name not in NO_FLOATS and name != "batch_isend_irecv":
         assert [SAME_OP.get(n, n) for n in got["names"]] == [SAME_OP.get(name, name)], got
