@@ -397,6 +397,55 @@ def compatible(a: Op, b: Op) -> bool:
     return True
 
 
+def skipped_by(rank: int, wait: Op, members: Sequence[RankView]) -> list[tuple[int, str]]:
+    """The members of ``wait``'s group whose counts show they skipped the collective that
+    ``rank`` was waiting in when it died (gloo aborts a rank whose peer sent it another
+    collective's data): each with the evidence, one line. A member that returned having
+    issued fewer collectives on the group never entered it; one that waited in (or died in)
+    the same collective by number as another operation, another size, or from another line
+    called something else there. ``members``: a waiting member's ``wait``; a member that
+    runs, with the collective it last waited on as ``wait`` (done); a finished one's counts.
+    Members with no evidence are left out."""
+    if wait.kind != Kind.COLLECTIVE:
+        return []
+    found = []
+    for v in members:
+        if v.rank == rank:
+            continue
+        theirs = v.wait
+        if v.status in FINISHED and v.counts is not None and theirs is None:
+            n = v.counts.collectives_on(wait.group)
+            if n < wait.index:
+                state = "returned" if v.status == Status.RETURNED else "died"
+                found.append(
+                    (
+                        v.rank,
+                        f"rank {v.rank} never entered it: it {state} after {n} "
+                        f"collective{'s' if n != 1 else ''} on group {wait.group}",
+                    )
+                )
+                continue
+            theirs = v.counts.issued.get((wait.group, wait.index))
+        if theirs is None or theirs.kind != Kind.COLLECTIVE or theirs.group != wait.group:
+            continue
+        if theirs.index != wait.index:
+            continue
+        other_line = bool(theirs.site and wait.site and theirs.site != wait.site)
+        if compatible(wait, theirs) and not other_line:
+            continue
+        where = f" at {theirs.site}" if theirs.site else ""
+        doing = "was in" if v.status == Status.WAITING else "did"
+        found.append(
+            (
+                v.rank,
+                f"rank {v.rank} {doing} that collective as {theirs.shape_text()}{where}: the "
+                f"ranks disagree on which collective #{wait.index} on group {wait.group} is "
+                f"(rank {v.rank} skipped one, or added one, before it)",
+            )
+        )
+    return found
+
+
 # ---------------------------------------------------------------------- after the run
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankDeadlock
+from harness import RankDeadlock, RankFailure
 
 #: the rank that skips: not rank 0, so a rooted collective's root is among the waiters
 SKIPPER = 1
@@ -104,3 +104,35 @@ def test_a_rank_that_skips_a_collective_is_a_deadlock_naming_it(spatial, skipped
     assert all(gone in p.summary for p in stuck), str(err)
     assert took < 150  # proven, not waited out (the timeout is 300 s)
     assert spatial.run(dist.get_rank) == [0, 1, 2, 3]  # the next run is clean
+
+
+def skip_then_transpose_back() -> None:
+    """A pencil layer's two transposes; rank 1 skips the first, so its second meets the
+    others' first with twice the data: gloo aborts the ranks that receive too much."""
+    import warnings
+
+    n = dist.get_world_size()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if dist.get_rank() != SKIPPER:
+            dist.all_to_all_single(torch.empty(2 * n), torch.ones(2 * n))  # the transpose
+        dist.all_to_all_single(torch.empty(4 * n), torch.ones(4 * n))  # the transpose back
+
+
+@pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
+def test_a_collective_that_gloo_aborts_names_the_rank_that_skipped_it(spatial):
+    with pytest.raises(RankFailure) as info:
+        spatial.run(skip_then_transpose_back, timeout=300)
+    err = info.value
+    crashed = [p for p in err.problems if p.kind == "crash"]
+    if not crashed:  # gloo happened not to abort: then the proof must name the skipper
+        assert isinstance(err, RankDeadlock), str(err)
+        assert "rank 1 " in str(err), str(err)
+        return
+    assert SKIPPER not in [p.rank for p in crashed]  # the victims died, not the culprit
+    victim = crashed[0].summary
+    assert "killed by SIGABRT; it died waiting in all_to_all_single #1 on group 0" in victim
+    assert f"rank {SKIPPER} " in victim and "in skip_then_transpose_back" in victim
+    assert f"(rank {SKIPPER} skipped one, or added one, before it)" in victim
+    assert spatial.run(dist.get_rank) == [0, 1, 2, 3]  # a fresh pool for the next run
