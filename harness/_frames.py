@@ -52,10 +52,14 @@ def harness_library(path: str) -> bool:
 
 
 def standard_library(path: str) -> bool:
-    """Is ``path`` Python's own library (not a package installed beside it)?"""
+    """Is ``path`` Python's own library (not a package installed beside it), or a wrapper
+    that stands between a caller and torch (``typing_extensions.deprecated``, which torch
+    2.13 puts around the functions it deprecates)?"""
     return (
-        path.startswith(_STDLIB) and "site-packages" not in path and "dist-packages" not in path
-    ) or path.startswith("<frozen ")
+        (path.startswith(_STDLIB) and "site-packages" not in path and "dist-packages" not in path)
+        or path.startswith("<frozen ")
+        or os.path.basename(path) == "typing_extensions.py"
+    )
 
 
 def user_site(frame: FrameType | None, skip: tuple[str, ...] = ()) -> tuple[str, str]:
