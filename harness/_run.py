@@ -467,10 +467,15 @@ def _skipped_here(run: Run, rank: int) -> str:
     wait = _slot_op(slot) if slot.run_id == run.run_id else None
     if wait is None or wait.kind != deadlock.Kind.COLLECTIVE:
         return ""
+    deadline = time.monotonic() + _REPORT_GRACE
+    for r in slot.members:  # a member between issuing and waiting, or returning: let it say
+        while r not in run.returned_at and r not in run.dead and time.monotonic() < deadline:
+            theirs = run.ranks.board.read(r)
+            if theirs.run_id == run.run_id and theirs.kind and theirs.state != State.RETURNED:
+                break
+            run.poll([r], 0.1)
     members = []
     for r in slot.members:
-        if r not in run.returned_at and run.ranks.board.read(r).state == State.RETURNED:
-            run.poll([r], _REPORT_GRACE)  # its report is on its way: read it
         report = run.reports.get(r)
         if r in run.returned_at and report is not None:
             members.append(RankView(r, Status.RETURNED, counts=report.counts))
