@@ -38,13 +38,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness._compat import group_name, group_sequence_numbers, sequence_number
+from harness._frames import plumbing, standard_library, user_site
 from harness._mutate import install_ddp, perform, record
 from harness.board import State, Writer, members_bits
 from harness.deadlock import ANY_SOURCE, Counts, Kind, Op
 from harness.mutants import Mutant, SiteStats
 
 #: ProcessGroup method -> (the torch.distributed name users know, kind, which argument holds
-#: the tensors whose size must match across ranks: an index into the positional arguments)
+#: the tensors whose size must match across ranks: an index into the positional arguments).
+#: Every method a public collective, point-to-point or object function of torch 2.4-2.14
+#: reaches (``tests/unit/test_intercept_coverage.py`` enumerates them on the installed torch
+#: and fails on one missing here); a name a release lacks is skipped at install. torch 2.13
+#: routes ``all_to_all_single``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
+#: through the ``*_single`` methods, earlier releases through ``alltoall_base``,
+#: ``_allgather_base`` and ``_reduce_scatter_base``.
 _METHODS: dict[str, tuple[str, Kind, int | None]] = {
     "allreduce": ("all_reduce", Kind.COLLECTIVE, 0),
     "allreduce_coalesced": ("all_reduce_coalesced", Kind.COLLECTIVE, 0),
@@ -52,49 +59,66 @@ _METHODS: dict[str, tuple[str, Kind, int | None]] = {
     "reduce": ("reduce", Kind.COLLECTIVE, 0),
     "allgather": ("all_gather", Kind.COLLECTIVE, 1),
     "_allgather_base": ("all_gather_into_tensor", Kind.COLLECTIVE, 1),
+    "all_gather_single": ("all_gather_into_tensor", Kind.COLLECTIVE, 1),
     "allgather_coalesced": ("all_gather_coalesced", Kind.COLLECTIVE, None),
     "allgather_into_tensor_coalesced": ("all_gather_into_tensor_coalesced", Kind.COLLECTIVE, None),
+    "all_gather_single_coalesced": ("all_gather_into_tensor_coalesced", Kind.COLLECTIVE, None),
     "gather": ("gather", Kind.COLLECTIVE, None),
     "scatter": ("scatter", Kind.COLLECTIVE, None),
     "reduce_scatter": ("reduce_scatter", Kind.COLLECTIVE, 0),
     "_reduce_scatter_base": ("reduce_scatter_tensor", Kind.COLLECTIVE, 0),
+    "reduce_scatter_single": ("reduce_scatter_tensor", Kind.COLLECTIVE, 0),
     "reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor_coalesced", Kind.COLLECTIVE, None),
-    "alltoall_base": ("all_to_all_single", Kind.COLLECTIVE, None),
+    "reduce_scatter_single_coalesced": ("reduce_scatter_tensor_coalesced", Kind.COLLECTIVE, None),
+    "alltoall_base": ("all_to_all_single", Kind.COLLECTIVE, 1),
+    "all_to_all_single": ("all_to_all_single", Kind.COLLECTIVE, 1),
     "alltoall": ("all_to_all", Kind.COLLECTIVE, None),
     "barrier": ("barrier", Kind.COLLECTIVE, None),
+    "monitored_barrier": ("monitored_barrier", Kind.COLLECTIVE, None),
     "send": ("send", Kind.SEND, 0),
     "recv": ("recv", Kind.RECV, 0),
     "recv_anysource": ("recv", Kind.RECV, 0),
 }
 
+#: methods that do their whole operation inside the call and return no work to wait on
+#: (gloo's ``monitored_barrier``): the call itself is the wait the board shows
+_BLOCKING = frozenset({"monitored_barrier"})
+
 #: torch.distributed functions whose name says better than the method's what the user called
 _PUBLIC = frozenset(
     {
         "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather",
-        "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter",
-        "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single", "all_to_all",
-        "barrier", "send", "recv", "isend", "irecv", "broadcast_object_list",
-        "all_gather_object", "gather_object", "scatter_object_list", "send_object_list",
-        "recv_object_list",
+        "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced", "gather",
+        "scatter", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+        "all_to_all_single", "all_to_all", "barrier", "monitored_barrier", "send", "recv",
+        "isend", "irecv", "broadcast_object_list", "all_gather_object", "gather_object",
+        "scatter_object_list", "send_object_list", "recv_object_list",
     }
 )  # fmt: skip
+
+#: public functions that only forward to another public one (torch 2.13 deprecates the
+#: ``*_into_tensor`` / ``*_tensor`` names for ``*_single``; a blocking ``send`` is an
+#: ``isend`` waited on): the name the user wrote is the outer one
+_FORWARDS: dict[str, tuple[str, ...]] = {
+    "all_gather_single": ("all_gather_into_tensor", "_all_gather_base"),
+    "reduce_scatter_single": ("reduce_scatter_tensor", "_reduce_scatter_base"),
+    "isend": ("send",),
+    "irecv": ("recv",),
+}
 
 #: Work methods through which a caller learns that the operation finished, or hands its
 #: completion on (a future): after any of them the work is not "never waited on".
 _CLAIMS = ("get_future", "result", "synchronize", "get_future_result", "block_current_stream")
 
-#: Files whose frames are the harness's own plumbing, never "the user's call site".
-_PLUMBING = {
-    os.path.join(os.path.dirname(__file__), name)
-    for name in ("_intercept.py", "_compat.py", "_rank.py", "board.py")
-}
-#: the harness's package directory, and the file that runs a case (beyond it, no user code)
-_HARNESS = os.path.dirname(__file__) + os.sep
-_RUN_CASE = os.path.join(os.path.dirname(__file__), "equivalence.py")
 #: distributed_c10d.py, whose functions call ProcessGroup's methods (set at install)
 _C10D = "\0"
 #: torch's package directory (set at install): its frames are never the user's call site
 _TORCH = "\0"
+#: the watchers' own files: never a call site, not even of the harness's own operations
+_OWN = frozenset(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    for name in ("_intercept.py", "_mutate.py", "_compat.py")
+)
 
 
 @dataclass
@@ -221,11 +245,12 @@ class Tracker:
         kwargs: dict[str, Any],
         work: Any,
         name: str = "",
-    ) -> None:
+    ) -> Op | None:
         try:
-            self._note(pg, method, args, kwargs, work, name)
+            return self._note(pg, method, args, kwargs, work, name)
         except Exception:  # noqa: BLE001 - never break the caller; distrust the counts
             self.reliable = False
+            return None
 
     def _note(
         self,
@@ -235,7 +260,7 @@ class Tracker:
         kwargs: dict[str, Any],
         work: Any,
         caller: str,
-    ) -> None:
+    ) -> Op:
         name, kind, sized = _METHODS[method]
         if caller in _PUBLIC:
             name = caller
@@ -250,6 +275,8 @@ class Tracker:
             record(self, site, method, name, members, args)
         if kind == Kind.COLLECTIVE:
             index = sequence_number(pg) - self.base.get(group, 0) - self.p2p[group]
+            if method in _BLOCKING:
+                index += 1  # noted before the call: torch has not counted it yet
             op = Op(kind, group, name, index, numel=numel, dtype=dtype, site=site)
             self.issued[(group, index)] = op
             self.seen[group] += 1
@@ -273,6 +300,13 @@ class Tracker:
                     k: i for k, i in self.live.items() if not (i.claimed and _completed(i.work))
                 }
             self.live[id(work)] = Issued(work, op)
+        return op
+
+    def blocking(self, pg: Any, op: Op, before: int) -> None:
+        """A blocking method returned: it counts as one collective on its group, however
+        many operations torch counted for it (gloo's ``monitored_barrier`` is a send and a
+        receive per rank, from C++: two on a member, 2 (n - 1) on the group's first)."""
+        self.p2p[op.group] += max(0, sequence_number(pg) - before - 1)
 
     def _group(self, pg: Any) -> tuple[str, tuple[int, ...]]:
         known = self.groups.get(id(pg))
@@ -285,20 +319,32 @@ class Tracker:
         return known
 
     def _site(self) -> str:
-        """``"/path/model.py:41 in halo"``: the innermost frame outside torch and the harness's
-        plumbing (cached per code object and line: a frame walk is the cost, ~2 µs)."""
+        """``"/path/model.py:41 in halo"``: the innermost frame outside torch, the standard
+        library and the harness's plumbing (``harness._frames``); for an operation the
+        harness itself issues, the innermost frame outside torch and this module. Cached per
+        code object and line: a frame walk is the cost, ~2 µs."""
         frame = sys._getframe(1)
+        first = None
         while frame is not None:
             path = frame.f_code.co_filename
-            if not path.startswith(_TORCH) and path not in _PLUMBING:
-                key = (frame.f_code, frame.f_lineno)
-                text = self._sites.get(key)
-                if text is None:
-                    text = f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
-                    self._sites[key] = text
-                return text
+            if standard_library(path):
+                if first is not None:
+                    break  # past the harness's own code: where multiprocessing started it
+            elif not path.startswith(_TORCH):
+                if not plumbing(path):
+                    return self._text(frame)
+                if first is None and path not in _OWN:
+                    first = frame
             frame = frame.f_back  # type: ignore[assignment]
-        return ""
+        return "" if first is None else self._text(first)
+
+    def _text(self, frame: Any) -> str:
+        key = (frame.f_code, frame.f_lineno)
+        text = self._sites.get(key)
+        if text is None:
+            text = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+            self._sites[key] = text
+        return text
 
     # ------------------------------------------------------------------ waiting
 
@@ -307,8 +353,12 @@ class Tracker:
         if issued is None:
             return None
         issued.claimed = True
+        self.enter(issued.op, bounded)
+        return issued
+
+    def enter(self, op: Op, bounded: bool) -> None:
+        """The main thread begins to wait on ``op``: say so on the board."""
         if self.board is not None:
-            op = issued.op
             self.board.enter(
                 time.monotonic(),
                 kind=int(op.kind),
@@ -323,7 +373,6 @@ class Tracker:
                 dtype=op.dtype,
                 site=op.site,
             )
-        return issued
 
     def waited(self, issued: Issued, ok: bool) -> None:
         """Its wait is over: a wait that returned completed the work, whatever the work's
@@ -351,23 +400,12 @@ _FLOATING = ("float", "complex", "bfloat")
 
 
 def _user_site() -> str:
-    """``"model.py:42"``: the innermost frame outside torch and the harness (so a model's
-    own line, not ``collectives.py`` under it), else outside torch and the plumbing; never
-    beyond the harness's run of the case (``equivalence.py``). Walked only when a dtype is
-    first seen in a run."""
-    frame: Any = sys._getframe(1)
-    first = ""
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if path == _RUN_CASE:
-            break
-        if not path.startswith(_TORCH) and path not in _PLUMBING:
-            here = f"{os.path.basename(path)}:{frame.f_lineno}"
-            if not path.startswith(_HARNESS):
-                return here
-            first = first or here
-        frame = frame.f_back
-    return first
+    """``"model.py:42"``: the innermost frame of model code (so a model's own line, not
+    ``collectives.py`` under it), else of the harness's library; never beyond where the
+    harness started the user's code (``harness._frames.user_site``). Walked only when a
+    dtype is first seen in a run."""
+    model, library = user_site(sys._getframe(1), skip=(_TORCH,))
+    return model or library
 
 
 def _completed(work: Any) -> bool:
@@ -438,25 +476,67 @@ def install() -> Tracker:
 
 
 def _operation(method: str, original: Any) -> Any:
+    if method in _BLOCKING:
+        return _blocking(method, original)
+
     def operation(pg: Any, *args: Any, **kwargs: Any) -> Any:
         mutant = TRACKER.mutant
         if mutant is not None and TRACKER.active and TRACKER._site() == mutant.site:
             work, used = perform(TRACKER, mutant, method, original, pg, args, kwargs)
             if used is not None:
-                caller = sys._getframe(1).f_code
-                name = caller.co_name if caller.co_filename == _C10D else ""
-                TRACKER.note(used, method, args, kwargs, work, name)
+                TRACKER.note(used, method, args, kwargs, work, _caller())
             return work
         work = original(pg, *args, **kwargs)
         if TRACKER.active:
-            # the torch.distributed function that called us names the operation as the user
-            # wrote it (isend rather than send, all_gather_into_tensor, ...)
-            caller = sys._getframe(1).f_code
-            name = caller.co_name if caller.co_filename == _C10D else ""
-            TRACKER.note(pg, method, args, kwargs, work, name)
+            TRACKER.note(pg, method, args, kwargs, work, _caller())
         return work
 
     return _like(operation, original)
+
+
+def _blocking(method: str, original: Any) -> Any:
+    """A method that waits inside the call (``monitored_barrier``): noted before it, on the
+    board while it runs, counted as one collective after. Its only mutant is ``skip``."""
+
+    def operation(pg: Any, *args: Any, **kwargs: Any) -> Any:
+        if not TRACKER.active:
+            return original(pg, *args, **kwargs)
+        mutant = TRACKER.mutant
+        if mutant is not None and mutant.kind == "skip" and TRACKER._site() == mutant.site:
+            return None
+        before = sequence_number(pg)
+        op = TRACKER.note(pg, method, args, kwargs, None, _caller())
+        if op is not None:
+            TRACKER.enter(op, bounded=False)
+        try:
+            return original(pg, *args, **kwargs)
+        finally:
+            if TRACKER.board is not None:
+                TRACKER.board.leave(time.monotonic(), State.RUNNING)
+            if op is not None:
+                TRACKER.blocking(pg, op, before)
+
+    return _like(operation, original)
+
+
+def _caller() -> str:
+    """The torch.distributed function that called the watcher (two frames up), as the user
+    wrote it: ``isend`` rather than ``send``, ``all_gather_into_tensor`` rather than the
+    ``all_gather_single`` torch 2.13 forwards it to; ``""`` if not called from there."""
+    frame: Any = sys._getframe(2)
+    code = frame.f_code
+    if code.co_filename != _C10D:
+        return ""
+    name = str(code.co_name)
+    outer = _FORWARDS.get(name, ())
+    frame = frame.f_back if outer else None
+    for _ in range(4):  # through a deprecation wrapper or two
+        if frame is None:
+            break
+        if frame.f_code.co_filename == _C10D and frame.f_code.co_name in outer:
+            return outer[0]  # the public name, also for the private alias
+        frame = frame.f_back
+    return name
 
 
 def _wait(original: Any) -> Any:

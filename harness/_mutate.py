@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harness.mutants import Mutant, SiteStats
+from harness.mutants import REDUCING, Mutant, SiteStats
 
 if TYPE_CHECKING:
     from harness._intercept import Tracker
@@ -75,6 +75,8 @@ def perform(
         args[1].reduceOp = dist.ReduceOp.MAX
     if kind == "wrong-source":
         args[1].rootRank = (args[1].rootRank + 1) % pg.size()
+    if kind == "swap-splits" and method in _TRANSPOSES and len(args) > 3:
+        args = (*args[:2], args[3], args[2], *args[4:])
     work = original(pg, *args, **kwargs)
     after = _AFTER.get(kind)
     if after is not None:
@@ -131,7 +133,7 @@ def _rotate(c: _Call) -> Callable[[], None]:
             return
         # one tensor of every rank's pieces along dim 0 (all_gather_into_tensor, all_to_all
         # with split sizes): the pieces in rotated order
-        if method == "alltoall_base" and len(args) > 2 and args[2]:
+        if method in _TRANSPOSES and len(args) > 2 and args[2]:
             sizes = list(args[2])
         else:
             n = c.pg.size()
@@ -163,6 +165,30 @@ def _stale(c: _Call) -> Callable[[], None]:
 
     return stale
 
+
+#: the ProcessGroup methods of ``all_to_all_single``: (output, input, output split sizes,
+#: input split sizes, options), torch 2.4-2.12 and 2.13+
+_TRANSPOSES = ("alltoall_base", "all_to_all_single")
+
+#: ProcessGroup methods whose data sent is not their first argument (an output comes first)
+_INPUT_AT = {
+    "allgather": 1,
+    "_allgather_base": 1,
+    "all_gather_single": 1,
+    "allgather_coalesced": 1,
+    "allgather_into_tensor_coalesced": 1,
+    "all_gather_single_coalesced": 1,
+    "alltoall": 1,
+    "alltoall_base": 1,
+    "all_to_all_single": 1,
+    "reduce_scatter": 1,
+    "_reduce_scatter_base": 1,
+    "reduce_scatter_single": 1,
+    "reduce_scatter_tensor_coalesced": 1,
+    "reduce_scatter_single_coalesced": 1,
+    "gather": 1,
+    "scatter": 1,
+}
 
 _AFTER: dict[str, Callable[[_Call], Callable[[], None]]] = {
     "avg": _avg,
@@ -197,8 +223,9 @@ def record(
     stats = tracker.sites.get(site)
     if stats is None:
         reduce = ""
-        if method in ("allreduce", "reduce", "reduce_scatter", "_reduce_scatter_base"):
-            op = getattr(args[1], "reduceOp", args[1]) if len(args) > 1 else dist.ReduceOp.SUM
+        if method in REDUCING:
+            opts = next((a for a in args if hasattr(a, "reduceOp")), None)
+            op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
             reduce = next(
                 (n.lower() for n in ("SUM", "MAX", "MIN", "PRODUCT", "AVG")
                  if op == getattr(dist.ReduceOp, n)), "other",
@@ -213,8 +240,11 @@ def record(
         tracker.sites[site] = stats
     stats.calls += 1
     stats.backward |= torch._C._current_graph_task_id() != -1
-    if args and method not in ("recv", "recv_anysource"):
-        sent = [t.detach() for t in _tensors(args[0])]
+    if method in _TRANSPOSES and len(args) > 3:
+        stats.uneven |= list(args[2] or ()) != list(args[3] or ())
+    at = _INPUT_AT.get(method, 0)
+    if len(args) > at and method not in ("recv", "recv_anysource"):
+        sent = [t.detach() for t in _tensors(args[at])]
         if len(stats.data) < 64:
             stats.data.append(sum(float(t.double().sum()) for t in sent))
         stats.nonzero |= any(bool(t.any()) for t in sent if t.numel())

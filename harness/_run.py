@@ -374,7 +374,8 @@ class Run:
             raise DiedIdle(rank)
         self.pending.discard(rank)
         self.crashed = True
-        self.fail(rank, "crash", _describe_exit(proc.exitcode), self.ranks.crash_log(rank))
+        summary = _describe_exit(proc.exitcode) + _skipped_here(self, rank)
+        self.fail(rank, "crash", summary, self.ranks.crash_log(rank))
 
     def collect(self) -> list[Any]:
         """Wait for every rank's answer, then prove the groups clean; the results or raise."""
@@ -486,6 +487,59 @@ class Run:
     def failure(self, headline: str | None = None) -> Exception:
         self.attach_outputs()
         return failure_from(self.problems, self.n, self.timeout, headline=headline)
+
+
+#: how long a crash report waits for the report of a rank the board shows returned
+_REPORT_GRACE = 2.0
+
+
+def _skipped_here(run: Run, rank: int) -> str:
+    """``"; it died in all_to_all_single #1 on group 0 ...; rank 1 ..."``: when ``rank`` died
+    waiting in a collective (gloo aborts a rank sent another collective's data), the members
+    whose counts on the board show they skipped it; ``""`` when none do."""
+    slot = run.ranks.board.read(rank)
+    wait = _slot_op(slot) if slot.run_id == run.run_id else None
+    if wait is None or wait.kind != deadlock.Kind.COLLECTIVE:
+        return ""
+    deadline = time.monotonic() + _REPORT_GRACE
+    for r in slot.members:  # a member between issuing and waiting, or returning: let it say
+        while r not in run.returned_at and r not in run.dead and time.monotonic() < deadline:
+            theirs = run.ranks.board.read(r)
+            if theirs.run_id == run.run_id and theirs.kind and theirs.state != State.RETURNED:
+                break
+            run.poll([r], 0.1)
+    members = []
+    for r in slot.members:
+        report = run.reports.get(r)
+        if r in run.returned_at and report is not None:
+            members.append(RankView(r, Status.RETURNED, counts=report.counts))
+        else:
+            theirs = run.ranks.board.read(r)
+            op = _slot_op(theirs) if theirs.run_id == run.run_id else None
+            status = Status.WAITING if theirs.waiting else Status.RUNNING  # RUNNING: did it
+            members.append(RankView(r, status, wait=op))
+    found = deadlock.skipped_by(rank, wait, members)
+    if not found:
+        return ""
+    return f"; it died waiting in {wait.describe()}; " + "; ".join(text for _, text in found)
+
+
+def _slot_op(slot: Slot) -> Op | None:
+    """The operation a rank's slot says its main thread waits on (or died waiting on), or
+    last waited on this run (a wait that ended)."""
+    if not slot.kind:
+        return None
+    return Op(
+        deadlock.Kind(slot.kind),
+        slot.group,
+        slot.op,
+        slot.index,
+        slot.peer,
+        slot.tag,
+        slot.numel,
+        slot.dtype,
+        slot.site,
+    )
 
 
 def name_the_stuck(run: Run, verdict: Verdict | None) -> NoReturn:

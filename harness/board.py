@@ -76,7 +76,7 @@ class Slot:
     step: int | None = None
     started: float = 0.0  # when the rank began the run
     since: float = 0.0  # when the state last changed (the current wait began)
-    kind: int = 0  # 0 none, else a harness.deadlock.Kind
+    kind: int = 0  # 0 none, else a harness.deadlock.Kind (of the last wait, once it ended)
     index: int = 0  # the collective's number on its group this run, or the n-th send/recv
     peer: int | None = None  # global rank of a send's or receive's peer (deadlock.ANY_SOURCE)
     tag: int = 0
@@ -226,8 +226,10 @@ class Writer:
         self._flush()
 
     def leave(self, now: float, state: State = State.RUNNING) -> None:
-        """The wait is over (or the run: ``State.RETURNED``, ``State.IDLE``)."""
-        self._fields[1], self._fields[4], self._fields[5] = int(state), now, 0
+        """The wait is over (or the run: ``State.RETURNED``, ``State.IDLE``). The operation's
+        fields stay: the last operation this rank waited on this run, which a crash report
+        compares with the collective a dead peer was waiting in."""
+        self._fields[1], self._fields[4] = int(state), now
         self._flush()
 
     def _flush(self) -> None:

@@ -57,6 +57,13 @@ SAME_SIZE = frozenset(
     {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"}
 )
 
+#: public names of one collective (torch 2.13 adds ``*_single`` beside the names it
+#: deprecates): either side of a match may use either
+SAME_OP = {
+    "all_gather_single": "all_gather_into_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+}
+
 
 @dataclass(frozen=True)
 class Op:
@@ -380,13 +387,63 @@ def _collective_of(view: RankView, group: str, index: int) -> Op | None:
 
 def compatible(a: Op, b: Op) -> bool:
     """Can ``a`` and ``b`` be the two sides of one collective?"""
-    if a.op != b.op:
+    op = SAME_OP.get(a.op, a.op)
+    if op != SAME_OP.get(b.op, b.op):
         return False
     if a.dtype and b.dtype and a.dtype != b.dtype:
         return False
-    if a.op in SAME_SIZE and a.numel is not None and b.numel is not None:
+    if op in SAME_SIZE and a.numel is not None and b.numel is not None:
         return a.numel == b.numel
     return True
+
+
+def skipped_by(rank: int, wait: Op, members: Sequence[RankView]) -> list[tuple[int, str]]:
+    """The members of ``wait``'s group whose counts show they skipped the collective that
+    ``rank`` was waiting in when it died (gloo aborts a rank whose peer sent it another
+    collective's data): each with the evidence, one line. A member that returned having
+    issued fewer collectives on the group never entered it; one that waited in (or died in)
+    the same collective by number as another operation, another size, or from another line
+    called something else there. ``members``: a waiting member's ``wait``; a member that
+    runs, with the collective it last waited on as ``wait`` (done); a finished one's counts.
+    Members with no evidence are left out."""
+    if wait.kind != Kind.COLLECTIVE:
+        return []
+    found = []
+    for v in members:
+        if v.rank == rank:
+            continue
+        theirs = v.wait
+        if v.status in FINISHED and v.counts is not None and theirs is None:
+            n = v.counts.collectives_on(wait.group)
+            if n < wait.index:
+                state = "returned" if v.status == Status.RETURNED else "died"
+                found.append(
+                    (
+                        v.rank,
+                        f"rank {v.rank} never entered it: it {state} after {n} "
+                        f"collective{'s' if n != 1 else ''} on group {wait.group}",
+                    )
+                )
+                continue
+            theirs = v.counts.issued.get((wait.group, wait.index))
+        if theirs is None or theirs.kind != Kind.COLLECTIVE or theirs.group != wait.group:
+            continue
+        if theirs.index != wait.index:
+            continue
+        other_line = bool(theirs.site and wait.site and theirs.site != wait.site)
+        if compatible(wait, theirs) and not other_line:
+            continue
+        where = f" at {theirs.site}" if theirs.site else ""
+        doing = "was in" if v.status == Status.WAITING else "did"
+        found.append(
+            (
+                v.rank,
+                f"rank {v.rank} {doing} that collective as {theirs.shape_text()}{where}: the "
+                f"ranks disagree on which collective #{wait.index} on group {wait.group} is "
+                f"(rank {v.rank} skipped one, or added one, before it)",
+            )
+        )
+    return found
 
 
 # ---------------------------------------------------------------------- after the run

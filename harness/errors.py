@@ -161,20 +161,15 @@ class RankPending(RankFailure):
     is not clean, and the next run would inherit it."""
 
 
-#: The harness's own files whose frames are plumbing in a rank's traceback (the library code
-#: a user calls, collectives, steppers, adapters, is kept).
-_PLUMBING = ("_rank.py", "_run.py", "_intercept.py", "pool.py", "equivalence.py", "_compat.py")
-
-
 def user_traceback(exc: BaseException) -> str:
     """``exc``'s traceback without the harness's plumbing frames (the rank's main loop, the
-    run of a case, the watchers of torch.distributed): what the user's code did."""
-    import os
+    run of a case, the watchers of torch.distributed; ``harness._frames`` says which): what
+    the user's code did, with the library it called (collectives, steppers, adapters)."""
     import traceback
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    plumbing = {os.path.join(here, name) for name in _PLUMBING}
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename not in plumbing]
+    from harness._frames import plumbing
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not plumbing(f.filename)]
     lines = ["Traceback (most recent call last):\n"] if frames else []
     lines += traceback.format_list(frames)
     lines += traceback.format_exception_only(type(exc), exc)

@@ -5,12 +5,12 @@ of their model's tests. A first run of the tests records every call site their c
 on the ranks (``Site``: where, which operation, on which group, how often, whether in
 backward). Each site then yields the bugs that the fault catalogue has seen there
 (``mutants_for``): the collective skipped, SUM turned into AVG or MAX, the world instead of
-the group, the pieces of a gather rotated, a received halo zeroed or stale, a broadcast from
-the wrong source, a backward's all-reduce done twice (or skipped: the identity backward),
-DDP's gradient all-reduce dropped, the RNG seeded per rank before ``build`` or ``batch``,
-buffers broadcast in place. The tests rerun once per mutant, with the mutant injected on
-every rank at that site only; a mutant that makes a test fail is killed (a hang counts, as
-the deadlock detection ends it).
+the group, the pieces of a gather or a transpose rotated, a transpose's split sizes swapped,
+a received halo zeroed or stale, a broadcast from the wrong source, a backward's all-reduce
+done twice (or skipped: the identity backward), DDP's gradient all-reduce dropped, the RNG
+seeded per rank before ``build`` or ``batch``, buffers broadcast in place. The tests rerun
+once per mutant, with the mutant injected on every rank at that site only; a mutant that
+makes a test fail is killed (a hang counts, as the deadlock detection ends it).
 
 Pure data and rules here: the injection itself is ``harness._mutate`` (rank side), the
 orchestration the plugin's and ``harness-check``'s.
@@ -31,6 +31,8 @@ KINDS: dict[str, str] = {
     "world": "run over the whole world instead of its group",
     "double": "an extra all-reduce of the result (a summed backward summed twice)",
     "rotate": "each rank's piece lands in its neighbour's place",
+    "swap-splits": "an all_to_all's input and output split sizes exchanged (each piece cut "
+    "at the boundaries meant for the other direction of the transpose)",
     "wrong-source": "broadcast from the next rank instead of the root",
     "zero": "the received tensor is zeros",
     "stale": "the received tensor holds the previous call's data",
@@ -48,13 +50,22 @@ _BY_METHOD: dict[str, tuple[str, ...]] = {
     "reduce": ("skip",),
     "allgather": ("skip", "rotate"),
     "_allgather_base": ("skip", "rotate"),
+    "all_gather_single": ("skip", "rotate"),
+    "allgather_coalesced": ("skip",),
+    "allgather_into_tensor_coalesced": ("skip",),
+    "all_gather_single_coalesced": ("skip",),
     "alltoall": ("skip", "rotate"),
-    "alltoall_base": ("skip", "rotate"),
-    "reduce_scatter": ("skip",),
-    "_reduce_scatter_base": ("skip",),
+    "alltoall_base": ("skip", "rotate", "swap-splits"),
+    "all_to_all_single": ("skip", "rotate", "swap-splits"),
+    "reduce_scatter": ("skip", "avg"),
+    "_reduce_scatter_base": ("skip", "avg"),
+    "reduce_scatter_single": ("skip", "avg"),
+    "reduce_scatter_tensor_coalesced": ("skip",),
+    "reduce_scatter_single_coalesced": ("skip",),
     "gather": ("skip",),
     "scatter": ("skip",),
     "barrier": ("skip",),
+    "monitored_barrier": ("skip",),
     "send": ("skip",),
     "recv": ("zero", "stale"),
     "recv_anysource": ("zero", "stale"),
@@ -62,6 +73,11 @@ _BY_METHOD: dict[str, tuple[str, ...]] = {
     "case-build": ("rng-per-rank", "buffers-broadcast"),
     "case-batch": ("rng-per-rank",),
 }
+
+#: ProcessGroup methods whose reduction may be turned from SUM into another (``avg``, ``max``)
+REDUCING = frozenset(
+    {"allreduce", "reduce", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single"}
+)
 
 
 @dataclass
@@ -78,6 +94,7 @@ class SiteStats:
     data: list[float] = field(default_factory=list)  # a checksum of each call's input
     nonzero: bool = False  # some call's input held a value other than zero
     buffers: bool = False  # case-build: the model has buffers
+    uneven: bool = False  # an all_to_all whose input and output split sizes differed
 
     def merge(self, other: SiteStats) -> None:
         self.calls = max(self.calls, other.calls)
@@ -85,6 +102,7 @@ class SiteStats:
         self.nonzero |= other.nonzero
         self.backward |= other.backward
         self.buffers |= other.buffers
+        self.uneven |= other.uneven
 
 
 @dataclass(frozen=True)
@@ -102,6 +120,7 @@ class Site:
     same_data: bool  # every call passed the same input on every rank that reached it
     buffers: bool = False
     zeros: bool = False  # every call's input was all zeros on every rank
+    uneven: bool = False  # an all_to_all whose input and output split sizes differed
 
     @property
     def location(self) -> str:
@@ -149,13 +168,16 @@ def merge_sites(per_rank: Iterable[Mapping[str, SiteStats]]) -> dict[str, Site]:
             same_data=_same(inputs[where]),
             buffers=s.buffers,
             zeros=not s.nonzero and s.method not in _NO_INPUT and any(inputs[where]),
+            uneven=s.uneven,
         )
         for where, s in merged.items()
     }
 
 
 #: methods whose first argument is not data sent (a receive's buffer, a case's method)
-_NO_INPUT = frozenset({"recv", "recv_anysource", "ddp", "case-build", "case-batch", "barrier"})
+_NO_INPUT = frozenset(
+    {"recv", "recv_anysource", "ddp", "case-build", "case-batch", "barrier", "monitored_barrier"}
+)
 
 
 def _same(data: Sequence[Sequence[float]]) -> bool:
@@ -167,11 +189,10 @@ def mutants_for(site: Site) -> list[Mutant]:
     """The mutants of one site (a reduction other than SUM gets no AVG/MAX; only a backward's
     all-reduce gets ``double``; ``buffers-broadcast`` only for models with buffers)."""
     kinds = list(_BY_METHOD.get(site.method, ("skip",)))
-    if site.method == "allreduce":
-        if site.reduce not in ("", "sum"):
-            kinds = [k for k in kinds if k not in ("avg", "max")]
-        if site.backward:
-            kinds.append("double")
+    if site.method in REDUCING and site.reduce not in ("", "sum"):
+        kinds = [k for k in kinds if k not in ("avg", "max")]
+    if site.method == "allreduce" and site.backward:
+        kinds.append("double")
     if site.method == "case-build" and not site.buffers:
         kinds.remove("buffers-broadcast")
     return [Mutant(site.site, k, site.op) for k in kinds]
@@ -195,6 +216,11 @@ def cannot_matter(mutant: Mutant, site: Site) -> str:
         )
     if mutant.kind in ("rotate", "max") and site.same_data and site.method not in _NO_INPUT:
         return "every rank passed the same data here: rotating or taking the max changes nothing"
+    if mutant.kind == "swap-splits" and not site.uneven:
+        return (
+            "the input and output split sizes were the same in every call (even pieces): "
+            "exchanging them changes nothing; test a layout that splits unevenly"
+        )
     if mutant.kind == "stale" and site.calls <= 1:
         return (
             "called once per run: the previous call's data is the untouched buffer (the same "

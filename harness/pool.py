@@ -41,6 +41,7 @@ from typing import Any, NoReturn, Protocol, runtime_checkable
 
 from harness._compat import stop_forkserver
 from harness._events import Ready, RunCall, Stop, receive, send
+from harness._frames import plumbing
 from harness._rank import _worker_main, report_progress
 from harness._run import DiedIdle, Run
 from harness.board import Board
@@ -613,13 +614,11 @@ def _clean_stack(text: str) -> str:
     frames, torch's, and the line the rank waits on."""
     blocks = text.strip().split("\n\n")
     keep = [b for b in blocks if "_watch_parent" not in b and "_serve_probes" not in b]
-    here = os.path.dirname(os.path.abspath(__file__))
-    plumbing = tuple(f'File "{os.path.join(here, name)}"' for name in ("_rank.py", "_intercept.py"))
     lines = [
         line
         for block in keep or blocks
         for line in [*block.splitlines(), ""]
-        if not any(p in line for p in plumbing)
+        if not plumbing(line.split('File "', 1)[-1].split('"', 1)[0])
         and f"multiprocessing{os.sep}" not in line
         and 'File "<string>"' not in line
     ]

@@ -47,12 +47,10 @@ def test_a_slot_reads_back_what_its_rank_wrote(tmp_path):
     )
     pen.leave(12.0, State.RETURNED)
     after = board.read(1)
-    assert (after.state, after.since, after.kind, after.phase) == (
-        State.RETURNED,
-        12.0,
-        0,
-        slot.phase,
-    )
+    assert (after.state, after.since, after.phase) == (State.RETURNED, 12.0, slot.phase)
+    assert not after.waiting
+    # the last operation waited on stays, for a crash report to compare with a dead peer's
+    assert (after.kind, after.op, after.index, after.site) == (1, "all_reduce", 3, slot.site)
     assert board.read(0) == Slot() and board.read(2) == Slot()  # other slots untouched
 
 

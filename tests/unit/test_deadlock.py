@@ -20,6 +20,7 @@ from harness.deadlock import (
     compatible,
     consistent,
     decide,
+    skipped_by,
     unmatched,
 )
 
@@ -526,3 +527,65 @@ def test_two_quantities_show_as_the_first_and_one_more():
 
     o = Outcome(Mutant("s", "skip"), "m.py:1", "t::a", "grad, loss")
     assert table_rows([o])[0][2] == "killed by t::a (grad +1)"
+
+
+# ---------------------------------------------------------------- a collective gloo aborted
+
+
+def _a2a(index: int, site: str, numel: int = 8) -> Op:
+    return Op(Kind.COLLECTIVE, "0", "all_to_all_single", index, numel=numel, site=site)
+
+
+DIED_IN = _a2a(1, "model.py:7 in layer")
+
+
+def test_a_rank_that_returned_before_the_collective_a_peer_died_in_skipped_it():
+    members = [
+        RankView(0, Status.DEAD, wait=DIED_IN),
+        RankView(1, Status.RETURNED, counts=Counts(collectives={"0": 0})),
+        RankView(
+            2, Status.RETURNED, counts=Counts(collectives={"0": 1}, issued={("0", 1): DIED_IN})
+        ),
+    ]
+    assert skipped_by(0, DIED_IN, members) == [
+        (1, "rank 1 never entered it: it returned after 0 collectives on group 0")
+    ]
+
+
+def test_a_rank_that_did_that_collective_from_another_line_is_named_with_its_line():
+    back = _a2a(1, "model.py:8 in layer", numel=16)  # the transpose back, as #1
+    members = [
+        RankView(0, Status.DEAD, wait=DIED_IN),
+        RankView(1, Status.RUNNING, wait=back),  # its wait ended: it did it
+        RankView(2, Status.WAITING, wait=DIED_IN),  # the same collective: innocent
+        RankView(3, Status.WAITING, wait=Op(Kind.COLLECTIVE, "0", "all_reduce", 1)),
+    ]
+    found = dict(skipped_by(0, DIED_IN, members))
+    assert sorted(found) == [1, 3]
+    assert found[1] == (
+        "rank 1 did that collective as all_to_all_single 16 elements at model.py:8 in layer: the "
+        "ranks disagree on which collective #1 on group 0 is (rank 1 skipped one, or added one, "
+        "before it)"
+    )
+    assert found[3].startswith("rank 3 was in that collective as all_reduce: the ranks")
+
+
+def test_members_at_another_number_or_without_evidence_are_not_named():
+    members = [
+        RankView(1, Status.WAITING, wait=_a2a(2, "model.py:8 in layer")),  # behind or ahead
+        RankView(2, Status.RUNNING),  # nothing known
+        RankView(3, Status.RETURNED),  # no counts
+        RankView(0, Status.WAITING, wait=Op(Kind.SEND, "0", "send", 1, peer=1)),
+    ]
+    assert skipped_by(0, DIED_IN, members) == []
+    assert skipped_by(0, Op(Kind.RECV, "0", "recv", 1, peer=1), members) == []
+
+
+def test_torch_2_13s_single_names_match_the_names_they_replace():
+    gather = Op(Kind.COLLECTIVE, "0", "all_gather_into_tensor", 1, numel=4, dtype="float32")
+    single = Op(Kind.COLLECTIVE, "0", "all_gather_single", 1, numel=4, dtype="float32")
+    assert compatible(gather, single) and compatible(single, gather)
+    assert not compatible(gather, Op(Kind.COLLECTIVE, "0", "all_gather_single", 1, numel=5))
+    scatter = Op(Kind.COLLECTIVE, "0", "reduce_scatter_single", 1, numel=2)
+    assert compatible(scatter, Op(Kind.COLLECTIVE, "0", "reduce_scatter_tensor", 1, numel=2))
+    assert not compatible(scatter, single)

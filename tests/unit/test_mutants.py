@@ -44,7 +44,13 @@ def site(method: str = "allreduce", **kw: object) -> Site:
         (site(reduce="max"), ["skip", "world"]),  # AVG/MAX of a MAX: not the bug to look for
         (site("broadcast", op="broadcast"), ["skip", "wrong-source"]),
         (site("_allgather_base", op="all_gather_into_tensor"), ["skip", "rotate"]),
-        (site("alltoall_base", op="all_to_all_single"), ["skip", "rotate"]),
+        (site("alltoall_base", op="all_to_all_single"), ["skip", "rotate", "swap-splits"]),
+        (site("all_to_all_single", op="all_to_all_single"), ["skip", "rotate", "swap-splits"]),
+        (site("alltoall", op="all_to_all"), ["skip", "rotate"]),
+        (site("all_gather_single", op="all_gather_into_tensor"), ["skip", "rotate"]),
+        (site("reduce_scatter_single", op="reduce_scatter_tensor"), ["skip", "avg"]),
+        (site("reduce_scatter_single", reduce="max"), ["skip"]),
+        (site("monitored_barrier", op="monitored_barrier"), ["skip"]),
         (site("send", op="isend"), ["skip"]),
         (site("recv", op="irecv"), ["zero", "stale"]),
         (site("ddp", op="DistributedDataParallel"), ["no-grad-allreduce"]),
@@ -58,7 +64,13 @@ def site(method: str = "allreduce", **kw: object) -> Site:
         "max-reduce",
         "broadcast",
         "gather",
+        "all_to_all_single-2.12",
+        "all_to_all_single-2.13",
         "all_to_all",
+        "all_gather_into_tensor-2.13",
+        "reduce_scatter_tensor-2.13",
+        "reduce_scatter-max",
+        "monitored_barrier",
         "send",
         "recv",
         "ddp",
@@ -104,6 +116,12 @@ ZEROS = (
             "called once per run: the previous call's data is the untouched buffer (the same "
             "mutant as zero, or as skip); run more steps",
         ),
+        (
+            "swap-splits",
+            site("all_to_all_single"),
+            "the input and output split sizes were the same in every call (even pieces): "
+            "exchanging them changes nothing; test a layout that splits unevenly",
+        ),
         *[
             (k, site(zeros=True), ZEROS)
             for k in ("skip", "avg", "max", "world", "rotate", "double")
@@ -115,6 +133,7 @@ ZEROS = (
         "rotate-same",
         "max-same",
         "stale-once",
+        "even-splits",
         "zeros-skip",
         "zeros-avg",
         "zeros-max",
@@ -139,6 +158,7 @@ def test_a_mutant_that_cannot_change_anything_here_says_why(kind, s, reason):
         ("no-grad-allreduce", site("ddp", group_size=1)),
         ("zero", site("recv", zeros=True)),  # a receive's own zeros say nothing
         ("max", site("recv", same_data=True)),
+        ("swap-splits", site("all_to_all_single", uneven=True)),
     ],
     ids=[
         "skip",
@@ -150,6 +170,7 @@ def test_a_mutant_that_cannot_change_anything_here_says_why(kind, s, reason):
         "ddp",
         "recv-zeros",
         "recv-same",
+        "uneven-splits",
     ],
 )
 def test_a_mutant_that_can_matter_is_run(kind, s):
@@ -200,6 +221,15 @@ def test_sites_are_merged_over_ranks_and_layouts():
     assert not merge_sites([{WHERE: recv}])[WHERE].zeros  # a receive sends nothing
 
 
+def test_uneven_splits_seen_on_any_rank_are_kept():
+    even = SiteStats("all_to_all_single", "all_to_all_single", 4, True, calls=1)
+    uneven = SiteStats("all_to_all_single", "all_to_all_single", 4, True, calls=1, uneven=True)
+    assert merge_sites([{WHERE: even}, {WHERE: uneven}])[WHERE].uneven
+    even.merge(uneven)
+    assert even.uneven
+    assert not merge_sites([{WHERE: SiteStats("a", "all_to_all_single", 4, True)}])[WHERE].uneven
+
+
 def test_same_data_needs_every_rank_to_agree():
     def stats(*data: float) -> SiteStats:
         return SiteStats("all_reduce", "allreduce", 4, True, "sum", calls=1, data=list(data))
@@ -248,3 +278,41 @@ def test_the_table_names_killers_and_survivors_and_ends_with_the_score():
 )
 def test_how_a_killing_test_failed_is_named(text, quantity):
     assert quantity_of(text) == quantity
+
+
+# ---------------------------------------------------------------- the xdist campaign
+
+
+class _Config:
+    """What ``MutantSession`` reads of pytest's config on the xdist controller."""
+
+    option = type("Option", (), {"numprocesses": 2})()
+
+
+class _Registry:
+    record_sites = False
+
+
+class _Worker:
+    def __init__(self, outcomes: list[Outcome]) -> None:
+        from harness.plugin_mutants import _OUTPUT, _plain
+
+        self.workeroutput = {_OUTPUT: {"not_run": "", "outcomes": [_plain(o) for o in outcomes]}}
+
+
+@pytest.mark.parametrize("order", ["survivor-first", "killer-first"])
+def test_a_mutant_killed_by_any_worker_is_killed_whichever_worker_reports_first(order):
+    from harness.plugin_mutants import MutantSession
+
+    mutant = Mutant(WHERE, "rotate", "all_to_all_single")
+    survived = Outcome(mutant, "model.py:41")
+    killed = Outcome(mutant, "model.py:41", "test_b.py::test_y", "field")
+    other = Outcome(Mutant(WHERE, "skip", "all_to_all_single"), "model.py:41")
+    reports = [[survived, other], [killed]]
+    if order == "killer-first":
+        reports.reverse()
+    session = MutantSession(_Config(), _Registry(), None)  # type: ignore[arg-type]
+    for outcomes in reports:
+        session.pytest_testnodedown(_Worker(outcomes), None)
+    assert sorted(session.outcomes, key=lambda o: o.mutant) == [killed, other]
+    assert score_line(session.outcomes) == "spatial mutation score: 1/2 killed"

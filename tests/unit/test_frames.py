@@ -1,0 +1,80 @@
+"""Which frames are the harness's plumbing: one definition, from the package's layout.
+
+The stacks here are real Python frames whose code carries the file names of a rank's stack
+(multiprocessing's start, the rank's loop, ``run_case``, a built-in stepper, the harness's
+collectives): compiled from small sources under those names, so the walk sees what it sees on
+a rank without starting one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import os
+import sys
+from types import FrameType
+from typing import Any
+
+import harness
+from harness import _frames, _intercept
+
+PACKAGE = os.path.dirname(os.path.abspath(harness.__file__))
+STEPPER = os.path.join(PACKAGE, "steppers", "mlp.py")
+CONTRIB = os.path.join(PACKAGE, "contrib", "fme.py")
+COLLECTIVES = os.path.join(PACKAGE, "collectives.py")
+RUN_CASE = os.path.join(PACKAGE, "case.py")
+RANK = os.path.join(PACKAGE, "_rank.py")
+START = os.path.abspath(multiprocessing.process.__file__)
+USER = "/home/someone/model.py"
+
+
+def _chain(files: list[str], innermost: Any) -> Any:
+    """A function that calls through one frame per file (outermost first) and then
+    ``innermost()``; each frame's line is 4 (the call, after two blank lines and the def)."""
+    call = innermost
+    for path in reversed(files):
+        scope: dict[str, Any] = {"inner": call}
+        exec(compile("\n\ndef f():\n    return inner()\n", path, "exec"), scope)
+        call = scope["f"]
+    return call
+
+
+def _stack(files: list[str]) -> FrameType:
+    frames: list[FrameType] = []
+    _chain(files, lambda: frames.append(sys._getframe(1)))()
+    return frames[0]
+
+
+def test_plumbing_is_the_harnesss_internals_but_not_its_models_or_library():
+    assert _frames.plumbing(RUN_CASE) and _frames.plumbing(RANK)
+    assert _frames.plumbing(os.path.join(PACKAGE, "_intercept.py"))
+    assert _frames.plumbing(os.path.join(PACKAGE, "a_module_added_later.py"))
+    assert not _frames.plumbing(STEPPER) and not _frames.plumbing(CONTRIB)
+    assert not _frames.plumbing(COLLECTIVES)
+    assert not _frames.plumbing(USER) and not _frames.plumbing(START)
+
+
+def test_the_user_site_of_a_built_in_stepper_is_its_line_not_multiprocessings():
+    # a rank: multiprocessing starts the rank's loop, which runs the case, whose stepper
+    # calls the harness's collectives
+    frame = _stack([START, RANK, RUN_CASE, STEPPER, COLLECTIVES])
+    assert _frames.user_site(frame) == ("mlp.py:4", "collectives.py:4")
+
+
+def test_the_walk_ends_where_the_harness_started_the_users_code():
+    # the library called straight from run_case: nothing of the user's lies beyond it
+    frame = _stack([START, RANK, RUN_CASE, COLLECTIVES])
+    assert _frames.user_site(frame) == ("", "collectives.py:4")
+    # an operation of the harness's own: no user site at all (never multiprocessing's)
+    assert _frames.user_site(_stack([START, RANK, RUN_CASE])) == ("", "")
+
+
+def test_the_dtype_watch_names_the_stepper_line_of_a_collective():
+    # as on a rank: the interceptor's watcher (a frame of _intercept.py) asks for the site
+    watcher = os.path.join(PACKAGE, "_intercept.py")
+    chain = _chain([START, RANK, RUN_CASE, STEPPER, COLLECTIVES, watcher], _intercept._user_site)
+    assert chain() == "mlp.py:4"
+
+
+def test_the_user_site_of_a_users_model_is_its_own_line():
+    frame = _stack([START, RANK, RUN_CASE, USER, COLLECTIVES])
+    assert _frames.user_site(frame) == ("model.py:4", "collectives.py:4")
