@@ -63,9 +63,9 @@ class Pointwise(torch.nn.Module):
     are used as their local values, their gradients declared ``grads`` (``[Replicate(),
     Partial()]``: each rank's is a part of the sum, which physicsnemo adds up)."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: int = OUT) -> None:
         super().__init__()
-        self.linear = torch.nn.Linear(IN, OUT)
+        self.linear = torch.nn.Linear(IN, out)
         self.grads: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,6 +75,68 @@ class Pointwise(torch.nn.Module):
             w, b = w.to_local(grad_placements=self.grads), b.to_local(grad_placements=self.grads)
             return torch.tanh(F.linear(local, w, b))
         return torch.tanh(self.linear(local))
+
+
+class ShardedWeights(SpatialCase):
+    """``Pointwise`` with ``N`` output features, its weight and bias ``ShardTensor``s
+    ``[Replicate(), Shard(0)]`` of uneven row blocks (``sizes``): every rank sees every
+    position and computes its features, the field a ``ShardTensor`` ``[Replicate(),
+    Shard(1)]``. A shard's gradient is its own: nothing is summed.
+
+    ``fault="misplaced"``: each rank takes the mirror rank's rows of the reference's
+    initial weight and declares them where the spec puts its own (its initial parameters,
+    and everything after, are off).
+    """
+
+    dtype = torch.float64
+
+    def __init__(self, fault: str | None = None) -> None:
+        self.fault = fault
+        self.name = "shardtensor-sharded-weights" + (f"-{fault}" if fault else "")
+
+    def features(self, topo: Topology) -> tuple[range, list[int]]:
+        """This rank's feature rows and every rank's count, as the ranks hold them."""
+        rank, n = topo.spatial_rank, sizes(topo.spatial_size)
+        if self.fault == "misplaced":
+            rank, n = topo.spatial_size - 1 - rank, n[::-1]
+        start = sum(sizes(topo.spatial_size)[:rank])
+        return range(start, start + sizes(topo.spatial_size)[rank]), n
+
+    def build(self, topo: Topology) -> torch.nn.Module:
+        model = Pointwise(N)  # the whole drawn on every rank: the reference's initial values
+        if topo.spatial_group is None:
+            return model
+        from physicsnemo.domain_parallel import ShardTensor
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh = device_mesh(topo)
+        rows, n = self.features(topo)
+        for key, p in list(model.linear.named_parameters()):
+            local = p.detach()[rows.start : rows.stop].clone()
+            shapes = {1: [(k, *p.shape[1:]) for k in n]}
+            value = ShardTensor.from_local(
+                local, mesh, [Replicate(), Shard(0)], sharding_shapes=shapes
+            )
+            model.linear.register_parameter(key, torch.nn.Parameter(value))
+        return model
+
+    def batch(self, topo: Topology, step: int) -> torch.Tensor:
+        return torch.randn(N, IN)
+
+    def forward(self, model: torch.nn.Module, batch: Any, topo: Topology) -> Outputs:
+        y = model(batch)
+        loss = reduce_loss(y.pow(2).sum(), topo)
+        if topo.spatial_group is None:
+            return Outputs(loss, {"y": y})
+        from physicsnemo.domain_parallel import ShardTensor
+        from torch.distributed.tensor import Replicate, Shard
+
+        shapes = {1: [(N, k) for k in self.features(topo)[1]]}
+        mesh = device_mesh(topo)
+        field = ShardTensor.from_local(
+            y.detach(), mesh, [Replicate(), Shard(1)], sharding_shapes=shapes
+        )
+        return Outputs(loss, {"y": field})
 
 
 class ShardTensorLinear(SpatialCase):
@@ -206,6 +268,31 @@ def test_a_shardtensor_field_block_at_the_wrong_offset_is_a_field_report(spatial
     assert (first.quantity, first.name, first.step) == ("field", "y", 0), str(report)
     # the loss and every gradient are sums over the positions, which order does not change
     assert report.quantities == {"field"}, str(report)
+    assert ("First divergence:" in str(report)) is locate, str(report)
+
+
+def test_uneven_shardtensor_weight_shards_are_equivalent(spatial):
+    ranks = spatial.ranks
+    report = check_equivalence(ShardedWeights(), ranks=ranks, pool=spatial.pool(ranks))
+    assert report.ok, str(report)
+    # float64: reordered sums only, ~1e-16 relative
+    assert max(report.stats[q].max_rel for q in ("loss", "grad", "field", "param")) < 1e-12
+
+
+@pytest.mark.parametrize("locate", [True, False], ids=["located", "not-located"])
+def test_a_weight_shard_at_the_wrong_offset_is_a_param_report_with_its_placements(spatial, locate):
+    ranks = spatial.ranks
+    report = check_equivalence(
+        ShardedWeights("misplaced"), ranks=ranks, pool=spatial.pool(ranks), locate=locate
+    )
+    print(report)
+    init = [m for m in report.mismatches if m.step is None]
+    assert {(m.quantity, m.name) for m in init} == {
+        ("param", "linear.weight"),
+        ("param", "linear.bias"),
+    }, str(report)
+    assert "ShardTensor (Replicate(), Shard(dim=0)) on a 1x" in init[0].where, init[0].where
+    assert not report.quantities & {"error", "crash"}, str(report)
     assert ("First divergence:" in str(report)) is locate, str(report)
 
 
