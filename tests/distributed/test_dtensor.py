@@ -169,12 +169,11 @@ class ShardLikeSpec:
         self._sharding_shapes = {m: tuple(map(tuple, s)) for m, s in sharding_shapes.items()}
 
     def offsets(self, mesh_dim: int | None = None) -> Any:
-        found = []
+        found = [0] * len(self.placements)
         for m, placement in enumerate(self.placements):
-            coordinate = self.mesh.get_coordinate()[m]
-            shards = self._sharding_shapes.get(m, ())
-            dim = placement.dim if placement.is_shard() else 0
-            found.append(sum(s[dim] for s in shards[:coordinate]) if placement.is_shard() else 0)
+            if placement.is_shard():
+                before = self._sharding_shapes[m][: self.mesh.get_coordinate()[m]]
+                found[m] = sum(s[placement.dim] for s in before)
         return found[mesh_dim] if mesh_dim is not None else tuple(found)
 
 
