@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 
 from harness import Outputs, Positions, Shard, SpatialCase, Topology, check_equivalence
 from harness.adopt import device_mesh
@@ -157,59 +158,145 @@ class Nudged(DTensorLinear):
 # ---------------------------------------------------------------------- a ShardTensor-like
 
 
-class ShardLike(torch.Tensor):
-    """physicsnemo's ``ShardTensor`` in miniature: this rank's block of a global tensor, with
-    ``to_local()`` (the block) and ``full_tensor()`` (every rank's block, gathered along
-    ``shard_dim``); ``shard_dim=None`` (also what operations on it give) is a replicated
-    value."""
+class ShardLikeSpec:
+    """physicsnemo's ``ShardTensorSpec``, the part a reader of placements sees: ``mesh``,
+    ``placements``, ``_sharding_shapes`` (every shard's shape, per sharded mesh dim, so
+    shards may be uneven and not ``torch.chunk``'s) and ``offsets(mesh_dim)``, computed as
+    physicsnemo 2.2 computes it (the shapes of the shards before this rank's, summed)."""
 
-    shard_dim: int | None = None
-    group: Any = None
+    def __init__(self, mesh: Any, placements: Any, sharding_shapes: dict[int, Any]) -> None:
+        self.mesh, self.placements = mesh, tuple(placements)
+        self._sharding_shapes = {m: tuple(map(tuple, s)) for m, s in sharding_shapes.items()}
+
+    def offsets(self, mesh_dim: int | None = None) -> Any:
+        found = [0] * len(self.placements)
+        for m, placement in enumerate(self.placements):
+            if placement.is_shard():
+                before = self._sharding_shapes[m][: self.mesh.get_coordinate()[m]]
+                found[m] = sum(s[placement.dim] for s in before)
+        return found[mesh_dim] if mesh_dim is not None else tuple(found)
+
+
+class ShardLike(torch.Tensor):
+    """physicsnemo's ``ShardTensor`` in miniature, its interface as physicsnemo 2.2 has it
+    (``tests/contrib/physicsnemo`` checks the real one): a wrapper whose ``.shape`` is the
+    global shape, no DTensor subclass, with ``device_mesh``, ``placements``, ``_spec``
+    (``ShardLikeSpec``), ``to_local()`` (this rank's block, of any size) and
+    ``full_tensor()``. Operations on it compute on the local block and give plain tensors
+    (the real one gives ShardTensors; the harness reads values, not operations)."""
+
+    _local_tensor: torch.Tensor
+    _spec: ShardLikeSpec
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, dim: int | None, group: Any) -> ShardLike:
-        out = torch.Tensor._make_subclass(cls, local.detach(), local.requires_grad)
-        out.shard_dim, out.group = dim, group
+    def __new__(
+        cls, local: torch.Tensor, mesh: Any, placements: Any, shapes: Any = None
+    ) -> ShardLike:
+        shapes = dict(shapes or {})
+        size = list(local.shape)
+        for m, placement in enumerate(placements):
+            if placement.is_shard():
+                size[placement.dim] = sum(s[placement.dim] for s in shapes[m])
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, size, dtype=local.dtype, device=local.device, requires_grad=local.requires_grad
+        )
+        out._local_tensor, out._spec = local, ShardLikeSpec(mesh, placements, shapes)
         return out
 
+    @property
+    def device_mesh(self) -> Any:
+        return self._spec.mesh
+
+    @property
+    def placements(self) -> Any:
+        return self._spec.placements
+
     def to_local(self) -> torch.Tensor:
-        return self.as_subclass(torch.Tensor)
+        return self._local_tensor
 
     def full_tensor(self) -> torch.Tensor:
-        local = self.to_local().detach()
-        if self.shard_dim is None:
-            return local
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts, dim=self.shard_dim)
+        local = self._local_tensor.detach()
+        for m, placement in enumerate(self.placements):
+            if not placement.is_shard():
+                continue
+            dim, shapes = placement.dim, self._spec._sharding_shapes[m]
+            widest = max(s[dim] for s in shapes)  # gloo gathers equal sizes: pad, then trim
+            pad = list(local.shape)
+            pad[dim] = widest - local.shape[dim]
+            padded = torch.cat([local, local.new_zeros(pad)], dim).contiguous()
+            parts = [torch.empty_like(padded) for _ in shapes]
+            dist.all_gather(parts, padded, group=self.device_mesh.get_group(m))
+            local = torch.cat([p.narrow(dim, 0, s[dim]) for p, s in zip(parts, shapes)], dim)
+        return local
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def unwrap(t: Any) -> Any:
+            return t._local_tensor if isinstance(t, ShardLike) else t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func is torch.ops.aten.detach.default:  # what nn.Parameter and .detach() make
+            return ShardLike(
+                out, args[0].device_mesh, args[0].placements, args[0]._spec._sharding_shapes
+            )
+        return out
+
+
+SPLIT = (6, 2)  # the ShardLike field's rows per rank: uneven, not torch.chunk's 4 + 4
 
 
 class ShardLikeLinear(DTensorLinear):
-    """The replicated layout with ``ShardLike`` parameters (``dim=None``) and its field a
-    bare ``ShardLike`` along the positions; gradients summed by ``sync_gradients``
-    (``fault="no-grad-sync"``: not summed)."""
+    """The replicated layout on rows split ``SPLIT``, with ``ShardLike`` parameters
+    (``[Replicate(), Replicate()]``) and its field a ``ShardLike`` ``[Replicate(),
+    Shard(0)]`` with every shard's shape; gradients summed by ``sync_gradients``
+    (``fault="no-grad-sync"``: not summed; ``fault="misplaced"``: each rank computes the
+    other's rows and declares them where the spec puts its own)."""
 
     def __init__(self, fault: str | None = None) -> None:
         super().__init__("replicate", fault)
         self.name = "shardlike" + (f"-{fault}" if fault else "")
 
+    def rows(self, topo: Topology) -> slice:
+        rank = topo.spatial_rank
+        if self.fault == "misplaced":
+            rank = RANKS - 1 - rank
+        return slice(sum(SPLIT[:rank]), sum(SPLIT[: rank + 1]))
+
     def build(self, topo: Topology) -> torch.nn.Module:
+        from torch.distributed.tensor import Replicate
+
         model = torch.nn.Linear(IN, OUT)
-        if topo.spatial_group is None:
+        mesh = device_mesh(topo)
+        if mesh is None:
             return model
         for key, p in list(model.named_parameters()):
-            like = ShardLike(p.detach().clone(), None, topo.spatial_group)
+            like = ShardLike(p.detach().clone(), mesh, [Replicate(), Replicate()])
             model.register_parameter(key, torch.nn.Parameter(like))
         if self.fault != "no-grad-sync":
             sync_gradients(model, topo)
         return model
 
+    def batch(self, topo: Topology, step: int) -> torch.Tensor:
+        x = torch.randn(N, IN)
+        return x if topo.spatial_group is None else x[self.rows(topo)]
+
     def forward(self, model: torch.nn.Module, batch: Any, topo: Topology) -> Outputs:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import Shard as DShard
+
         y = F.linear(batch, model.weight, model.bias)
         loss = reduce_loss(y.pow(2).sum(), topo) / (N * OUT)
         if topo.spatial_group is None:
             return Outputs(loss, {"y": y})
-        return Outputs(loss, {"y": ShardLike(y, 0, topo.spatial_group)})
+        split = SPLIT[::-1] if self.fault == "misplaced" else SPLIT  # the shapes as held
+        shapes = {1: [(n, OUT) for n in split]}
+        mesh = model.weight.device_mesh
+        return Outputs(loss, {"y": ShardLike(y.detach(), mesh, [Replicate(), DShard(0)], shapes)})
+
+    def partition(self, topo: Topology) -> Any:
+        split = SPLIT[::-1] if self.fault == "misplaced" else SPLIT
+        start = sum(split[: topo.spatial_rank])  # where the spec places the rank's rows
+        return Positions(N, range(start, start + split[topo.spatial_rank]))
 
 
 def test_a_correct_model_with_shardtensor_like_values_is_equivalent(spatial):
@@ -224,6 +311,17 @@ def test_shardtensor_like_gradients_left_unsummed_are_a_grad_report(spatial, loc
     )
     first = report.mismatches[0]
     assert (first.quantity, first.name, first.step) == ("grad", "weight", 0), str(report)
+
+
+@pytest.mark.parametrize("locate", [True, False], ids=["located", "not-located"])
+def test_a_shardtensor_like_block_at_the_wrong_offset_is_a_field_report(spatial, locate):
+    report = check_equivalence(
+        ShardLikeLinear("misplaced"), ranks=RANKS, pool=spatial.pool(RANKS), locate=locate
+    )
+    first = report.mismatches[0]
+    assert (first.quantity, first.name, first.step) == ("field", "y", 0), str(report)
+    # loss and gradients are sums over the rows, which their order does not change
+    assert report.quantities == {"field"}, str(report)
 
 
 # ---------------------------------------------------------------------- complex values, zeros
