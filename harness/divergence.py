@@ -573,6 +573,7 @@ def first_divergence(
     upstream: dict[tuple[str, int], float] = {}  # worst rel of a call's inputs / grad_outputs
     path: dict[str, None] = {}
     held: tuple[Event, _Verdict] | None = None  # a parameter's gradient that departed
+    activation_grads = 0  # activation gradients compared: the evidence that they matched
     for e in reference.events:
         if e.tensor is None or ((e.module, e.call) in skipped and e.kind not in _OUTSIDE):
             continue
@@ -591,6 +592,7 @@ def first_divergence(
                     cal.noise = max(cal.noise, v.noise / v.scale)
                     cal.error = max(cal.error, v.max_abs / v.scale)
         out.compared += 1
+        activation_grads += e.kind in ("grad_output", "grad_input")
         worst = max(verdicts, key=lambda v: v.multiple)
         if worst.multiple <= depart:
             out.worst_multiple = max(out.worst_multiple, worst.multiple)
@@ -606,7 +608,8 @@ def first_divergence(
     if out.first is None and held is not None:
         e, worst = held
         out.first = _divergence(e, worst, reference.step, calls, types, parents, upstream)
-        out.first = replace(out.first, cause="synchronisation", name=e.slot)
+        if activation_grads:  # they were compared, and matched: only the sync is left
+            out.first = replace(out.first, cause="synchronisation", name=e.slot)
     for label in list(out.not_compared):
         out.not_compared[label] = sorted(set(out.not_compared[label]))
     out.path_dtypes = tuple(d for d in path if d != "-")

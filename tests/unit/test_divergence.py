@@ -549,3 +549,16 @@ def test_a_value_whose_arithmetic_raises_is_listed_and_the_rest_is_still_located
     assert list(found.unreadable) == ["a"] and found.unreadable["a"][0].startswith(
         "output: RuntimeError: "
     )
+
+
+def test_a_parameter_gradient_is_not_blamed_on_its_sync_when_no_activation_gradient_was_compared():
+    # the backward hooks saw no activation gradient anywhere (a model computing on the
+    # local blocks of its own tensor type): nothing shows they matched, so the sync is
+    # not blamed; the gradient is its module's backward, as without backward hooks
+    def drop(events):
+        return [e for e in events if e.kind not in ("grad_output", "grad_input")]
+
+    d = first_divergence(*_traces(drop(model_events()), drop(model_events(g_w=t(4.5, 4.5)))))
+    assert (
+        d.first is not None and d.first.cause == "" and d.first.located == "backward of 'dec' (Lin)"
+    )
