@@ -64,6 +64,7 @@ _METHODS: dict[str, tuple[str, Kind, int | None]] = {
     "allgather_into_tensor_coalesced": ("all_gather_into_tensor_coalesced", Kind.COLLECTIVE, None),
     "all_gather_single_coalesced": ("all_gather_into_tensor_coalesced", Kind.COLLECTIVE, None),
     "gather": ("gather", Kind.COLLECTIVE, None),
+    "gather_single": ("gather_single", Kind.COLLECTIVE, None),  # torch 2.14
     "scatter": ("scatter", Kind.COLLECTIVE, None),
     "reduce_scatter": ("reduce_scatter", Kind.COLLECTIVE, 0),
     "_reduce_scatter_base": ("reduce_scatter_tensor", Kind.COLLECTIVE, 0),
@@ -89,6 +90,7 @@ _PUBLIC = frozenset(
     {
         "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather",
         "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced", "gather",
+        "gather_single", "gather_into_tensor",
         "scatter", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
         "all_to_all_single", "all_to_all", "barrier", "monitored_barrier", "send", "recv",
         "isend", "irecv", "broadcast_object_list", "all_gather_object", "gather_object",
@@ -102,6 +104,7 @@ _PUBLIC = frozenset(
 _FORWARDS: dict[str, tuple[str, ...]] = {
     "all_gather_single": ("all_gather_into_tensor", "_all_gather_base"),
     "reduce_scatter_single": ("reduce_scatter_tensor", "_reduce_scatter_base"),
+    "gather_single": ("gather_into_tensor",),  # torch 2.14
     "isend": ("send",),
     "irecv": ("recv",),
 }

@@ -187,6 +187,7 @@ _INPUT_AT = {
     "reduce_scatter_tensor_coalesced": 1,
     "reduce_scatter_single_coalesced": 1,
     "gather": 1,
+    "gather_single": 1,
     "scatter": 1,
 }
 

@@ -62,6 +62,7 @@ SAME_SIZE = frozenset(
 SAME_OP = {
     "all_gather_single": "all_gather_into_tensor",
     "reduce_scatter_single": "reduce_scatter_tensor",
+    "gather_single": "gather_into_tensor",  # torch 2.14
 }
 
 

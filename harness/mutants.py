@@ -63,6 +63,7 @@ _BY_METHOD: dict[str, tuple[str, ...]] = {
     "reduce_scatter_tensor_coalesced": ("skip",),
     "reduce_scatter_single_coalesced": ("skip",),
     "gather": ("skip",),
+    "gather_single": ("skip",),
     "scatter": ("skip",),
     "barrier": ("skip",),
     "monitored_barrier": ("skip",),
