@@ -177,17 +177,7 @@ class DeadlockWatch:
             return RankView(r, Status.RUNNING)  # not started yet
         answers = self.answers.get(r)
         if slot.state == State.WAITING and not slot.bounded and slot.kind:
-            op = Op(
-                deadlock.Kind(slot.kind),
-                slot.group,
-                slot.op,
-                slot.index,
-                slot.peer,
-                slot.tag,
-                slot.numel,
-                slot.dtype,
-                slot.site,
-            )
+            op = _slot_op(slot)
             latest = answers.latest[1] if answers and answers.latest else None
             counts = latest.counts if latest and latest.since == slot.since else None
             return RankView(r, Status.WAITING, op, slot.since - run.t0, counts)

@@ -39,7 +39,7 @@ from harness.divergence import (
     shard_placement,
 )
 from harness.errors import ConfigError, RankFailure
-from harness.records import detached
+from harness.records import detached, map_tensors
 from harness.topology import Topology
 
 if TYPE_CHECKING:
@@ -62,19 +62,6 @@ class _Tap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return ctx.sink(grad), None
-
-
-def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with ``fn`` applied to each tensor in its tuples, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_map(v, fn) for v in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_map(v, fn) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    return obj
 
 
 def _tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -234,7 +221,7 @@ class Recorder:
                 t = apply(_Tap, t, self._sink(module, call, slot))
             return t
 
-        return _map((args, kwargs), wrap)
+        return map_tensors((args, kwargs), wrap)
 
     def _sink(
         self, module: torch.nn.Module, call: int, slot: str

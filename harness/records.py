@@ -6,7 +6,9 @@ compares them. Everything here is plain CPU tensors, picklable across the pool's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, is_dataclass, replace
+from typing import Any
 
 import torch
 
@@ -138,3 +140,20 @@ class RunRecord:
 def detached(t: torch.Tensor) -> torch.Tensor:
     """A CPU copy that shares nothing with the model's tensors."""
     return t.detach().to("cpu").clone()
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to each tensor of its tuples (named or not), lists, dicts
+    and dataclasses; anything else as it is (a batch, a module's inputs)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if is_dataclass(obj) and not isinstance(obj, type):
+        names = [f for f in obj.__dataclass_fields__ if obj.__dataclass_fields__[f].init]
+        return replace(obj, **{n: map_tensors(getattr(obj, n), fn) for n in names})
+    return obj

@@ -23,14 +23,14 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, is_dataclass, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from harness.compare import Bound, Mismatch, Quantity
 from harness.errors import ConfigError
-from harness.records import FieldRecord, StepRecord
+from harness.records import FieldRecord, StepRecord, map_tensors
 from harness.topology import Topology
 
 if TYPE_CHECKING:
@@ -151,22 +151,6 @@ def _nudged(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return t * (1 + NUDGE_ULPS * torch.finfo(real).eps * sign)
 
 
-def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with ``fn`` applied to each tensor of its tuples, lists, dicts and dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_map(v, fn) for v in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_map(v, fn) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    if is_dataclass(obj) and not isinstance(obj, type):
-        names = [f for f in obj.__dataclass_fields__ if obj.__dataclass_fields__[f].init]
-        return replace(obj, **{n: _map(getattr(obj, n), fn) for n in names})
-    return obj
-
-
 class _Nudge:
     """One ensemble member: its inputs (the parameters as built, the batch) nudged once.
 
@@ -186,7 +170,7 @@ class _Nudge:
                     p.copy_(_nudged(p, self.generator))
 
     def batch(self, batch: Any) -> Any:
-        return _map(batch, lambda t: _nudged(t, self.generator))
+        return map_tensors(batch, lambda t: _nudged(t, self.generator))
 
     def detach(self) -> None:
         for h in self.handles:
