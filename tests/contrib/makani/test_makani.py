@@ -1,5 +1,6 @@
 """NVIDIA makani's spatially parallel SFNO (model parallel over h, spectral weights sharded
-by degree l) against its own single-process path.
+by degree l) against its own single-process path (checked on makani 0.2.0, commit 2dfc4c8,
+with torch 2.14.1 and torch-harmonics 0.9.3).
 
 makani cannot be a CI dependency: it is not on the package index, and it needs
 torch-harmonics >= 0.9 (``torch_harmonics.quadrature.precompute_latitudes``) where the
@@ -66,3 +67,29 @@ def test_a_bug_patched_into_makani_fails_with_a_report(spatial: Any, fault: str)
     assert not report.ok, f"{fault} not caught"
     # a verdict, not a crash: the first mismatch is of the quantities the bug must break
     assert report.mismatches[0].quantity in EXPECTED[fault], str(report)
+
+
+class DrawnOnRanks(MakaniCase):
+    """makani as it is built, without the reference's initial values."""
+
+    load_reference_init = False
+
+
+@needs_makani
+@pytest.mark.spatial(ranks=RANKS)
+def test_without_the_reference_init_makani_h2_cannot_start_where_the_reference_does(
+    spatial: Any,
+) -> None:
+    # why MakaniCase sets load_reference_init: each rank draws its spectral-weight shard at
+    # the shard's shape (fewer random numbers, and makani's l = 0 scale on every rank's own
+    # block), so that shard and every parameter drawn after it differ from the reference's
+    from harness import check_equivalence
+
+    report = check_equivalence(
+        DrawnOnRanks(), ranks=RANKS, spatial_size=2, pool=spatial.pool(RANKS)
+    )
+    assert not report.ok
+    first = report.mismatches[0]
+    assert (first.quantity, first.step) == ("param", None), str(report)  # at the initial value
+    # a replicated parameter drawn after the first shard is off too
+    assert first.name == "net.blocks.0.outer_skip.weight", str(report)
