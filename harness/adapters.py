@@ -138,7 +138,8 @@ class ModuleAdapter:
 builtin = ModuleAdapter("builtin", "harness.steppers.catalogue")
 fme = ModuleAdapter("fme", "harness.contrib.fme")
 anemoi = ModuleAdapter("anemoi", "harness.contrib.anemoi")
-_OWN = {a.name: a for a in (builtin, fme, anemoi)}
+makani = ModuleAdapter("makani", "harness.contrib.makani")
+_OWN = {a.name: a for a in (builtin, fme, anemoi, makani)}
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:

@@ -146,7 +146,7 @@ def test_the_harness_registers_its_own_adapters_under_the_group():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     registered = project["entry-points"][GROUP]
-    assert set(registered) == {"builtin", "fme", "anemoi"}
+    assert set(registered) == {"builtin", "fme", "anemoi", "makani"}
     for name, value in registered.items():
         module, _, attr = value.partition(":")
         adapter = getattr(__import__(module, fromlist=[attr]), attr)
