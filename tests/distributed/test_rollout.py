@@ -85,6 +85,8 @@ class RaisingRing(RingCase):
         return super().predict(model, batch, topo, steps)
 
 
+# rank 2 raises while the others exchange halos: in place that takes pytest with it
+@pytest.mark.spatial_pool
 def test_a_rank_that_raises_in_predict_is_an_error_naming_the_rank_and_phase(spatial):
     report = check_equivalence(RaisingRing(), ranks=4, pool=spatial.pool(4), rollout=3)
     assert "error" in report.quantities, report
