@@ -23,6 +23,7 @@ SHOWS_ON = {
 }
 
 
+@pytest.mark.spatial_pool  # the layouts of 1 to 4 ranks: under a launcher only its 4 run
 def test_a_correct_stencil_passes_every_layout_up_to_4_ranks(spatial):
     report = spatial.check_layouts(StencilCase(), max_ranks=4)
     assert len(report.passed) == 11, report
@@ -42,6 +43,7 @@ def test_a_bug_is_reported_at_the_smallest_layout_it_shows_on(spatial, fault):
     )
 
 
+@pytest.mark.spatial_pool  # pools of 1 and 2 ranks: a launcher of 4 runs its own 4
 def test_the_fixture_fails_with_the_smallest_failing_layout_located_first(spatial):
     with pytest.raises(pytest.fail.Exception) as failed:
         spatial.check_layouts(StencilCase("halo-2"), max_ranks=2)
@@ -73,6 +75,8 @@ def test_transposed(spatial):
 """
 
 
+# a child pytest with pools of its own; under srun it would take the step's tasks for its ranks
+@pytest.mark.spatial_pool
 def test_spatial_layouts_turns_every_check_into_a_sweep_that_names_the_smallest_layout(
     pytester, monkeypatch
 ):
