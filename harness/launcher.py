@@ -401,7 +401,8 @@ class LauncherRegistry:
     def get(self, world_size: int) -> LauncherRunner:
         if world_size != self.runner.world_size:
             raise WorldSizeMismatch(
-                f"needs {world_size} ranks; the launcher started {self.runner.world_size}"
+                f"needs {world_size} rank{'s' if world_size != 1 else ''}; the launcher started "
+                f"{self.runner.world_size}"
             )
         return self.runner
 

@@ -226,8 +226,12 @@ class LayoutsReport:
 
     def summary(self) -> str:
         n = len(self.results)
+        sizes = sorted({r.layout.world_size for r in self.results})
+        span = f"up to {self.max_ranks} ranks"
+        if sizes and sizes != list(range(1, self.max_ranks + 1)):  # a restricted sweep
+            span = f"of {'/'.join(map(str, sizes))} ranks only (up to {self.max_ranks} asked)"
         head = (
-            f"{self.case}: {n} layout(s) up to {self.max_ranks} ranks, "
+            f"{self.case}: {n} layout(s) {span}, "
             f"{len(self.passed)} passed, {len(self.failing)} failed, "
             f"{len(self.refused)} refused by the case ({self.seconds:.1f} s)"
         )

@@ -186,7 +186,12 @@ class SpatialFixture:
             )
         except ConfigError as exc:
             pytest.fail(f"check_layouts(max_ranks={top}): {exc}", pytrace=False)
-        if self.launcher:
+        if self.launcher:  # only the launcher's world size can run here: say so, never hide it
+            if self.ranks > top:
+                pytest.skip(
+                    f"check_layouts(max_ranks={top}): the launcher started {self.ranks} ranks, "
+                    f"more than any layout it may use; run it on the pool, or launch {top}"
+                )
             kwargs.setdefault("world_sizes", [self.ranks])
         used: list[Any] = []
 

@@ -282,3 +282,17 @@ def test_harness_check_refuses_a_layouts_sweep_of_no_ranks(value, capsys):
         main(["--layouts", value])
     assert exited.value.code == 2
     assert f"--layouts {value}: N must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_a_sweep_of_some_world_sizes_says_which_it_ran_not_up_to_max_ranks():
+    # under torchrun/srun only the launcher's world size runs: the header must not claim more
+    four = Layout(4, 4, 1, (2, 2))
+    restricted = sweep([LayoutResult(four, report_of(four))])
+    assert "1 layout(s) of 4 ranks only (up to 4 asked)" in restricted.summary()
+    whole = sweep(
+        [
+            LayoutResult(Layout(w, w, 1, (w, 1)), report_of(Layout(w, w, 1, (w, 1))))
+            for w in (1, 2, 3, 4)
+        ]
+    )
+    assert "4 layout(s) up to 4 ranks," in whole.summary()
