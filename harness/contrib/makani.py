@@ -45,6 +45,7 @@ from harness.adopt import adopt_distributed_manager, check_group, on_undo, patch
 from harness.case import Outputs, Shard, SpatialCase, data_share
 from harness.errors import ConfigError
 from harness.partition import LatLonPartition
+from harness.steppers.faults import check_faults
 from harness.topology import Topology
 
 __all__ = [
@@ -135,14 +136,9 @@ class MakaniCase(SpatialCase):
     def __init__(
         self, dtype: torch.dtype = torch.float32, faults: tuple[str, ...] = (), **config: Any
     ) -> None:
-        unknown = set(faults) - MAKANI_FAULTS.keys()
-        if unknown:
-            raise ConfigError(
-                f"unknown makani fault(s) {sorted(unknown)}; known: {sorted(MAKANI_FAULTS)}"
-            )
         self.config = MakaniConfig(**config)
         self.dtype = dtype
-        self.faults = tuple(faults)
+        self.faults = tuple(sorted(check_faults(faults, MAKANI_FAULTS, "makani")))
         self.name = "makani sfno" + (f" [{', '.join(self.faults)}]" if self.faults else "")
 
     # ------------------------------------------------------------------ build
