@@ -129,7 +129,9 @@ def judge_autocast(
         r = d_p / d_s if d_s > 0 else (0.0 if d_p == 0 else math.inf)
         if d_s > 0 and not math.isinf(r):
             largest = max(largest, r)
-        if d_p <= ratio * d_s + floor:
+        # a non-finite distance never passes: inf <= RATIO * inf would (a NaN in the
+        # high-precision run and in the partitioned one alike)
+        if math.isfinite(d_p) and d_p <= ratio * d_s + floor:
             continue
         key = (quantity, name, step)
         if key in worst and not (r > worst[key].max_rel):

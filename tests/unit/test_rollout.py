@@ -223,6 +223,22 @@ def test_where_autocast_changed_nothing_the_partitioned_run_must_match_at_high_p
     assert [m.quantity for m in found] == ["field"] and math.isinf(found[0].max_rel)
 
 
+def test_a_nan_in_the_high_precision_run_and_on_the_ranks_is_never_within_the_ratio():
+    from harness.compare import Tolerance
+
+    tol = Tolerance.for_dtype(torch.float64)
+    nan = float("nan")
+    # the serial run is infinitely far too: RATIO x inf must not let an inf distance pass
+    found, _ = judge_autocast(
+        run(1.0, nan, 1.0, 1.0),
+        run(1.0, 1.0, 1.0, 1.0),
+        [run(1.0, nan, 1.0, 1.0)],
+        tol,
+        spatial_size=1,
+    )
+    assert ("grad", "w", 0) in [(m.quantity, m.name, m.step) for m in found]
+
+
 def test_an_autocast_check_whose_parameters_never_moved_is_vacuous():
     assert guard(run(1.0, 1.0, 0.5, 1.0), "case") == []
     [m] = guard(run(1.0, 1.0, 0.0, 1.0), "case")  # the parameter is still its initial 0.0
