@@ -152,7 +152,10 @@ class SpatialFixture:
                 maps = write_error_maps(report, plots, self._node.nodeid)
                 text += "\n\nError maps:\n" + "\n".join(f"  {p}" for p in maps)
             if plots and report.rollout is not None and report.rollout.curve:
-                curve = write_rollout_curve(report, plots, self._node.nodeid)
+                curve = _drawn(
+                    "the rollout error curve",
+                    lambda: write_rollout_curve(report, plots, self._node.nodeid),
+                )
                 text += f"\n\nRollout error curve: {curve}"
             failures.append(text)
         if golden_failure:
@@ -218,7 +221,8 @@ class SpatialFixture:
             plots = self._node.config.getoption("spatial_plots")
             if plots:  # the map as a picture too
                 stem = golden_stem(self._node.nodeid).replace("/", ".")
-                path = report.plot(Path(plots) / f"{stem}.layouts.png")
+                out = Path(plots) / f"{stem}.layouts.png"
+                path = _drawn("the layout map", lambda: str(report.plot(out)))
                 text += f"\n\nLayout map: {path}"
             pytest.fail(text, pytrace=False)
         return report
@@ -479,6 +483,15 @@ def write_error_maps(report: EquivalenceReport, directory: str, nodeid: str) -> 
         else:
             paths += [path] if path else []
     return paths
+
+
+def _drawn(what: str, draw: Callable[[], str]) -> str:
+    """The path ``draw`` wrote, or a ``Not plotted:`` line: a picture is a diagnosis, and
+    never takes the failure it illustrates down."""
+    try:
+        return draw()
+    except Exception as exc:  # noqa: BLE001 - any failure: said, and the report stands
+        return f"Not plotted: {what} ({_summary(exc)})"
 
 
 def _summary(exc: BaseException) -> str:

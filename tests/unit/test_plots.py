@@ -208,3 +208,11 @@ def test_a_field_whose_map_cannot_be_drawn_is_a_not_plotted_line_and_the_others_
     paths = write_error_maps(report, str(tmp_path), "tests/x.py::test_maps")
     assert paths[0].startswith("Not plotted: field 'u', step 0 (ValueError: "), paths
     assert paths[1].endswith(".t.step0.png") and Path(paths[1]).exists(), paths
+
+
+def test_a_picture_that_cannot_be_drawn_is_a_not_plotted_line_not_an_exception():
+    from harness.plugin.fixtures import _drawn
+
+    assert _drawn("the layout map", lambda: "maps/x.png") == "maps/x.png"
+    said = _drawn("the rollout error curve", lambda: str(1 / 0))
+    assert said == "Not plotted: the rollout error curve (ZeroDivisionError: division by zero)"
