@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 from harness.compare import Bound, Tolerance
 from harness.equivalence import SpatialCase, check_equivalence
-from harness.errors import ConfigError, GoldenError
+from harness.errors import ConfigError, GoldenError, exception_summary
 from harness.goldens import (
     GoldenResult,
     GoldenStore,
@@ -479,7 +479,7 @@ def write_error_maps(report: EquivalenceReport, directory: str, nodeid: str) -> 
         try:
             path = _error_map(report, fe, out / f"{stem}.{fe.name}.step{fe.step}.png")
         except Exception as exc:  # noqa: BLE001 - any failure: said, and the report stands
-            paths.append(f"Not plotted: field {fe.name!r}, step {fe.step} ({_summary(exc)})")
+            paths.append(f"Not plotted: field {fe.name!r}, step {fe.step} ({exception_summary(exc)})")
         else:
             paths += [path] if path else []
     return paths
@@ -491,12 +491,7 @@ def _drawn(what: str, draw: Callable[[], str]) -> str:
     try:
         return draw()
     except Exception as exc:  # noqa: BLE001 - any failure: said, and the report stands
-        return f"Not plotted: {what} ({_summary(exc)})"
-
-
-def _summary(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+        return f"Not plotted: {what} ({exception_summary(exc)})"
 
 
 def _error_map(report: EquivalenceReport, fe: Any, path: Path) -> str | None:
