@@ -479,7 +479,9 @@ def write_error_maps(report: EquivalenceReport, directory: str, nodeid: str) -> 
         try:
             path = _error_map(report, fe, out / f"{stem}.{fe.name}.step{fe.step}.png")
         except Exception as exc:  # noqa: BLE001 - any failure: said, and the report stands
-            paths.append(f"Not plotted: field {fe.name!r}, step {fe.step} ({exception_summary(exc)})")
+            paths.append(
+                f"Not plotted: field {fe.name!r}, step {fe.step} ({exception_summary(exc)})"
+            )
         else:
             paths += [path] if path else []
     return paths
