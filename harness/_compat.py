@@ -8,11 +8,8 @@ of a library should break this module, and only this module, and degrade gracefu
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 # ---------------------------------------------------------------------- multiprocessing
@@ -133,121 +130,6 @@ def current_frame(thread_id: int) -> Any:
     purposes"): read from another thread while the main thread waits inside a collective.
     """
     return sys._current_frames().get(thread_id)
-
-
-#: torch.distributed functions that can leave an operation in flight after they return:
-#: those with ``async_op=`` and the point-to-point ones that always return a work.
-_ASYNC = (
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "gather",
-    "scatter",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "isend",
-    "irecv",
-    "batch_isend_irecv",
-)
-
-
-class WorkTracker:
-    """Remembers every operation a rank started asynchronously, to find those left pending.
-
-    Wraps the public ``torch.distributed`` functions of ``_ASYNC`` (module attributes, so
-    every caller that looks them up as ``dist.all_reduce`` is seen; code that bound the
-    function itself at import is not, and then only the sequence-number check of the fence
-    guards it). The wrapper costs one Python call and returns what the function returned.
-    """
-
-    def __init__(self) -> None:
-        self.works: list[tuple[Any, str]] = []
-        self._ids: set[int] = set()
-        self._installed: dict[str, Callable[..., Any]] = {}
-
-    def install(self) -> None:
-        import torch.distributed as dist
-
-        for name in _ASYNC:
-            fn = getattr(dist, name, None)
-            if fn is not None and name not in self._installed:
-                self._installed[name] = fn
-                setattr(dist, name, self._wrap(fn, name))
-
-    def uninstall(self) -> None:
-        import torch.distributed as dist
-
-        for name, fn in self._installed.items():
-            setattr(dist, name, fn)
-        self._installed.clear()
-
-    def clear(self) -> None:
-        self.works.clear()
-        self._ids.clear()
-
-    def _wrap(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def tracked(*args: Any, **kwargs: Any) -> Any:
-            result = fn(*args, **kwargs)
-            if result is not None:
-                works = result if isinstance(result, list) else [result]
-                for work in works:
-                    if hasattr(work, "is_completed") and id(work) not in self._ids:
-                        self._ids.add(id(work))
-                        self.works.append((work, _describe(name, args, kwargs)))
-            return result
-
-        return tracked
-
-    def pending(self, grace: float) -> list[str]:
-        """The operations still in flight after waiting up to ``grace`` seconds for them."""
-        deadline = time.monotonic() + grace
-        left = list(self.works)
-        while left:
-            left = [(w, what) for w, what in left if not _completed(w)]
-            if not left or time.monotonic() >= deadline:
-                break
-            time.sleep(0.005)
-        return [what for _, what in left]
-
-
-def _completed(work: Any) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:  # noqa: BLE001 - a failed work is not pending
-        return True
-
-
-def _describe(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """``"isend to rank 1 (tag 0) at model.py:12 in halo"``."""
-    text = name
-    if name in ("isend", "irecv"):
-        peer_key = "dst" if name == "isend" else "src"
-        peer = kwargs.get(peer_key, args[1] if len(args) > 1 else None)
-        tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
-        text += f" {'to' if name == 'isend' else 'from'} rank {peer} (tag {tag})"
-    elif name != "batch_isend_irecv":
-        text += "(async_op=True)"
-    return f"{text}, issued at {_call_site()}"
-
-
-def _call_site() -> str:
-    """The innermost caller outside torch and this module."""
-    frame = sys._getframe(2)
-    here = os.path.dirname(os.path.dirname(__file__))
-    while frame is not None:
-        path = frame.f_code.co_filename
-        in_torch = f"{os.sep}torch{os.sep}" in path
-        if not in_torch and path != __file__:
-            short = os.path.relpath(path, here) if path.startswith(here) else path
-            return f"{short}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return "(unknown)"
 
 
 # ---------------------------------------------------------------------- torch-harmonics
