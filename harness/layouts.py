@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from harness.case import SpatialCase, run_case
 from harness.compare import FAILURES
 from harness.errors import ConfigError
+from harness.records import RunRecord
 from harness.report import EquivalenceReport
 from harness.topology import Topology
 
@@ -338,9 +339,12 @@ def check_layouts(
     todo = layouts(max_ranks, dims, world_sizes)
     # the reference does not depend on the layout: run it once for every layout
     run = {k: kwargs[k] for k in ("steps", "lr", "seed") if k in kwargs}
-    reference = run_case(
-        case, Topology.single(), run.get("steps", 2), run.get("lr", 0.1), run.get("seed", 0)
-    )
+    try:
+        reference: RunRecord | None = run_case(
+            case, Topology.single(), run.get("steps", 2), run.get("lr", 0.1), run.get("seed", 0)
+        )
+    except Exception:  # noqa: BLE001 - each layout's check reports the reference's error
+        reference = None
     for layout in sorted(todo, key=lambda x: (x.world_size, x.order)):
         report = check_equivalence(
             case,
@@ -368,6 +372,7 @@ def check_layouts(
                 mesh=layout.mesh,
                 pool=pools(layout.world_size),
                 locate=locate,
+                reference=reference,
                 **kwargs,
             )
             if not located.ok:  # the same verdict, now with where it first departs

@@ -7,6 +7,7 @@ import itertools
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis.errors import InvalidArgument
 
@@ -296,3 +297,32 @@ def test_a_sweep_of_some_world_sizes_says_which_it_ran_not_up_to_max_ranks():
         ]
     )
     assert "4 layout(s) up to 4 ranks," in whole.summary()
+
+
+class _RaisingReference(SpatialCase):
+    """A case whose reference raises in build (its ranks would be fine)."""
+
+    name = "raising-reference"
+
+    def build(self, topo):
+        if topo.is_reference:
+            raise RuntimeError("the reference cannot build")
+        return torch.nn.Linear(2, 2)
+
+
+class _NoRanks:
+    """A runner that must never be asked to run: the reference failed first."""
+
+    def __init__(self, world_size):
+        self.world_size = world_size
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("the ranks ran although the reference raised")
+
+
+def test_a_reference_that_raises_is_each_layouts_error_not_an_exception():
+    report = check_layouts(_RaisingReference(), max_ranks=2, pools=_NoRanks, locate=False)
+    assert not report.ok and report.smallest_failing == Layout(1, 1, 1, (1,))
+    first = report.failing[0].report.mismatches[0]
+    assert (first.quantity, first.run) == ("error", "reference")
+    assert "RuntimeError: the reference cannot build" in first.where
