@@ -302,6 +302,21 @@ def _roll_out(
     except RankFailure as failure:
         report.mismatches += failure_mismatches(failure, run.case.label)
         report.likely = report.likely or culprit_hint(failure)
+    except ConfigError:
+        raise  # the case's declarations: one clear error, as everywhere
+    except Exception as exc:  # noqa: BLE001 - the reference's rollout raised: a verdict
+        report.mismatches.append(
+            Mismatch(
+                "error",
+                run.case.label,
+                None,
+                None,
+                where=exception_summary(exc),
+                detail="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                run="reference",
+                phase="rollout predict",
+            )
+        )
     else:
         report.mismatches += report.rollout.mismatches
 

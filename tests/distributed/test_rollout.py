@@ -85,6 +85,22 @@ class RaisingRing(RingCase):
         return super().predict(model, batch, topo, steps)
 
 
+class RaisingReferenceRing(RingCase):
+    """A ring whose predict raises in the reference only (module level: ranks import it)."""
+
+    def predict(self, model, batch, topo, steps):
+        if topo.is_reference:
+            raise RuntimeError("the serial forcing reader is broken")
+        return super().predict(model, batch, topo, steps)
+
+
+def test_a_reference_whose_rollout_raises_is_an_error_of_the_reference(spatial):
+    report = check_equivalence(RaisingReferenceRing(), ranks=4, pool=spatial.pool(4), rollout=3)
+    [error] = [m for m in report.mismatches if m.quantity == "error"]
+    assert (error.run, error.phase) == ("reference", "rollout predict"), report
+    assert "RuntimeError: the serial forcing reader is broken" in error.where
+
+
 # rank 2 raises while the others exchange halos: in place that takes pytest with it
 @pytest.mark.spatial_pool
 def test_a_rank_that_raises_in_predict_is_an_error_naming_the_rank_and_phase(spatial):
