@@ -239,7 +239,13 @@ def _train(
     if amp is not None:  # the ranks under autocast, judged against the serial run under it
         from harness.autocast import serial_run
 
-        judged, judge_tol, entry = serial_run(case, amp, run.steps, run.lr, run.seed)
+        try:
+            judged, judge_tol, entry = serial_run(case, amp, run.steps, run.lr, run.seed)
+        except Exception as exc:  # noqa: BLE001 - the serial run under autocast raised
+            phase = f"autocast {getattr(exc, 'harness_phase', None) or ''}".strip()
+            report.mismatches = [_reference_error(case.label, exc, phase, None)]
+            report.partition = _layout(case.describe(None), s, ranks // s)
+            return
     on_grid = {"mesh": run.mesh} if run.mesh else {}
     try:
         records = run.pool.run(
@@ -302,21 +308,8 @@ def _roll_out(
     except RankFailure as failure:
         report.mismatches += failure_mismatches(failure, run.case.label)
         report.likely = report.likely or culprit_hint(failure)
-    except ConfigError:
-        raise  # the case's declarations: one clear error, as everywhere
     except Exception as exc:  # noqa: BLE001 - the reference's rollout raised: a verdict
-        report.mismatches.append(
-            Mismatch(
-                "error",
-                run.case.label,
-                None,
-                None,
-                where=exception_summary(exc),
-                detail="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-                run="reference",
-                phase="rollout predict",
-            )
-        )
+        report.mismatches.append(_reference_error(run.case.label, exc, "rollout predict", None))
     else:
         report.mismatches += report.rollout.mismatches
 
@@ -365,20 +358,23 @@ def _reference_failed(
         tolerance=tolerance or case.tolerance or Tolerance.for_dtype(dtype),
         latitudes=None if case.latitudes is None else [float(v) for v in case.latitudes],
     )
-    report.mismatches = [
-        Mismatch(
-            "error",
-            case.label,
-            step,
-            None,
-            where=exception_summary(exc),
-            detail="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-            run="reference",
-            phase=phase,
-        )
-    ]
+    report.mismatches = [_reference_error(case.label, exc, phase, step)]
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _reference_error(label: str, exc: Exception, phase: str, step: int | None) -> Mismatch:
+    """The reference raised: one ``error`` of the reference, with its phase and traceback."""
+    return Mismatch(
+        "error",
+        label,
+        step,
+        None,
+        where=exception_summary(exc),
+        detail="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        run="reference",
+        phase=phase,
+    )
 
 
 def _loaded_note(records: list[RunRecord], every: bool = False) -> list[str]:

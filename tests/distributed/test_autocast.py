@@ -115,3 +115,25 @@ def test_an_inference_bug_inside_bf16s_rounding_spread_passes_a_bf16_rollout(spa
     assert report.ok, report
     plain = check_equivalence(case, ranks=4, pool=spatial.pool(4), rollout=5)
     assert plain.rollout.first is not None and plain.rollout.first.step == 0
+
+
+class SerialAutocastBreaks(CoupledMLPCase):
+    """Its forward raises in the serial run under autocast only (module level: ranks import
+    it); the high-precision reference and the ranks never reach the raise."""
+
+    def forward(self, model, batch, topo):
+        if topo.is_reference and torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("a serial-only bf16 kernel is missing")
+        return super().forward(model, batch, topo)
+
+
+def test_a_serial_run_under_autocast_that_raises_is_an_error_of_the_reference(spatial):
+    report = check_equivalence(
+        SerialAutocastBreaks(dtype=torch.float32),
+        ranks=4,
+        pool=spatial.pool(4),
+        autocast=torch.bfloat16,
+    )
+    [error] = report.mismatches
+    assert (error.quantity, error.run) == ("error", "reference"), report
+    assert error.phase.startswith("autocast") and "bf16 kernel is missing" in error.where
