@@ -1467,11 +1467,12 @@ def test_records_holding_dtensor_like_values_are_compared_by_the_values_they_hol
 
 def test_a_hint_that_raises_is_a_not_located_line_and_the_finding_stands(monkeypatch):
     import harness.checks
+    import harness.checks.judge
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(harness.checks, "scale_hint", broken)
+    monkeypatch.setattr(harness.checks.judge, "scale_hint", broken)
     monkeypatch.setattr(harness.checks, "likely_cause", broken)
     bad = run(step(grad=torch.tensor([1.0, 3.0], dtype=F64)))
     found = compare_runs(run(), [run(), bad], TOL, spatial_size=2)
