@@ -1,7 +1,8 @@
 """What one run of a case records: the typed shape a rank sends and the comparison reads.
 
 ``run_case`` fills a ``RunRecord`` on every rank and once for the reference; ``checks``
-compares them. Everything here is plain CPU tensors, picklable across the pool's pipes.
+compares them and leaves, per differing field, a ``FieldError`` (what error maps draw).
+Everything here is plain CPU tensors, picklable across the pool's pipes.
 """
 
 from __future__ import annotations
@@ -157,3 +158,21 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         names = [f for f in obj.__dataclass_fields__ if obj.__dataclass_fields__[f].init]
         return replace(obj, **{n: map_tensors(getattr(obj, n), fn) for n in names})
     return obj
+
+
+@dataclass
+class FieldError:
+    """Where a reassembled field differs: the largest error at each global position.
+
+    ``error`` and ``owners`` (the rank that owns each position) run along the sharded
+    dimension; with ``grid`` (rows, cols) they are flattened lat x lon, and with
+    ``unit == "cell"`` they are HEALPix cells in nested order. What error maps are drawn from.
+    """
+
+    name: str
+    step: int
+    data_group: int
+    error: torch.Tensor
+    owners: torch.Tensor
+    grid: tuple[int, int] | None
+    unit: str

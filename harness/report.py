@@ -17,6 +17,7 @@ import torch
 
 from harness.compare import NUMERIC, Mismatch, Quantity, QuantityStats, Tolerance
 from harness.errors import EquivalenceFailure
+from harness.records import FieldError  # its home before records.py: still importable here
 
 if TYPE_CHECKING:
     from harness.divergence import Divergence, Location
@@ -124,24 +125,6 @@ REMEDIES: dict[str, str] = {
         '"reason" on the case.'
     ),
 }
-
-
-@dataclass
-class FieldError:
-    """Where a reassembled field differs: the largest error at each global position.
-
-    ``error`` and ``owners`` (the rank that owns each position) run along the sharded
-    dimension; with ``grid`` (rows, cols) they are flattened lat x lon, and with
-    ``unit == "cell"`` they are HEALPix cells in nested order. What error maps are drawn from.
-    """
-
-    name: str
-    step: int
-    data_group: int
-    error: torch.Tensor
-    owners: torch.Tensor
-    grid: tuple[int, int] | None
-    unit: str
 
 
 @dataclass(repr=False)

@@ -64,8 +64,7 @@ from harness.checks.values import (
 )
 from harness.compare import NUMERIC, Mismatch, QuantityStats, Tolerance
 from harness.hints import float32_evidence, likely_cause
-from harness.records import RunRecord
-from harness.report import FieldError
+from harness.records import FieldError, RunRecord
 
 __all__ = [
     "BATCH_HINT",

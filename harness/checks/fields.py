@@ -14,8 +14,7 @@ from harness.checks.keyed import _keyed_position, check_keyed_field
 from harness.compare import Mismatch
 from harness.hints import boundary_hint, shard_shape_hint
 from harness.partition import ownership
-from harness.records import FieldRecord, StepRecord
-from harness.report import FieldError
+from harness.records import FieldError, FieldRecord, StepRecord
 
 SHARD_HINT = (
     "return this rank's part of a field as a Shard: Shard.grid(values, rows, cols, nlat, "

@@ -12,8 +12,7 @@ import torch
 from harness.checks.judge import Judge, Layout, position_text
 from harness.compare import Mismatch
 from harness.hints import boundary_hint
-from harness.records import FieldRecord
-from harness.report import FieldError
+from harness.records import FieldError, FieldRecord
 
 # ---------------------------------------------------------------------- keyed fields
 
