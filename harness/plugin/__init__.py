@@ -21,7 +21,7 @@ import pytest
 
 from harness.goldens import GoldenStore
 from harness.launcher import LauncherRegistry, launcher_env
-from harness.plugin._keys import _registry_key, _session_key, _settings_key, _skipped_key
+from harness.plugin._keys import _registry_key, _settings_key, _skipped_key
 from harness.plugin.fixtures import (
     OUTPUT_LIMIT,
     GoldenFixture,
@@ -33,7 +33,7 @@ from harness.plugin.fixtures import (
 )
 from harness.plugin.launched import LauncherMode, launcher_registry
 from harness.plugin.options import DEFAULT_RANKS, Settings, parse_seconds, pytest_addoption
-from harness.plugin.session import HarnessSession
+from harness.plugin.session import HarnessSession, _session_key
 from harness.pool import PoolRegistry
 
 __all__ = [

@@ -1,4 +1,6 @@
-"""What the plugin's parts share through pytest's stash and test reports."""
+"""What the plugin's parts share through pytest's stash and test reports (the session's
+own key, ``_session_key``, lives beside ``HarnessSession`` in ``session``, which reads the keys
+here: so neither imports the other back)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,9 @@ import pytest
 if TYPE_CHECKING:  # the stash keys' types, named in strings
     from harness.launcher import LauncherRegistry  # noqa: F401
     from harness.plugin.options import Settings  # noqa: F401
-    from harness.plugin.session import HarnessSession  # noqa: F401
     from harness.pool import PoolRegistry  # noqa: F401
 
 _registry_key = pytest.StashKey["PoolRegistry | LauncherRegistry"]()
-_session_key = pytest.StashKey["HarnessSession"]()
 _settings_key = pytest.StashKey["Settings"]()
 #: set on an item whose call phase was skipped (pytest.skip, xfail): its unused fixture is no news
 _skipped_key = pytest.StashKey[bool]()

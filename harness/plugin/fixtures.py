@@ -26,10 +26,10 @@ from harness.plugin._keys import (
     _EQUIV_PROP,
     _GOLDEN_PROP,
     _registry_key,
-    _session_key,
     _settings_key,
     _skipped_key,
 )
+from harness.plugin.session import _session_key
 from harness.plugin_mutants import collect_sites
 from harness.pool import (
     MIN_TIMEOUT,

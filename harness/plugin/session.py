@@ -222,3 +222,8 @@ class HarnessSession:
             return unused_goldens(self.goldens.root, self.nodeids)
         ignored = self._scopes(config, "ignore") or []  # never None: see _scopes
         return unused_goldens(self.goldens.root, self.nodeids, self._scopes(config), ignored)
+
+
+#: the session's ``HarnessSession``, set at configure; beside its type rather than in
+#: ``_keys``, which this module imports: so neither imports the other back
+_session_key = pytest.StashKey[HarnessSession]()
