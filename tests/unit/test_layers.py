@@ -1,8 +1,8 @@
 """The modules of ``harness`` import each other in one direction: no import cycles.
 
-Read from the source with ``ast``, every ``import`` counts, at module level or inside a
-function (a deferred import is still a dependency), except those under ``if TYPE_CHECKING:``
-(annotations only: never run).
+Read from the source with ``ast``, every ``import`` counts: at module level, inside a
+function (a deferred import is still a dependency) and under ``if TYPE_CHECKING:`` (never run,
+but a module that names another's types in its annotations depends on it all the same).
 """
 
 from __future__ import annotations
@@ -20,32 +20,16 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
-    """The modules of ``modules`` that ``tree`` imports (outside ``if TYPE_CHECKING:``)."""
+    """The modules of ``modules`` that ``tree`` imports, wherever the import stands."""
     found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name in modules)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for a in node.names:  # ``from harness.steppers import faults``: the submodule
                 sub = f"{node.module}.{a.name}"
                 found.add(sub if sub in modules else node.module)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
     return found & modules
 
 
@@ -87,7 +71,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_the_cycle_finder_finds_a_cycle_through_a_deferred_import(tmp_path):
+def test_the_cycle_finder_finds_cycles_through_deferred_and_type_only_imports(tmp_path):
     pkg = tmp_path / "harness"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -98,14 +82,30 @@ def test_the_cycle_finder_finds_a_cycle_through_a_deferred_import(tmp_path):
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from harness import a\n"
     )
     (pkg / "d.py").write_text("import harness.c\n")
+    (pkg / "e.py").write_text(
+        "import typing\nif typing.TYPE_CHECKING:\n    from harness.f import F\n"
+    )
+    (pkg / "f.py").write_text("from harness import e\n")
     graph = import_graph(pkg)
-    assert graph["harness.d"] == {"harness.c"} and graph["harness.c"] == set()
-    assert cycles(graph) == [["harness.a", "harness.sub.b"]]
+    assert graph["harness.d"] == {"harness.c"} and graph["harness.c"] == {"harness.a"}
+    assert cycles(graph) == [["harness.a", "harness.sub.b"], ["harness.e", "harness.f"]]
+
+
+#: cycles known and being removed, each with why it stands; an entry is deleted with its
+#: cycle (the test fails on an entry whose cycle is gone, so none outlives it)
+KNOWN_CYCLES = {
+    # _intercept calls the mutant injector in _mutate, which names Tracker in annotations
+    # (a type-only import); the mutation wing of issue 31 moves _mutate and ends it
+    ("harness._intercept", "harness._mutate"),
+}
 
 
 def test_no_module_of_harness_imports_one_that_imports_it_back():
-    found = cycles(import_graph())
-    assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+    found = [tuple(c) for c in cycles(import_graph())]
+    new = [c for c in found if c not in KNOWN_CYCLES]
+    assert new == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in new)
+    gone = sorted(KNOWN_CYCLES - set(found))
+    assert gone == [], f"cycles no longer in harness: {gone}; delete them from KNOWN_CYCLES"
 
 
 def test_names_moved_out_of_compare_are_still_importable_from_it():
