@@ -58,9 +58,6 @@ from harness.checks.values import (
     check_nonfinite_init,
     check_nonfinite_step,
     check_params,
-    check_sharded_grads,
-    check_sharded_init,
-    check_sharded_params,
 )
 from harness.compare import NUMERIC, Mismatch, QuantityStats, Tolerance
 from harness.hints import float32_evidence, likely_cause
@@ -90,9 +87,6 @@ __all__ = [
     "check_nonfinite_step",
     "check_param_shards",
     "check_params",
-    "check_sharded_grads",
-    "check_sharded_init",
-    "check_sharded_params",
     "compare_runs",
     "data_part",
     "diagnose",
@@ -159,20 +153,17 @@ def compare_runs(
         m += check_nonfinite_init(reference, records)
     found_shards, shards = check_param_shards(reference, records, layout)
     m += found_shards
-    m += check_init(reference, records, tolerance)
-    m += check_sharded_init(reference, records, tolerance, shards)
+    m += check_init(reference, records, tolerance, shards)
     for step, ref_step in enumerate(reference.steps):
         steps = [r.steps[step] for r in records]
         if not allow_nonfinite:
             m += check_nonfinite_step(step, ref_step, steps)
         m += check_loss(judge, step, ref_step, steps)
-        m += check_grads(judge, step, ref_step, steps, sharded=shards.names)
-        m += check_sharded_grads(judge, step, ref_step, steps, shards)
+        m += check_grads(judge, step, ref_step, steps, shards)
         found, errors = check_fields(judge, step, ref_step, steps)
         m += found
         out.field_errors += errors
-        m += check_params(judge, step, ref_step, steps, sharded=shards.names)
-        m += check_sharded_params(judge, step, ref_step, steps, shards)
+        m += check_params(judge, step, ref_step, steps, shards)
         m += check_buffers(step, ref_step, steps)
     out.likely = diagnose(out.diagnoses, "the likely cause", "", likely_cause, out.mismatches)
     return out

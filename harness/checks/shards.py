@@ -3,6 +3,7 @@ parameter, and do the shards of each spatial group cover every position once?"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,14 +28,45 @@ SHARD_INIT_HINT = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParamShards:
-    """A run's sharded parameters: every name some rank shards (``names``, which the
-    whole-parameter checks leave alone), and the shards that fit the reference's parameter
-    (``fit``: name -> rank -> shard), which the value checks compare."""
+    """A run's sharded parameters: every name some rank shards (``names``), and the shards
+    that fit the reference's parameter (``fit``: name -> rank -> shard). The value checks
+    compare a whole parameter with the reference's and a shard with the reference's values
+    at its positions (``part``)."""
 
     names: frozenset[str] = frozenset()
     fit: dict[str, dict[int, ParamShard]] = field(default_factory=dict)
+
+    def held(self, name: str, rank: int) -> ParamShard | None:
+        """The shard of ``name`` that ``rank`` holds, if it fits the reference's parameter."""
+        return self.fit.get(name, {}).get(rank)
+
+    def compared(self, name: str, rank: int) -> bool:
+        """Whether ``rank``'s value of ``name`` is compared: a parameter no rank shards, or
+        a shard that fits (what does not fit, ``check_param_shards`` names instead)."""
+        return name not in self.names or self.held(name, rank) is not None
+
+
+#: a run without sharded parameters
+NO_SHARDS = ParamShards()
+
+
+def part(
+    ref: torch.Tensor, shard: ParamShard | None, shape: torch.Size
+) -> tuple[torch.Tensor, Callable[[int], str] | None]:
+    """What a rank's value (of ``shape``) is compared with: the reference's whole ``ref``,
+    or its values at ``shard``'s positions with a namer of a flat index into the shard by
+    its index in the reference's parameter."""
+    if shard is None:
+        return ref, None
+
+    def where(flat: int) -> str:
+        coords = [int(c) for c in np.unravel_index(flat, tuple(shape))]
+        coords[shard.dim] = int(shard.index[coords[shard.dim]])
+        return str(tuple(coords))
+
+    return ref.index_select(shard.dim, shard.index), where
 
 
 def check_param_shards(

@@ -4,14 +4,19 @@ sharded parameter's shard is compared with the reference at its positions."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from harness.checks.fields import _shard_position
 from harness.checks.judge import Judge, index_text
-from harness.checks.shards import PARAM_SHARD_HINT, SHARD_INIT_HINT, ParamShards
+from harness.checks.shards import (
+    NO_SHARDS,
+    PARAM_SHARD_HINT,
+    SHARD_INIT_HINT,
+    ParamShards,
+    part,
+)
 from harness.compare import (
     Difference,
     Mismatch,
@@ -22,7 +27,7 @@ from harness.compare import (
     nonfinite_counts,
     nonfinite_text,
 )
-from harness.records import ParamShard, RunRecord, StepRecord
+from harness.records import RunRecord, StepRecord
 
 # ---------------------------------------------------------------------- non-finite values
 
@@ -105,17 +110,18 @@ def _init_mismatch(name: str, rank: int, d: Difference, where: str, hint: str) -
 
 
 def check_init(
-    reference: RunRecord, records: list[RunRecord], tolerance: Tolerance
+    reference: RunRecord,
+    records: list[RunRecord],
+    tolerance: Tolerance,
+    shards: ParamShards = NO_SHARDS,
 ) -> list[Mismatch]:
-    """Parameters right after build: unseeded initialisation shows here first. Sharded
-    parameters (``RunRecord.param_shards``) are left to ``check_sharded_init``."""
+    """Parameters right after build: unseeded initialisation shows here first. A sharded
+    parameter's shard is checked position by position on every copy against the reference's
+    values at its positions (``shards``: ``check_param_shards``)."""
     found = []
     ref = reference.init
-    sharded = {n for rec in records for n in rec.param_shards}
     for rank, rec in enumerate(records):
         for name, p in rec.init.items():
-            if name in sharded and name in ref:
-                continue
             if name not in ref:
                 found.append(
                     Mismatch(
@@ -123,11 +129,21 @@ def check_init(
                     )
                 )
                 continue
-            d = compare_tensors(p, ref[name], tolerance.param, allow_nonfinite=True)
-            if not d.ok:
+            if not shards.compared(name, rank):
+                continue
+            shard = shards.held(name, rank)
+            expected, at = part(ref[name], shard, p.shape)
+            d = compare_tensors(p, expected, tolerance.param, allow_nonfinite=True)
+            if d.ok:
+                continue
+            if shard is None:
                 found.append(
                     _init_mismatch(name, rank, d, "initial value", _init_hint(p, ref[name]))
                 )
+                continue
+            pos = "" if d.worst is None or at is None else " at " + at(d.worst)
+            where = f"initial value{pos} ({shard.text()})"
+            found.append(_init_mismatch(name, rank, d, where, SHARD_INIT_HINT))
         for name in sorted(ref.keys() - rec.init.keys()):
             found.append(
                 Mismatch(
@@ -196,21 +212,24 @@ def check_grads(
     step: int,
     ref: StepRecord,
     steps: list[StepRecord],
-    *,
-    sharded: Collection[str] = (),
+    shards: ParamShards = NO_SHARDS,
 ) -> list[Mismatch]:
     """Every named gradient on every rank against the reference's (None only where the
-    reference has None too). ``sharded`` parameters are left to ``check_sharded_grads``."""
+    reference has None too); a shard's gradient against the reference's at the shard's
+    positions, on every copy (a copy left unsummed is wrong on its own)."""
     found = []
     for rank, st in enumerate(steps):
         for name, g in st.grads.items():
-            if name not in ref.grads or name in sharded:
+            if name not in ref.grads:
                 continue  # reported once, as a parameter missing from the reference
+            if not shards.compared(name, rank):
+                continue
             r = ref.grads[name]
             if g is None or r is None:
                 found += _grad_presence(name, step, rank, g, r)
                 continue
-            m = judge.numeric("grad", name, step, rank, g, r)
+            expected, where = part(r, shards.held(name, rank), g.shape)
+            m = judge.numeric("grad", name, step, rank, g, expected, where)
             found += [m] if m else []
     return found
 
@@ -245,40 +264,53 @@ def check_params(
     step: int,
     ref: StepRecord,
     steps: list[StepRecord],
-    *,
-    sharded: Collection[str] = (),
+    shards: ParamShards = NO_SHARDS,
 ) -> list[Mismatch]:
-    """Parameters after the step: bitwise equal across a spatial group (``sync``: no
-    tolerance, one ulp is a difference), and close to the reference (``param``).
-    ``sharded`` parameters are left to ``check_sharded_params``."""
+    """Parameters after the step: bitwise equal on every rank holding a copy (``sync``: no
+    tolerance, one ulp is a difference), and close to the reference (``param``). A whole
+    parameter's copies are its spatial group's; a shard's, every rank that holds the same
+    positions, in any spatial or data group, compared with the reference's values there."""
     layout = judge.layout
     found = []
+    first: dict[tuple[str, int, tuple[int, ...]], int] = {}  # one shard -> its first holder
     for rank, st in enumerate(steps):
-        lead_rank = layout.lead(rank)
-        lead = steps[lead_rank].params
         for name, p in st.params.items():
-            if name in sharded:
+            if not shards.compared(name, rank):
                 continue
-            if rank != lead_rank and name in lead and not bitwise_equal(p, lead[name]):
-                same_shape = p.shape == lead[name].shape and p.dtype == lead[name].dtype
-                d = compare_tensors(p, lead[name], judge.tolerance.param, allow_nonfinite=True)
-                found.append(
-                    Mismatch(
-                        "sync",
-                        name,
-                        step,
-                        rank,
-                        d.max_abs,
-                        d.max_rel,
-                        d.problem or f"differs from spatial rank 0 (rank {lead_rank})",
-                        bits_differ(p, lead[name]) if same_shape else 0,
-                        p.numel(),
-                    )
-                )
+            shard = shards.held(name, rank)
+            if shard is None:
+                copy = layout.lead(rank)
+                said = f"differs from spatial rank 0 (rank {copy})"
+            else:
+                copy = first.setdefault((name, shard.dim, tuple(shard.index.tolist())), rank)
+                said = f"differs from rank {copy}, which holds the same shard ({shard.text()})"
+            q = steps[copy].params.get(name)
+            if copy != rank and q is not None and not bitwise_equal(p, q):
+                found.append(_sync_mismatch(judge, name, step, rank, p, q, said))
             if name in ref.params:
-                m = judge.numeric("param", name, step, rank, p, ref.params[name])
+                expected, where = part(ref.params[name], shard, p.shape)
+                m = judge.numeric("param", name, step, rank, p, expected, where)
                 found += [m] if m else []
     return found
+
+
+def _sync_mismatch(
+    judge: Judge, name: str, step: int, rank: int, p: torch.Tensor, q: torch.Tensor, said: str
+) -> Mismatch:
+    """``p`` differs from its copy ``q``, which should hold the very same bits."""
+    same_shape = p.shape == q.shape and p.dtype == q.dtype
+    d = compare_tensors(p, q, judge.tolerance.param, allow_nonfinite=True)
+    return Mismatch(
+        "sync",
+        name,
+        step,
+        rank,
+        d.max_abs,
+        d.max_rel,
+        d.problem or said,
+        bits_differ(p, q) if same_shape else 0,
+        p.numel(),
+    )
 
 
 def check_buffers(step: int, ref: StepRecord, steps: list[StepRecord]) -> list[Mismatch]:
@@ -295,106 +327,3 @@ def check_buffers(step: int, ref: StepRecord, steps: list[StepRecord]) -> list[M
         for rank, st in enumerate(steps)
         for name in sorted(set(st.mutated_buffers) - expected)
     ]
-
-
-# ---------------------------------------------------------------------- sharded parameters' values
-
-
-def _global_where(shard: ParamShard, shape: torch.Size) -> Callable[[int], str]:
-    """Names a flat index into a shard by its index in the reference's parameter."""
-
-    def where(flat: int) -> str:
-        coords = [int(c) for c in np.unravel_index(flat, tuple(shape))]
-        coords[shard.dim] = int(shard.index[coords[shard.dim]])
-        return str(tuple(coords))
-
-    return where
-
-
-def _selected(ref: torch.Tensor, shard: ParamShard) -> torch.Tensor:
-    """The reference's values at the shard's positions."""
-    return ref.index_select(shard.dim, shard.index)
-
-
-def check_sharded_init(
-    reference: RunRecord, records: list[RunRecord], tolerance: Tolerance, shards: ParamShards
-) -> list[Mismatch]:
-    """Each rank's shard right after build against the reference's parameter at its
-    positions: the reassembled parameter, checked position by position on every copy."""
-    found = []
-    for rank, rec in enumerate(records):
-        for name, shard in sorted(
-            (n, held[rank]) for n, held in shards.fit.items() if rank in held
-        ):
-            p, expected = rec.init[name], _selected(reference.init[name], shard)
-            d = compare_tensors(p, expected, tolerance.param, allow_nonfinite=True)
-            if d.ok:
-                continue
-            at = "" if d.worst is None else " at " + _global_where(shard, p.shape)(d.worst)
-            where = f"initial value{at} ({shard.text()})"
-            found.append(_init_mismatch(name, rank, d, where, SHARD_INIT_HINT))
-    return found
-
-
-def check_sharded_grads(
-    judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord], shards: ParamShards
-) -> list[Mismatch]:
-    """Each rank's gradient of each of its shards against the reference's gradient at the
-    shard's positions (every copy: a copy left unsummed is wrong on its own)."""
-    found = []
-    for rank, st in enumerate(steps):
-        for name, shard in sorted(
-            (n, held[rank]) for n, held in shards.fit.items() if rank in held
-        ):
-            if name not in ref.grads or name not in st.grads:
-                continue
-            g, r = st.grads[name], ref.grads[name]
-            if g is None or r is None:
-                found += _grad_presence(name, step, rank, g, r)
-                continue
-            where = _global_where(shard, g.shape)
-            m = judge.numeric("grad", name, step, rank, g, _selected(r, shard), where)
-            found += [m] if m else []
-    return found
-
-
-def check_sharded_params(
-    judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord], shards: ParamShards
-) -> list[Mismatch]:
-    """Each shard after the step: bitwise equal on every rank that holds a copy of it (the
-    same positions, in any spatial or data group: ``sync``), and close to the reference's
-    parameter at its positions (``param``)."""
-    found = []
-    first: dict[tuple[str, int, tuple[int, ...]], int] = {}  # one shard -> its first holder
-    for rank, st in enumerate(steps):
-        for name, shard in sorted(
-            (n, held[rank]) for n, held in shards.fit.items() if rank in held
-        ):
-            if name not in st.params:
-                continue
-            p = st.params[name]
-            lead = first.setdefault((name, shard.dim, tuple(shard.index.tolist())), rank)
-            q = steps[lead].params[name]
-            if lead != rank and not bitwise_equal(p, q):
-                d = compare_tensors(p, q, judge.tolerance.param, allow_nonfinite=True)
-                found.append(
-                    Mismatch(
-                        "sync",
-                        name,
-                        step,
-                        rank,
-                        d.max_abs,
-                        d.max_rel,
-                        d.problem
-                        or f"differs from rank {lead}, which holds the same shard ({shard.text()})",
-                        bits_differ(p, q),
-                        p.numel(),
-                    )
-                )
-            if name in ref.params:
-                where = _global_where(shard, p.shape)
-                m = judge.numeric(
-                    "param", name, step, rank, p, _selected(ref.params[name], shard), where
-                )
-                found += [m] if m else []
-    return found
