@@ -156,7 +156,7 @@ class _KeyedJob:
         not in the reference: one ``coverage`` finding per kind and rank."""
         ref_ids, rank_ids = ids[0], ids[1:]
         assert ref_ids is not None
-        n_keys, n_ref = len(self.unique), len(self.ref_keys)
+        n_keys = len(self.unique)
         ref_count = np.bincount(ref_ids, minlength=n_keys)
         counts = np.zeros((len(rank_ids), n_keys), dtype=np.int64)
         for rank, r_ids in enumerate(rank_ids):
@@ -164,60 +164,53 @@ class _KeyedJob:
                 counts[rank] = np.bincount(r_ids, minlength=n_keys)
         in_ref = ref_count > 0
         out: list[Mismatch] = []
-
-        def finding(
-            ks: np.ndarray, rank: int | None, where: str, hint: str = "", run: str = ""
-        ) -> None:
-            out.append(
-                Mismatch(
-                    "coverage",
-                    self.name,
-                    self.step,
-                    rank,
-                    count=len(ks),
-                    total=n_ref,
-                    where=where,
-                    hint=hint,
-                    run=run,
-                )
-            )
-
         twice = np.flatnonzero(ref_count > 1)
         if len(twice):
-            finding(
-                twice,
-                None,
-                f"{self.keys_text(twice)} held more than once in the reference",
-                run="reference",
-                hint="the reference must name each item once",
-            )
+            where = f"{self.keys_text(twice)} held more than once in the reference"
+            hint = "the reference must name each item once"
+            out.append(self._finding(twice, None, where, hint, run="reference"))
         missing = np.flatnonzero(in_ref & (counts.sum(0) == 0))
         for charged, holds, ks in self._charged(missing, counts):
-            if charged is None:
-                finding(ks, None, f"{self.keys_text(ks)} of the reference held by no rank")
-            else:
-                finding(ks, charged, f"{self.keys_text(ks)} of the reference missing: {holds}")
+            said = "held by no rank" if charged is None else f"missing: {holds}"
+            out.append(self._finding(ks, charged, f"{self.keys_text(ks)} of the reference {said}"))
         holders = (counts > 0).sum(0)
         several = np.flatnonzero(in_ref & (holders > 1))
         if len(several):
             ranks = np.flatnonzero(counts[:, several[0]])
-            spatial = self.layout.spatial_size
-            finding(
-                several,
-                None,
-                f"{self.keys_text(several)} held by several ranks (first by ranks "
-                f"{', '.join(map(str, ranks.tolist()))})",
-                hint=GLOBAL_SAMPLE_HINT if len({int(r) // spatial for r in ranks}) > 1 else "",
-            )
+            where = f"{self.keys_text(several)} held by several ranks (first by ranks "
+            where += f"{', '.join(map(str, ranks.tolist()))})"
+            groups = {int(r) // self.layout.spatial_size for r in ranks}
+            hint = GLOBAL_SAMPLE_HINT if len(groups) > 1 else ""
+            out.append(self._finding(several, None, where, hint))
         for rank in range(len(rank_ids)):
             doubled = np.flatnonzero(in_ref & (counts[rank] > 1))
             if len(doubled):
                 times = int(counts[rank, doubled[0]])
-                finding(doubled, rank, f"{self.keys_text(doubled)} held {times} times here")
+                where = f"{self.keys_text(doubled)} held {times} times here"
+                out.append(self._finding(doubled, rank, where))
             extra = np.flatnonzero(~in_ref & (counts[rank] > 0))
             if len(extra):
-                finding(extra, rank, f"{self.keys_text(extra)} not in the reference")
+                out.append(
+                    self._finding(extra, rank, f"{self.keys_text(extra)} not in the reference")
+                )
         return out
+
+    def _finding(
+        self, ks: np.ndarray, rank: int | None, where: str, hint: str = "", run: str = ""
+    ) -> Mismatch:
+        """A ``coverage`` finding of the keys ``ks``, counted against the reference's items."""
+        count, total = len(ks), len(self.ref_keys)
+        return Mismatch(
+            "coverage",
+            self.name,
+            self.step,
+            rank,
+            count=count,
+            total=total,
+            where=where,
+            hint=hint,
+            run=run,
+        )
 
     def _charged(
         self, missing: np.ndarray, counts: np.ndarray

@@ -191,42 +191,40 @@ def _shard_coverage(name: str, ref: torch.Tensor, held: dict[int, ParamShard]) -
     found = []
     if len(own.missing):
         pos = int(own.missing[0])
-        below = [p for p in range(pos - 1, -1, -1) if owner[p] >= 0][:1]
-        above = [p for p in range(pos + 1, size) if owner[p] >= 0][:1]
-        near = int(owner[(below or above)[0]]) if below or above else None
+        near = _nearest_holder(owner, pos)
         beside = "" if near is None else f", next to rank {near}'s {held[near].text()}"
-        found.append(
-            Mismatch(
-                "coverage",
-                name,
-                None,
-                near,
-                count=len(own.missing),
-                total=size,
-                where=f"{len(own.missing)} position(s) along dim {dim} held by no rank of "
-                f"{group} (first: {pos}{beside})",
-                hint=PARAM_SHARD_HINT,
-            )
-        )
+        where = f"{len(own.missing)} position(s) along dim {dim} held by no rank of {group} "
+        where += f"(first: {pos}{beside})"
+        found.append(_coverage(name, near, len(own.missing), size, where, PARAM_SHARD_HINT))
     if len(own.doubled):
         pos = int(own.doubled[0])
         holders = [holding[0] for k, holding in distinct if pos in k]
         if len(holders) == 1:  # one shard repeats a position (the rank refuses that)
             holders *= 2
         a, b = holders[0], holders[1]
-        found.append(
-            Mismatch(
-                "coverage",
-                name,
-                None,
-                b,
-                count=len(own.doubled),
-                total=size,
-                where=f"{len(own.doubled)} position(s) along dim {dim} held by ranks of {group} "
-                f"holding different shards (first: {pos}, by rank {a}'s {held[a].text()} and "
-                f"rank {b}'s {held[b].text()})",
-                hint="ranks holding copies of a shard must hold exactly the same positions: "
-                + PARAM_SHARD_HINT,
-            )
+        where = (
+            f"{len(own.doubled)} position(s) along dim {dim} held by ranks of {group} holding "
+            f"different shards (first: {pos}, by rank {a}'s {held[a].text()} and rank {b}'s "
+            f"{held[b].text()})"
         )
+        hint = "ranks holding copies of a shard must hold exactly the same positions: "
+        found.append(_coverage(name, b, len(own.doubled), size, where, hint + PARAM_SHARD_HINT))
     return found
+
+
+def _nearest_holder(owner: np.ndarray, pos: int) -> int | None:
+    """The rank holding the nearest held position below ``pos`` (else above), if any.
+
+    >>> _nearest_holder(np.array([-1, 3, -1, -1, 5]), 3), _nearest_holder(np.array([-1, 7]), 0)
+    (3, 7)
+    """
+    below = [p for p in range(pos - 1, -1, -1) if owner[p] >= 0][:1]
+    above = [p for p in range(pos + 1, len(owner)) if owner[p] >= 0][:1]
+    return int(owner[(below or above)[0]]) if below or above else None
+
+
+def _coverage(
+    name: str, rank: int | None, count: int, size: int, where: str, hint: str
+) -> Mismatch:
+    """A ``coverage`` finding of parameter ``name`` at build: ``count`` of ``size`` positions."""
+    return Mismatch("coverage", name, None, rank, count=count, total=size, where=where, hint=hint)
