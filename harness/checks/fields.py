@@ -11,7 +11,7 @@ import torch
 
 from harness.checks.judge import Judge, Layout, data_part, position_text
 from harness.checks.keyed import _keyed_position, check_keyed_field
-from harness.compare import Mismatch
+from harness.compare import Mismatch, Quantity
 from harness.hints import boundary_hint, shard_shape_hint
 from harness.partition import ownership
 from harness.records import FieldError, FieldRecord, StepRecord
@@ -37,7 +37,8 @@ def check_fields(
         recs = [st.fields.get(name) for st in steps]
         missing = [r for r, f in enumerate(recs) if f is None]
         found += [
-            Mismatch("field", name, step, r, where="field missing on this rank") for r in missing
+            Mismatch(Quantity.FIELD, name, step, r, where="field missing on this rank")
+            for r in missing
         ]
         if missing:
             continue
@@ -89,7 +90,7 @@ def _batch_trap(
     if together == ref.shape[0]:
         return None
     return Mismatch(
-        "batch",
+        Quantity.BATCH,
         name,
         step,
         None,
@@ -107,7 +108,7 @@ def _replicated_field(
     found = []
     for rank, f in enumerate(fields):
         expected = data_part(ref, rank // layout.spatial_size, layout.data_size)
-        m = judge.numeric("field", name, step, rank, f.values, expected)
+        m = judge.numeric(Quantity.FIELD, name, step, rank, f.values, expected)
         if m and m.where.startswith("shape") and layout.spatial_size > 1:
             m.where = (
                 f"a plain tensor of shape {tuple(f.values.shape)} where the reference's "
@@ -153,7 +154,7 @@ class _Assembly:
     claims: list[np.ndarray] = field(default_factory=list)
     placed: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
-    def refuse(self, quantity: str, rank: int | None, where: str, hint: str = "") -> None:
+    def refuse(self, quantity: Quantity, rank: int | None, where: str, hint: str = "") -> None:
         self.found.append(Mismatch(quantity, self.name, self.step, rank, where=where, hint=hint))
 
     def position(self, pos: int) -> str:
@@ -181,7 +182,7 @@ def assemble_field(
     job = _Assembly(name, step, ref, dim, ref.shape[dim] if ref.dim() else 1, grid, shards[0].unit)
     if len(dims) > 1:
         job.refuse(
-            "field",
+            Quantity.FIELD,
             None,
             f"ranks shard along different dims {sorted(dims)}; every rank must shard the same dim",
         )
@@ -192,7 +193,7 @@ def assemble_field(
     if not own.complete:
         job.found.append(
             Mismatch(
-                "coverage",
+                Quantity.COVERAGE,
                 name,
                 step,
                 None,
@@ -211,7 +212,7 @@ def _claim(job: _Assembly, rank: int, f: FieldRecord) -> None:
     nothing = np.zeros(0, dtype=np.int64)
     if not f.sharded:
         job.refuse(
-            "field",
+            Quantity.FIELD,
             rank,
             f"a plain tensor of shape {tuple(f.values.shape)} where other ranks return a Shard",
             SHARD_HINT,
@@ -221,7 +222,7 @@ def _claim(job: _Assembly, rank: int, f: FieldRecord) -> None:
     idx = f.positions(job.size)
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= job.size):
         job.refuse(
-            "coverage",
+            Quantity.COVERAGE,
             rank,
             f"index out of range [0, {job.size}): {int(idx.min())}..{int(idx.max())}",
         )
@@ -233,7 +234,7 @@ def _claim(job: _Assembly, rank: int, f: FieldRecord) -> None:
         expected[job.dim] = idx.numel()
     if list(f.values.shape) != expected or f.values.dtype != job.ref.dtype:
         job.refuse(
-            "field",
+            Quantity.FIELD,
             rank,
             f"shard {f.values.dtype} {tuple(f.values.shape)} where the reference gives "
             f"{job.ref.dtype} {tuple(expected)} for its {idx.numel()} positions",
@@ -268,7 +269,9 @@ def _compare_assembled(
         lead = f"[{', '.join(map(str, others))}] " if others else ""
         return f"{lead}{job.position(pos)} on rank {int(owners[pos])}"
 
-    m = judge.numeric("field", job.name, job.step, None, out, ref, where if ref.dim() else None)
+    m = judge.numeric(
+        Quantity.FIELD, job.name, job.step, None, out, ref, where if ref.dim() else None
+    )
     if m is None:
         return [], None
     # the largest error (and reference magnitude) at each position, over the other dims; a

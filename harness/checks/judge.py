@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from harness.compare import Mismatch, QuantityStats, Tolerance, compare_tensors
+from harness.compare import Mismatch, Quantity, QuantityStats, Tolerance, compare_tensors
 from harness.errors import exception_summary
 from harness.hints import precision_hint, scale_hint
 
@@ -58,7 +58,7 @@ class Judge:
 
     def numeric(
         self,
-        quantity: str,
+        quantity: Quantity,
         name: str,
         step: int | None,
         rank: int | None,
@@ -82,13 +82,13 @@ class Judge:
         hint = ""
         bound = self.tolerance.bound(quantity)
         what = f"a hint for {quantity} '{name}'"
-        if quantity in ("grad", "loss"):
+        if quantity in (Quantity.GRAD, Quantity.LOSS):
             hint = self.diagnose(
                 what, "", scale_hint, actual, expected, self.layout.spatial_size, bound.rtol
             )
         # not a parameter after a step: its error is the gradient's scaled by lr and diluted
         # by the parameter's size, small for any bug; the gradient speaks for it
-        if not hint and not d.problem and quantity != "param":
+        if not hint and not d.problem and quantity != Quantity.PARAM:
             hint = self.diagnose(
                 what, "", precision_hint, actual, expected, bound.atol, self.float32_seen
             )

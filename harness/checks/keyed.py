@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from harness.checks.judge import Judge, Layout, position_text
-from harness.compare import Mismatch
+from harness.compare import Mismatch, Quantity
 from harness.hints import boundary_hint
 from harness.records import FieldError, FieldRecord
 
@@ -78,7 +78,7 @@ def _reference_keys(
         return np.arange(ref.values.shape[0], dtype=np.int64)[:, None]
     found.append(
         Mismatch(
-            "field",
+            Quantity.FIELD,
             name,
             step,
             None,
@@ -109,7 +109,9 @@ class _KeyedJob:
     unique: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), dtype=np.int64))
 
     def refuse(self, rank: int, where: str, hint: str = "") -> None:
-        self.found.append(Mismatch("field", self.name, self.step, rank, where=where, hint=hint))
+        self.found.append(
+            Mismatch(Quantity.FIELD, self.name, self.step, rank, where=where, hint=hint)
+        )
 
     def accept(self, rank: int, f: FieldRecord) -> np.ndarray | None:
         """A rank's keys if they can be matched (a keyed field, the reference's key width);
@@ -201,7 +203,7 @@ class _KeyedJob:
         """A ``coverage`` finding of the keys ``ks``, counted against the reference's items."""
         count, total = len(ks), len(self.ref_keys)
         return Mismatch(
-            "coverage",
+            Quantity.COVERAGE,
             self.name,
             self.step,
             rank,
@@ -337,7 +339,9 @@ def _compare_items(
         lead = f"[{', '.join(map(str, others))}] " if others else ""
         return f"{lead}{job.key_text(int(placed.keys[item]))} on rank {int(placed.owners[item])}"
 
-    m = judge.numeric("field", job.name, job.step, None, placed.actual, placed.expected, where)
+    m = judge.numeric(
+        Quantity.FIELD, job.name, job.step, None, placed.actual, placed.expected, where
+    )
     return m, placed
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from harness.checks.judge import Layout
-from harness.compare import Mismatch
+from harness.compare import Mismatch, Quantity
 from harness.partition import ownership
 from harness.records import ParamShard, RunRecord
 
@@ -105,7 +105,9 @@ def check_param_shards(
         dims = sorted({s.dim for s in held.values()})
         if len(dims) > 1:
             where = f"ranks shard it along different dims {dims}; shard every copy along one"
-            found.append(Mismatch("param", name, None, None, where=where, hint=PARAM_SHARD_HINT))
+            found.append(
+                Mismatch(Quantity.PARAM, name, None, None, where=where, hint=PARAM_SHARD_HINT)
+            )
             continue
         for g in range(layout.data_size):
             group = range(g * layout.spatial_size, (g + 1) * layout.spatial_size)
@@ -120,7 +122,7 @@ def _whole_among_shards(
 ) -> Mismatch:
     others = [r for r, rec in enumerate(records) if name in rec.param_shards]
     return Mismatch(
-        "coverage",
+        Quantity.COVERAGE,
         name,
         None,
         rank,
@@ -138,12 +140,12 @@ def _shard_misfit(
     if shard.dim >= ref.dim():
         where = f"sharded along dim {shard.dim}, but the reference's parameter {shape} has "
         where += f"{ref.dim()} dimension(s)"
-        return Mismatch("param", name, None, rank, where=where, hint=PARAM_SHARD_HINT)
+        return Mismatch(Quantity.PARAM, name, None, rank, where=where, hint=PARAM_SHARD_HINT)
     size = int(ref.shape[shard.dim])
     if shard.index.numel() and int(shard.index.max()) >= size:
         where = f"{shard.text()}, outside [0, {size}) of the reference's parameter {shape}"
         return Mismatch(
-            "coverage",
+            Quantity.COVERAGE,
             name,
             None,
             rank,
@@ -158,7 +160,7 @@ def _shard_misfit(
             f"reference's parameter {ref.dtype} {shape} gives {tuple(expected)}"
         )
         return Mismatch(
-            "param",
+            Quantity.PARAM,
             name,
             None,
             rank,
@@ -227,4 +229,6 @@ def _coverage(
     name: str, rank: int | None, count: int, size: int, where: str, hint: str
 ) -> Mismatch:
     """A ``coverage`` finding of parameter ``name`` at build: ``count`` of ``size`` positions."""
-    return Mismatch("coverage", name, None, rank, count=count, total=size, where=where, hint=hint)
+    return Mismatch(
+        Quantity.COVERAGE, name, None, rank, count=count, total=size, where=where, hint=hint
+    )

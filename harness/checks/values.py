@@ -20,6 +20,7 @@ from harness.checks.shards import (
 from harness.compare import (
     Difference,
     Mismatch,
+    Quantity,
     Tolerance,
     bits_differ,
     bitwise_equal,
@@ -33,7 +34,7 @@ from harness.records import RunRecord, StepRecord
 
 
 def _nonfinite(
-    of: str,
+    of: Quantity,
     name: str,
     step: int | None,
     values: torch.Tensor,
@@ -45,7 +46,7 @@ def _nonfinite(
         return None
     pos = where(first) if where else index_text(values.shape, first)
     return Mismatch(
-        "nonfinite",
+        Quantity.NONFINITE,
         name,
         step,
         rank,
@@ -53,7 +54,7 @@ def _nonfinite(
         count=nan + inf,
         total=values.numel(),
         run="reference" if rank is None else "",
-        of=of,
+        of=str(of),  # plain text, as Mismatch keeps its quantity: it travels
     )
 
 
@@ -62,7 +63,7 @@ def check_nonfinite_init(reference: RunRecord, records: list[RunRecord]) -> list
     found = []
     for rank, rec in [(None, reference), *enumerate(records)]:
         for name, p in rec.init.items():
-            m = _nonfinite("param", name, None, p, rank)
+            m = _nonfinite(Quantity.PARAM, name, None, p, rank)
             if m:
                 found.append(m)
     return found
@@ -77,13 +78,17 @@ def check_nonfinite_step(step: int, ref: StepRecord, steps: list[StepRecord]) ->
     found = []
     for rank, st in [(None, ref), *enumerate(steps)]:
         candidates = [
-            _nonfinite("loss", "loss", step, st.loss, rank),
-            *(_nonfinite("grad", n, step, g, rank) for n, g in st.grads.items() if g is not None),
+            _nonfinite(Quantity.LOSS, "loss", step, st.loss, rank),
             *(
-                _nonfinite("field", n, step, f.values, rank, _shard_position(f))
+                _nonfinite(Quantity.GRAD, n, step, g, rank)
+                for n, g in st.grads.items()
+                if g is not None
+            ),
+            *(
+                _nonfinite(Quantity.FIELD, n, step, f.values, rank, _shard_position(f))
                 for n, f in st.fields.items()
             ),
-            *(_nonfinite("param", n, step, p, rank) for n, p in st.params.items()),
+            *(_nonfinite(Quantity.PARAM, n, step, p, rank) for n, p in st.params.items()),
         ]
         found += [m for m in candidates if m is not None]
     return found
@@ -96,7 +101,7 @@ def _init_mismatch(name: str, rank: int, d: Difference, where: str, hint: str) -
     """A parameter that differs right after build (no step yet): ``where`` unless the
     comparison named a problem of its own (a shape, a dtype)."""
     return Mismatch(
-        "param",
+        Quantity.PARAM,
         name,
         None,
         rank,
@@ -125,7 +130,11 @@ def check_init(
             if name not in ref:
                 found.append(
                     Mismatch(
-                        "param", name, None, rank, where="parameter not in the reference model"
+                        Quantity.PARAM,
+                        name,
+                        None,
+                        rank,
+                        where="parameter not in the reference model",
                     )
                 )
                 continue
@@ -147,7 +156,11 @@ def check_init(
         for name in sorted(ref.keys() - rec.init.keys()):
             found.append(
                 Mismatch(
-                    "param", name, None, rank, where="reference parameter missing on this rank"
+                    Quantity.PARAM,
+                    name,
+                    None,
+                    rank,
+                    where="reference parameter missing on this rank",
                 )
             )
     return found
@@ -185,22 +198,24 @@ def check_loss(judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord]
         lead = layout.lead(rank)
         if rank != lead and not bitwise_equal(st.loss, steps[lead].loss):
             m = judge.numeric(
-                "loss", "loss (vs spatial rank 0)", step, rank, st.loss, steps[lead].loss
+                Quantity.LOSS, "loss (vs spatial rank 0)", step, rank, st.loss, steps[lead].loss
             )
             found += [m] if m else []
     if layout.data_size == 1:
         for rank, st in enumerate(steps):
-            m = judge.numeric("loss", "loss", step, rank, st.loss, ref.loss)
+            m = judge.numeric(Quantity.LOSS, "loss", step, rank, st.loss, ref.loss)
             found += [m] if m else []
         return found
     losses = [steps[g * layout.spatial_size].loss for g in range(layout.data_size)]
     if len({loss.shape for loss in losses}) > 1:
         found.append(
-            Mismatch("loss", "loss", step, None, where="the data groups' losses differ in shape")
+            Mismatch(
+                Quantity.LOSS, "loss", step, None, where="the data groups' losses differ in shape"
+            )
         )
         return found
     mean = torch.stack(losses).mean(0)
-    m = judge.numeric("loss", "loss (mean over data groups)", step, None, mean, ref.loss)
+    m = judge.numeric(Quantity.LOSS, "loss (mean over data groups)", step, None, mean, ref.loss)
     return found + ([m] if m else [])
 
 
@@ -229,7 +244,7 @@ def check_grads(
                 found += _grad_presence(name, step, rank, g, r)
                 continue
             expected, where = part(r, shards.held(name, rank), g.shape)
-            m = judge.numeric("grad", name, step, rank, g, expected, where)
+            m = judge.numeric(Quantity.GRAD, name, step, rank, g, expected, where)
             found += [m] if m else []
     return found
 
@@ -242,7 +257,7 @@ def _grad_presence(
         return []
     return [
         Mismatch(
-            "grad",
+            Quantity.GRAD,
             name,
             step,
             rank,
@@ -289,7 +304,7 @@ def check_params(
                 found.append(_sync_mismatch(judge, name, step, rank, p, q, said))
             if name in ref.params:
                 expected, where = part(ref.params[name], shard, p.shape)
-                m = judge.numeric("param", name, step, rank, p, expected, where)
+                m = judge.numeric(Quantity.PARAM, name, step, rank, p, expected, where)
                 found += [m] if m else []
     return found
 
@@ -301,7 +316,7 @@ def _sync_mismatch(
     same_shape = p.shape == q.shape and p.dtype == q.dtype
     d = compare_tensors(p, q, judge.tolerance.param, allow_nonfinite=True)
     return Mismatch(
-        "sync",
+        Quantity.SYNC,
         name,
         step,
         rank,
@@ -318,7 +333,7 @@ def check_buffers(step: int, ref: StepRecord, steps: list[StepRecord]) -> list[M
     expected = set(ref.mutated_buffers)
     return [
         Mismatch(
-            "buffer",
+            Quantity.BUFFER,
             name,
             step,
             rank,

@@ -125,6 +125,15 @@ def test_a_nonfinite_value_on_a_rank_names_the_rank_and_global_position():
     ]
 
 
+def test_every_finding_names_its_quantities_as_plain_text_that_travels_to_xdists_controller():
+    # the checks name quantities by Quantity; a report's rows cross to xdist's controller,
+    # which carries built-in types only, so quantity and ``of`` arrive as plain str
+    bad = run(step(loss=NAN, grad=torch.tensor([1.0, 3.0], dtype=F64)))
+    out = compare_runs(run(), [run(), bad], TOL, spatial_size=2)
+    assert {(m.quantity, m.of) for m in out.mismatches} >= {("nonfinite", "loss"), ("grad", "")}
+    assert {(type(m.quantity), type(m.of)) for m in out.mismatches} == {(str, str)}
+
+
 def test_nonfinite_values_in_the_initial_parameters_are_findings():
     init = {"w": torch.tensor([NAN, 1.0], dtype=F64)}
     out = compare_runs(run(init=init), [run(init=init)], TOL, spatial_size=1)
