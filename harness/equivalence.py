@@ -31,8 +31,8 @@ from harness.case import (
     run_case,
 )
 from harness.checks import compare_runs
-from harness.compare import FAILURES, Mismatch, Tolerance
-from harness.errors import ConfigError, RankFailure, exception_summary
+from harness.compare import FAILURES, Mismatch, Quantity, Tolerance
+from harness.errors import ConfigError, ProblemKind, RankFailure, exception_summary
 from harness.hints import culprit_hint
 from harness.records import RunRecord
 from harness.report import EquivalenceReport
@@ -415,24 +415,27 @@ _culprit = culprit_hint  # its older, private name
 
 def failure_mismatches(failure: RankFailure, label: str) -> list[Mismatch]:
     """One mismatch per rank of a failed run (healthy ranks stopped after it left out)."""
-    hang = next((str(p.kind) for p in failure.problems if p.kind in ("deadlock", "timeout")), "")
+    hangs = (Quantity.DEADLOCK, Quantity.TIMEOUT)
+    kinds = [ProblemKind(p.kind) for p in failure.problems]
+    hang = next((k.quantity for k in kinds if k.quantity in hangs), None)
     out = []
-    for p in failure.problems:
-        if p.kind == "stopped":
+    for p, kind in zip(failure.problems, kinds):
+        if kind is ProblemKind.STOPPED:
             continue
-        quantity = hang if p.kind == "returned" else str(p.kind)  # plain text: it travels
+        # a rank that returned is the culprit of its run's hang: a row of the hang's quantity
+        quantity = hang if kind is ProblemKind.RETURNED else kind.quantity
         detail = p.detail + (
             f"\n--- rank {p.rank} output ---\n{p.output}" if p.output.strip() else ""
         )
         out.append(
             Mismatch(
-                quantity,
+                quantity or "",  # "": a returned rank in a run that did not hang
                 label,
                 p.step,
                 p.rank,
                 where=p.summary,
                 detail=detail,
-                phase=p.phase if p.kind != "returned" else "",
+                phase=p.phase if kind is not ProblemKind.RETURNED else "",
             )
         )
     return out

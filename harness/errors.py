@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from harness.compare import Quantity
+
 
 class HarnessError(Exception):
     """Base class of every error the harness raises on purpose."""
@@ -63,6 +65,14 @@ class ProblemKind(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    @property
+    def quantity(self) -> Quantity | None:
+        """The report's ``Quantity`` for a rank with this problem, of the same name; ``None``
+        for context (``returned`` takes its run's hang, ``stopped`` is left out)."""
+        if self in (ProblemKind.RETURNED, ProblemKind.STOPPED):
+            return None
+        return Quantity(self.value)
 
 
 PROBLEM_KINDS = tuple(k.value for k in ProblemKind)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from harness import Outputs, SpatialCase, Topology
-from harness.equivalence import _culprit, run_case
-from harness.errors import RankFailure, RankProblem
+from harness.compare import FAILURES, Quantity
+from harness.equivalence import _culprit, failure_mismatches, run_case
+from harness.errors import ProblemKind, RankFailure, RankProblem
 from harness.hints import boundary_hint, by_chance, precision_hint, scale_hint, shard_shape_hint
 
 F64 = torch.float64
@@ -96,6 +97,31 @@ def test_a_proven_deadlock_names_the_returned_rank_in_the_words_of_the_proof():
     failure = RankFailure("deadlocked", 2, [_problem(1, "returned", MISMATCHED), stuck[0]])
     assert _culprit(failure) == f"rank 1 {MISMATCHED}"
     assert "skip" not in _culprit(failure)
+
+
+def test_a_failed_runs_rows_take_each_causes_quantity_and_the_hangs_for_a_returned_rank():
+    stuck = [_problem(r, "deadlock", "waits in all_reduce #3 on group 0") for r in range(2)]
+    stopped = _problem(3, "stopped", "stopped: rank 2 failed")
+    failure = RankFailure("deadlocked", 4, [*stuck, _problem(2, "returned", SKIPPED), stopped])
+    rows = failure_mismatches(failure, "case")
+    assert [(m.quantity, m.rank) for m in rows] == [
+        ("deadlock", 0),
+        ("deadlock", 1),
+        ("deadlock", 2),
+    ]
+    timed_out = [_problem(0, "timeout", "still running"), _problem(1, "returned", SKIPPED)]
+    assert [m.quantity for m in failure_mismatches(RankFailure("t", 2, timed_out), "c")] == [
+        "timeout",
+        "timeout",
+    ]
+    # every cause is a report quantity of its own name; context has none
+    causes = {k: k.quantity for k in ProblemKind if k.quantity is not None}
+    assert set(causes.values()) == set(FAILURES) - {Quantity.VACUOUS}
+    assert all(str(k) == str(q) for k, q in causes.items())
+    assert {k for k in ProblemKind if k.quantity is None} == {
+        ProblemKind.RETURNED,
+        ProblemKind.STOPPED,
+    }
 
 
 def test_a_hang_without_a_proof_or_without_a_returned_rank_names_no_culprit():
