@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,9 +55,6 @@ DEPART = 1000.0
 #: quantity the nudge cannot move, like a module on the raw batch, still rounds differently
 #: when the ranks sum in another order)
 MIN_ULPS = 8.0
-
-Kind = Literal["input", "output", "grad_output", "grad_input", "param_grad", "loss", "field"]
-
 
 # ---------------------------------------------------------------------- the case's layouts
 
