@@ -7,9 +7,10 @@ with their co-rank sync, buffers). Nothing here runs on a rank or touches a proc
 so every rule can be tested on hand-made records.
 
 By subject: ``judge`` (the layout, one pair of tensors judged, how positions are written),
-``values`` (loss, gradients, parameters, buffers, non-finite values), ``fields`` (full and
-sharded fields), ``keyed`` (fields matched by key) and ``shards`` (sharded parameters' fit
-and coverage). Every name is importable from ``harness.checks`` itself.
+``values`` (loss, gradients, parameters whole or sharded, buffers, non-finite values),
+``fields`` (full and sharded fields), ``keyed`` (fields matched by key) and ``shards``
+(sharded parameters' fit and coverage, and the part of the reference a shard is judged by).
+Every name is importable from ``harness.checks`` itself.
 """
 
 from __future__ import annotations

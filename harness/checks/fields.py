@@ -23,9 +23,6 @@ SHARD_HINT = (
 )
 
 
-# ---------------------------------------------------------------------- fields
-
-
 def check_fields(
     judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord]
 ) -> tuple[list[Mismatch], list[FieldError]]:

@@ -14,8 +14,6 @@ from harness.compare import Mismatch, Quantity
 from harness.hints import boundary_hint
 from harness.records import FieldError, FieldRecord
 
-# ---------------------------------------------------------------------- keyed fields
-
 KEYED_HINT = (
     "return a keyed field as Shard.keyed(values, keys) on every rank and in the reference "
     "(there the whole field, in any packing order): items are matched by key"

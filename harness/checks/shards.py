@@ -1,5 +1,7 @@
 """Sharded parameters right after build: does each rank's shard fit the reference's
-parameter, and do the shards of each spatial group cover every position once?"""
+parameter, and do the shards of each spatial group cover every position once? The shards
+that fit (``ParamShards``) are then compared by ``values``, each with the reference's values
+at its positions (``part``)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,6 @@ from harness.checks.judge import Layout
 from harness.compare import Mismatch, Quantity
 from harness.partition import ownership
 from harness.records import ParamShard, RunRecord
-
-# ---------------------------------------------------------------------- sharded parameters
 
 PARAM_SHARD_HINT = (
     "name it in SpatialCase.parameter_shards as Shard(param, index, dim): the global "
