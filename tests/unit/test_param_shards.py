@@ -272,6 +272,21 @@ def test_replicated_parameters_keep_their_sync_check_next_to_shards():
     ] == [("sync", "b", 1)]
 
 
+def test_whole_and_sharded_parameters_are_judged_in_one_pass_rank_by_rank():
+    # one comparison per quantity: rank 0's findings (its shard of "w", its whole "b") come
+    # before rank 1's, each in the rank's own order, whole or sharded alike
+    grad = GRAD[:, [3, 4, 5]] * 2
+    ranks = [rank([0, 1, 2], grad=GRAD[:, [0, 1, 2]] * 2), rank([3, 4, 5], grad=grad)]
+    for r in ranks:
+        r.steps[0].grads["b"] = B
+    assert [(m.quantity, m.name, m.rank) for m in found(ranks)] == [
+        ("grad", "w", 0),
+        ("grad", "b", 0),
+        ("grad", "w", 1),
+        ("grad", "b", 1),
+    ]
+
+
 # ---------------------------------------------------------------- as a case declares them
 
 SINGLE = Topology.single()
