@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from harness.deadlock import Counts, Op
-from harness.mutants import Mutant, SiteStats
+from harness.mutation.catalogue import Mutant, SiteStats
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,10 @@ from typing import Any
 
 from harness._compat import group_name, group_sequence_numbers, sequence_number
 from harness._frames import plumbing, standard_library, user_site
-from harness._mutate import install_ddp, perform, record
 from harness.board import State, Writer, members_bits
 from harness.deadlock import ANY_SOURCE, Counts, Kind, Op
-from harness.mutants import Mutant, SiteStats
+from harness.mutation.catalogue import Mutant, SiteStats
+from harness.mutation.inject import install_ddp, perform, record
 
 #: ProcessGroup method -> (the torch.distributed name users know, kind, which argument holds
 #: the tensors whose size must match across ranks: an index into the positional arguments).
@@ -119,8 +119,8 @@ _C10D = "\0"
 _TORCH = "\0"
 #: the watchers' own files: never a call site, not even of the harness's own operations
 _OWN = frozenset(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-    for name in ("_intercept.py", "_mutate.py", "_compat.py")
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), *name)
+    for name in (("_intercept.py",), ("mutation", "inject.py"), ("_compat.py",))
 )
 
 
@@ -150,7 +150,7 @@ class Tracker:
     groups: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     members: dict[str, int] = field(default_factory=dict)  # group -> board.members_bits
     #: --spatial-mutants: record every call site reached (a recording run), or inject one
-    #: mutant (a mutant run); see harness._mutate
+    #: mutant (a mutant run); see harness.mutation.inject
     recording: bool = False
     mutant: Mutant | None = None
     sites: dict[str, SiteStats] = field(default_factory=dict)

@@ -949,21 +949,21 @@ def _load_reference(
 def _case_mutation(case: SpatialCase) -> dict[str, str]:
     """On a rank of a ``--spatial-mutants`` run: the case-level mutant to inject at
     ``build`` or ``batch`` (``{}`` for the reference and every other run)."""
-    from harness import _mutate
     from harness._intercept import TRACKER
+    from harness.mutation import inject
 
     if not TRACKER.active:
         return {}
-    kinds = {m: _mutate.case_mutant(TRACKER, case, m) for m in ("build", "batch")}
+    kinds = {m: inject.case_mutant(TRACKER, case, m) for m in ("build", "batch")}
     return {m: k for m, k in kinds.items() if k}
 
 
 def _note_buffers(case: SpatialCase, model: torch.nn.Module) -> None:
-    from harness import _mutate
     from harness._intercept import TRACKER
+    from harness.mutation import inject
 
     if TRACKER.active and TRACKER.recording:
-        stats = TRACKER.sites.get(_mutate.case_site(case, "build"))
+        stats = TRACKER.sites.get(inject.case_site(case, "build"))
         if stats is not None:
             stats.buffers |= any(True for _ in model.buffers())
 

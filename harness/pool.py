@@ -53,7 +53,7 @@ from harness.errors import (
     RankProblem,
     UnwaitedWork,
 )
-from harness.mutants import Mutant, SiteStats
+from harness.mutation.catalogue import Mutant, SiteStats
 
 __all__ = ["PoolRegistry", "RankPool", "Runner", "report_progress", "shared_registry"]
 
@@ -164,7 +164,7 @@ class RankPool:
         self._group_ok = False
         self._verifying: Run | None = None  # a kept run whose fence answers are not read yet
         #: --spatial-mutants: record every call site the runs reach (``last_sites``), or
-        #: inject ``mutant`` on every rank at its call site (``harness.mutants``)
+        #: inject ``mutant`` on every rank at its call site (``harness.mutation``)
         self.record_sites = False
         self.mutant: Mutant | None = None
         self.last_sites: list[dict[str, SiteStats]] = []

@@ -30,7 +30,7 @@ from harness.plugin._keys import (
     _settings_key,
     _skipped_key,
 )
-from harness.plugin_mutants import collect_sites
+from harness.plugin.mutants import collect_sites
 from harness.pool import (
     MIN_TIMEOUT,
     PoolRegistry,

@@ -194,7 +194,7 @@ def _rank_main(rank: int, store: str, out: str) -> None:
     from torch.distributed import ProcessGroup
 
     from harness import _intercept
-    from harness.mutants import _BY_METHOD
+    from harness.mutation.catalogue import _BY_METHOD
 
     reached: list[str] = []
 
@@ -301,7 +301,7 @@ def test_the_transposes_of_torch_2_13_reach_the_methods_it_routes_them_through(r
 
 
 def test_the_transposes_get_the_rotation_and_the_swapped_split_sizes(reached):
-    from harness.mutants import _BY_METHOD
+    from harness.mutation.catalogue import _BY_METHOD
 
     for method in reached["all_to_all_single"]["methods"]:
         assert {"skip", "rotate", "swap-splits"} <= set(_BY_METHOD[method])

@@ -2,7 +2,7 @@
 
 ``harness._intercept``'s watchers of ``ProcessGroup`` call ``perform`` before an operation
 when a mutant is set for the run: at the mutant's call site it does the wrong thing on
-purpose (see ``harness.mutants.KINDS``) and returns the work; elsewhere nothing changes.
+purpose (see ``harness.mutation.catalogue.KINDS``) and returns the work; elsewhere nothing changes.
 Post-wait effects (the AVG division, a rotation, a zeroed or stale receive, the extra
 all-reduce) run when the operation's work is waited on, as the data would arrive.
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harness.mutants import REDUCING, Mutant, SiteStats
+from harness.mutation.catalogue import REDUCING, Mutant, SiteStats
 
 if TYPE_CHECKING:
     from harness._intercept import Tracker

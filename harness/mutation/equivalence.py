@@ -1,7 +1,7 @@
 """Mutants of the code behind a set of equivalence checks, without pytest.
 
 What ``harness-check --mutants`` runs for the built-in steppers and the real-model adapters
-(``pytest --spatial-mutants`` does the same for a test suite, ``harness.plugin_mutants``):
+(``pytest --spatial-mutants`` does the same for a test suite, ``harness.plugin.mutants``):
 each check runs once as it is, its ranks recording the call sites they reach; then each
 mutant of each site inside the chosen code (``include``: directories) reruns the checks that
 reached it, fastest first, until one fails. Same warm pool throughout: no pool start per
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from harness.equivalence import SpatialCase, check_equivalence
-from harness.mutants import (
+from harness.mutation.catalogue import (
     Outcome,
     Site,
     SiteStats,

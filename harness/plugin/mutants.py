@@ -2,11 +2,11 @@
 
 A plugin object of ``harness.plugin``, registered only with ``--spatial-mutants``. The
 session first runs the selected tests as they are, with every rank recording the call sites
-its code reaches (``harness.mutants``); they must all pass. Then, still on the warm pools,
-each mutant of each site reached inside the project (the rootdir, not installed packages)
-reruns the tests that reached it, fastest first, until one fails: killed by that test, with
-how it failed; or every one passes: SURVIVED, with the reason where one is known. Under
-xdist each worker mutates the sites of the tests it ran; the controller adds them up.
+its code reaches (``harness.mutation.catalogue``); they must all pass. Then, still on the
+warm pools, each mutant of each site reached inside the project (the rootdir, not installed
+packages) reruns the tests that reached it, fastest first, until one fails: killed by that
+test, with how it failed; or every one passes: SURVIVED, with the reason where one is known.
+Under xdist each worker mutates the sites of the tests it ran; the controller adds them up.
 
 The terminal summary is a table (mutant, call site, verdict) ending in
 ``spatial mutation score: K/N killed``; ``--spatial-mutants-min-score P`` fails the session
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from harness.mutants import (
+from harness.mutation.catalogue import (
     Mutant,
     Outcome,
     Site,
