@@ -4,8 +4,8 @@ What ``harness-check --mutants`` runs for the built-in steppers and the real-mod
 (``pytest --spatial-mutants`` does the same for a test suite, ``harness.plugin.mutants``):
 each check runs once as it is, its ranks recording the call sites they reach; then each
 mutant of each site inside the chosen code (``include``: directories) reruns the checks that
-reached it, fastest first, until one fails. Same warm pool throughout: no pool start per
-mutant, unless a mutant's hang or crash ended the processes.
+reached it, fastest first, until one fails (``harness.mutation.campaign``). Same warm pool
+throughout: no pool start per mutant, unless a mutant's hang or crash ended the processes.
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from harness.equivalence import SpatialCase, check_equivalence
-from harness.mutation.catalogue import (
-    Outcome,
-    Site,
-    SiteStats,
-    cannot_matter,
-    merge_sites,
-    mutants_for,
-)
+from harness.mutation.campaign import Killed, Reached, campaign, verdict
+from harness.mutation.catalogue import Outcome
+from harness.mutation.mode import RECORD, MutantMode, running
 from harness.pool import RankPool
+
+#: a mutant's rerun of a check gets at most this many seconds (or the whole timeout, if less)
+RERUN_LIMIT = 30.0
 
 
 @dataclass(frozen=True)
@@ -45,11 +43,9 @@ def run_mutants(
 ) -> list[Outcome]:
     """Every mutant of every site the ``checks`` reach under the ``include`` directories,
     killed by the first check that fails with it, or survived."""
-    reached: list[dict[str, SiteStats]] = []
-    checks_of: dict[str, list[tuple[float, Check]]] = {}
-    roots = [os.path.abspath(d) + os.sep for d in include]
-    pool.record_sites, pool.mutant = True, None
-    try:
+    roots = tuple(os.path.abspath(d) + os.sep for d in include)
+    reached: Reached[Check] = Reached(lambda where: where.startswith(roots))
+    with running(RECORD):
         for check in checks:
             report = check_equivalence(
                 check.make(), ranks=pool.world_size, spatial_size=check.spatial_size,
@@ -59,49 +55,18 @@ def run_mutants(
                 say(f"  {check.label}: fails as it is ({', '.join(sorted(report.quantities))}): "
                     "left out of the mutants")  # fmt: skip
                 continue
-            reached += pool.last_sites
-            for where in {w for stats in pool.last_sites for w in stats}:
-                if any(where.startswith(r) for r in roots):
-                    checks_of.setdefault(where, []).append((report.seconds, check))
-    finally:
-        pool.record_sites = False
-    sites = {w: s for w, s in merge_sites(reached).items() if w in checks_of}
-    outcomes = []
-    try:
-        for where in sorted(sites):
-            ordered = [c for _, c in sorted(checks_of[where], key=lambda x: x[0])]
-            for outcome in _site_outcomes(sites[where], ordered, pool, timeout):
-                outcomes.append(outcome)
-                verdict = (
-                    f"killed by {outcome.killed_by} ({outcome.quantity})"
-                    if outcome.killed
-                    else "SURVIVED" + (f": {outcome.reason}" if outcome.reason else "")
-                )
-                say(f"  {outcome.mutant.label} at {outcome.location}: {verdict}")
-    finally:
-        pool.mutant = None
-    return outcomes
+            reached.add(check, report.seconds, pool.last_sites)
 
+    def rerun(check: Check, mode: MutantMode) -> Killed | None:
+        report = check_equivalence(
+            check.make(), ranks=pool.world_size, spatial_size=check.spatial_size,
+            pool=pool, timeout=mode.timeout or timeout, locate=False,
+        )  # fmt: skip
+        return None if report.ok else Killed(check.label, ", ".join(sorted(report.quantities)))
 
-def _site_outcomes(
-    site: Site, checks: Sequence[Check], pool: RankPool, timeout: float
-) -> list[Outcome]:
-    out = []
-    for mutant in mutants_for(site):
-        reason = cannot_matter(mutant, site)
-        if reason:
-            out.append(Outcome(mutant, site.location, reason=reason))
-            continue
-        pool.mutant = mutant
-        outcome = Outcome(mutant, site.location)
-        for check in checks:
-            report = check_equivalence(
-                check.make(), ranks=pool.world_size, spatial_size=check.spatial_size,
-                pool=pool, timeout=min(timeout, 30.0), locate=False,
-            )  # fmt: skip
-            if not report.ok:
-                how = ", ".join(sorted(report.quantities))
-                outcome = Outcome(mutant, site.location, check.label, how)
-                break
-        out.append(outcome)
-    return out
+    return campaign(
+        reached,
+        rerun,
+        timeout=lambda _: min(timeout, RERUN_LIMIT),
+        say=lambda o: say(f"  {o.mutant.label} at {o.location}: {verdict(o)}"),
+    )

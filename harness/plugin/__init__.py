@@ -107,7 +107,7 @@ def _register_mutants(config: pytest.Config, settings: Settings) -> None:
     from harness.plugin.mutants import MutantSession
 
     config.pluginmanager.register(
-        MutantSession(config, registry, settings.mutants_min_score), "harness-mutants"
+        MutantSession(config, settings.mutants_min_score), "harness-mutants"
     )
 
 

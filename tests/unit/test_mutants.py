@@ -289,10 +289,6 @@ class _Config:
     option = type("Option", (), {"numprocesses": 2})()
 
 
-class _Registry:
-    record_sites = False
-
-
 class _Worker:
     def __init__(self, outcomes: list[Outcome]) -> None:
         from harness.plugin.mutants import _OUTPUT, _plain
@@ -311,7 +307,7 @@ def test_a_mutant_killed_by_any_worker_is_killed_whichever_worker_reports_first(
     reports = [[survived, other], [killed]]
     if order == "killer-first":
         reports.reverse()
-    session = MutantSession(_Config(), _Registry(), None)  # type: ignore[arg-type]
+    session = MutantSession(_Config(), None)  # type: ignore[arg-type]
     for outcomes in reports:
         session.pytest_testnodedown(_Worker(outcomes), None)
     assert sorted(session.outcomes, key=lambda o: o.mutant) == [killed, other]
