@@ -95,7 +95,8 @@ class MutantSession:
         root = self.config.rootpath.resolve()
         reached: Reached[pytest.Item] = Reached(lambda where: _inside(where, root))
         for nodeid, item in ran.items():
-            reached.add(item, self.durations[nodeid], item.stash.get(SITES_KEY, []))
+            recorded: list[dict[str, SiteStats]] = item.stash.get(SITES_KEY, [])
+            reached.add(item, self.durations[nodeid], recorded)
         self.mutating = True
         try:
             return campaign(reached, _rerun, timeout=_rerun_timeout)
