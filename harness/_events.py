@@ -23,7 +23,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from harness.deadlock import Counts, Op
-from harness.mutants import Mutant, SiteStats
+from harness.mutation.catalogue import SiteStats
+from harness.mutation.mode import OFF, MutantMode
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,7 @@ class RunCall:
     sys_path: list[str]
     timeout: float
     reuse: bool
-    record: bool = False  # record every call site reached (--spatial-mutants, first run)
-    mutant: Mutant | None = None  # inject this mutant at its call site
+    mutation: MutantMode = OFF  # --spatial-mutants: record the call sites, or inject a mutant
 
 
 @dataclass(frozen=True)

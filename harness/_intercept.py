@@ -39,10 +39,10 @@ from typing import Any
 
 from harness._compat import group_name, group_sequence_numbers, sequence_number
 from harness._frames import plumbing, standard_library, user_site
-from harness._mutate import install_ddp, perform, record
 from harness.board import State, Writer, members_bits
 from harness.deadlock import ANY_SOURCE, Counts, Kind, Op
-from harness.mutants import Mutant, SiteStats
+from harness.mutation.inject import INJECTOR
+from harness.mutation.mode import OFF, MutantMode
 
 #: ProcessGroup method -> (the torch.distributed name users know, kind, which argument holds
 #: the tensors whose size must match across ranks: an index into the positional arguments).
@@ -119,8 +119,8 @@ _C10D = "\0"
 _TORCH = "\0"
 #: the watchers' own files: never a call site, not even of the harness's own operations
 _OWN = frozenset(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-    for name in ("_intercept.py", "_mutate.py", "_compat.py")
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), *name)
+    for name in (("_intercept.py",), ("mutation", "inject.py"), ("_compat.py",))
 )
 
 
@@ -149,13 +149,6 @@ class Tracker:
     live: dict[int, Issued] = field(default_factory=dict)  # id(work) -> not yet waited on
     groups: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     members: dict[str, int] = field(default_factory=dict)  # group -> board.members_bits
-    #: --spatial-mutants: record every call site reached (a recording run), or inject one
-    #: mutant (a mutant run); see harness._mutate
-    recording: bool = False
-    mutant: Mutant | None = None
-    sites: dict[str, SiteStats] = field(default_factory=dict)
-    after: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # id(work) -> effect
-    stale: dict[str, Any] = field(default_factory=dict)  # site -> the last received data
     #: floating dtypes that went through an operation: dtype -> the first ("an all_reduce at
     #: model.py:42"), what a precision hint needs as evidence (``RunRecord.dtypes``)
     dtypes: dict[str, str] = field(default_factory=dict)
@@ -163,7 +156,8 @@ class Tracker:
 
     # ------------------------------------------------------------------ a run
 
-    def begin(self) -> None:
+    def begin(self, mutation: MutantMode = OFF) -> None:
+        """A run starts (in ``mutation``'s mode: the injector's, ``harness.mutation.inject``)."""
         self.p2p.clear()
         self.seen.clear()
         self.sends.clear()
@@ -172,17 +166,15 @@ class Tracker:
         self.live.clear()
         self.groups.clear()
         self.members.clear()
-        self.sites.clear()
-        self.after.clear()
-        self.stale.clear()
         self.dtypes.clear()
-        self.recording, self.mutant = False, None
         self.reliable = True
         self.base = {name: seq for name, (seq, _) in group_sequence_numbers().items()}
+        INJECTOR.begin(mutation)
         self.active = True
 
     def end(self) -> None:
         self.active = False
+        INJECTOR.end()
 
     def counts(self) -> Counts | None:
         """This run's counts now (``None`` if they cannot be trusted or read)."""
@@ -274,8 +266,8 @@ class Tracker:
         if seen not in self.dtypes and seen.startswith(_FLOATING):
             article = "an" if name[0] in "aeiou" else "a"
             self.dtypes[seen] = f"{article} {name} at {_user_site() or site} ran in {seen}"
-        if self.recording:
-            record(self, site, method, name, members, args)
+        if INJECTOR.mode.record:
+            INJECTOR.record(site, method, name, members, args)
         if kind == Kind.COLLECTIVE:
             index = sequence_number(pg) - self.base.get(group, 0) - self.p2p[group]
             if method in _BLOCKING:
@@ -386,12 +378,6 @@ class Tracker:
         if ok or _completed(issued.work):
             self.live.pop(id(issued.work), None)
 
-    def run_after(self, work: Any) -> None:
-        """The mutant's effect on an operation whose work has now been waited on."""
-        entry = self.after.pop(id(work), None)
-        if entry is not None:
-            entry[1]()
-
     def claim(self, work: Any) -> None:
         issued = self.live.get(id(work)) if self.active else None
         if issued is not None:
@@ -473,7 +459,7 @@ def install() -> Tracker:
             original = Work.__dict__.get(method)
             if original is not None:
                 setattr(Work, method, _claim(original))
-        install_ddp(TRACKER)
+        INJECTOR.install_ddp(TRACKER._site)
         _DONE = True
     return TRACKER
 
@@ -483,9 +469,9 @@ def _operation(method: str, original: Any) -> Any:
         return _blocking(method, original)
 
     def operation(pg: Any, *args: Any, **kwargs: Any) -> Any:
-        mutant = TRACKER.mutant
+        mutant = INJECTOR.mode.mutant
         if mutant is not None and TRACKER.active and TRACKER._site() == mutant.site:
-            work, used = perform(TRACKER, mutant, method, original, pg, args, kwargs)
+            work, used = INJECTOR.perform(mutant, method, original, pg, args, kwargs)
             if used is not None:
                 TRACKER.note(used, method, args, kwargs, work, _caller())
             return work
@@ -504,7 +490,7 @@ def _blocking(method: str, original: Any) -> Any:
     def operation(pg: Any, *args: Any, **kwargs: Any) -> Any:
         if not TRACKER.active:
             return original(pg, *args, **kwargs)
-        mutant = TRACKER.mutant
+        mutant = INJECTOR.mode.mutant
         if mutant is not None and mutant.kind == "skip" and TRACKER._site() == mutant.site:
             return None
         before = sequence_number(pg)
@@ -555,8 +541,8 @@ def _wait(original: Any) -> Any:
                 TRACKER.waited(issued, ok=False)
                 raise
             TRACKER.waited(issued, ok=True)
-        if TRACKER.after:
-            TRACKER.run_after(work)
+        if INJECTOR.after:
+            INJECTOR.run_after(work)
         return done
 
     return _like(wait, original)
@@ -567,8 +553,8 @@ def _is_completed(original: Any) -> Any:
         done = bool(original(work))
         if done and TRACKER.active:
             TRACKER.claim(work)  # the caller saw it complete: that is a wait
-            if TRACKER.after:
-                TRACKER.run_after(work)
+            if INJECTOR.after:
+                INJECTOR.run_after(work)
         return done
 
     return _like(is_completed, original)

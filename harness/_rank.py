@@ -375,6 +375,7 @@ def _run_one(
     import torch.distributed as dist
 
     from harness._compat import group_sequence_numbers
+    from harness.mutation.inject import INJECTOR
 
     try:
         where, payload = pickle.loads(call.payload)
@@ -403,8 +404,7 @@ def _run_one(
         except Exception as exc:  # noqa: BLE001 - e.g. a peer that failed at once and left
             _end_group()
             return False, {"summary": exception_summary(exc), "detail": traceback.format_exc()}
-    tracker.begin()
-    tracker.recording, tracker.mutant = call.record, call.mutant
+    tracker.begin(call.mutation)
     try:
         result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - a rank's SystemExit is a failure too
@@ -434,7 +434,7 @@ def _run_one(
         groups={name: ranks for name, (_, ranks) in group_sequence_numbers().items()},
         leftovers=tracker.leftovers(),
         unwaited=tracker.unwaited(),
-        sites=dict(tracker.sites),
+        sites=dict(INJECTOR.sites),
     )
     try:
         data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)

@@ -949,23 +949,15 @@ def _load_reference(
 def _case_mutation(case: SpatialCase) -> dict[str, str]:
     """On a rank of a ``--spatial-mutants`` run: the case-level mutant to inject at
     ``build`` or ``batch`` (``{}`` for the reference and every other run)."""
-    from harness import _mutate
-    from harness._intercept import TRACKER
+    from harness.mutation.inject import INJECTOR
 
-    if not TRACKER.active:
-        return {}
-    kinds = {m: _mutate.case_mutant(TRACKER, case, m) for m in ("build", "batch")}
-    return {m: k for m, k in kinds.items() if k}
+    return INJECTOR.case_kinds(case)
 
 
 def _note_buffers(case: SpatialCase, model: torch.nn.Module) -> None:
-    from harness import _mutate
-    from harness._intercept import TRACKER
+    from harness.mutation.inject import INJECTOR
 
-    if TRACKER.active and TRACKER.recording:
-        stats = TRACKER.sites.get(_mutate.case_site(case, "build"))
-        if stats is not None:
-            stats.buffers |= any(True for _ in model.buffers())
+    INJECTOR.note_buffers(case, lambda: any(True for _ in model.buffers()))
 
 
 def _broadcast_buffers(model: torch.nn.Module, topo: Topology) -> None:

@@ -34,6 +34,7 @@ from harness.checks import compare_runs
 from harness.compare import FAILURES, Mismatch, Quantity, Tolerance
 from harness.errors import ConfigError, ProblemKind, RankFailure, exception_summary
 from harness.hints import culprit_hint
+from harness.mutation.mode import current as mutant_mode
 from harness.records import RunRecord
 from harness.report import EquivalenceReport
 from harness.topology import Topology, check_mesh, validate_sizes
@@ -143,7 +144,7 @@ def check_equivalence(
         _roll_out(run, report, s, n_rollout, tol, amp)
     report.seconds = time.perf_counter() - t0
     # locating reruns a training step without autocast: it would see nothing of bf16's
-    if _should_locate(locate if amp is None else bool(locate), report, pool):
+    if _should_locate(locate if amp is None else bool(locate), report):
         trained = [m for m in report.mismatches if m.quantity != "rollout"]
         step = min((m.step for m in trained if m.step is not None), default=0)
         try:
@@ -399,14 +400,14 @@ def _loaded_note(records: list[RunRecord], every: bool = False) -> list[str]:
     ]
 
 
-def _should_locate(locate: bool | None, report: EquivalenceReport, pool: Runner) -> bool:
-    """Locate on request, or by default when a check failed in its numbers (not on a run
-    that raised or hung, nor in a mutant's rerun, which only asks whether a check fails)."""
-    if locate is False or report.quantities & set(FAILURES):
+def _should_locate(locate: bool | None, report: EquivalenceReport) -> bool:
+    """Locate on request, or by default when a check failed in its numbers; never on a run
+    that raised or hung, nor in a mutant's rerun (``MutantMode.verdict_only``: the one
+    place that says so, whoever asked for locating)."""
+    if locate is False or report.quantities & set(FAILURES) or mutant_mode().verdict_only:
         return False
     if locate is None:  # a rollout's divergence is not a training step's: it is not rerun
-        trained = any(m.quantity != "rollout" for m in report.mismatches)
-        return trained and getattr(pool, "mutant", None) is None
+        return any(m.quantity != "rollout" for m in report.mismatches)
     return True
 
 

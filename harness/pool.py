@@ -53,7 +53,8 @@ from harness.errors import (
     RankProblem,
     UnwaitedWork,
 )
-from harness.mutants import Mutant, SiteStats
+from harness.mutation.catalogue import SiteStats
+from harness.mutation.mode import current as mutant_mode
 
 __all__ = ["PoolRegistry", "RankPool", "Runner", "report_progress", "shared_registry"]
 
@@ -163,10 +164,8 @@ class RankPool:
         # failure the ranks build a fresh group, so a broken one can never be reused.
         self._group_ok = False
         self._verifying: Run | None = None  # a kept run whose fence answers are not read yet
-        #: --spatial-mutants: record every call site the runs reach (``last_sites``), or
-        #: inject ``mutant`` on every rank at its call site (``harness.mutants``)
-        self.record_sites = False
-        self.mutant: Mutant | None = None
+        #: --spatial-mutants: the call sites the last run's ranks recorded, in a recording
+        #: run (its ``MutantMode``, ``harness.mutation.mode``, comes from the caller's context)
         self.last_sites: list[dict[str, SiteStats]] = []
         self._lock = threading.Lock()
         _LIVE_POOLS.add(self)
@@ -323,8 +322,7 @@ class RankPool:
             sys_path=list(sys.path),
             timeout=timeout,
             reuse=reuse,
-            record=self.record_sites,
-            mutant=self.mutant,
+            mutation=mutant_mode(),
         )
         for conn in ranks.conns:
             try:
@@ -715,9 +713,6 @@ class PoolRegistry:
         self.preload = tuple(preload)
         self.max_processes = max(max_processes, default_ranks)
         self._pools: dict[int, RankPool] = {}
-        self.record_sites = False
-        self.mutant: Mutant | None = None
-        self.timeout_cap: float | None = None  # mutant reruns: a shorter timeout
 
     def get(self, world_size: int) -> RankPool:
         pool = self._pools.pop(world_size, None)
@@ -729,7 +724,6 @@ class PoolRegistry:
                 deadlock_window=self.deadlock_window,
                 preload=self.preload,
             )
-        pool.record_sites, pool.mutant = self.record_sites, self.mutant
         self._pools[world_size] = pool  # most recently used last
         while sum(p.world_size for p in self._pools.values()) > self.max_processes:
             oldest = next(iter(self._pools))

@@ -104,10 +104,10 @@ def _register_mutants(config: pytest.Config, settings: Settings) -> None:
             "--spatial-mutants injects bugs on the harness's own rank pool, which torchrun/srun "
             "mode does not use; run it without the launcher"
         )
-    from harness.plugin_mutants import MutantSession
+    from harness.plugin.mutants import MutantSession
 
     config.pluginmanager.register(
-        MutantSession(config, registry, settings.mutants_min_score), "harness-mutants"
+        MutantSession(config, settings.mutants_min_score), "harness-mutants"
     )
 
 

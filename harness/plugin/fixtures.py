@@ -22,6 +22,7 @@ from harness.goldens import (
 )
 from harness.launcher import LauncherRegistry, WorldSizeMismatch
 from harness.layouts import LayoutsReport, check_layouts
+from harness.mutation.mode import current as mutant_mode
 from harness.plugin._keys import (
     _EQUIV_PROP,
     _GOLDEN_PROP,
@@ -29,8 +30,8 @@ from harness.plugin._keys import (
     _settings_key,
     _skipped_key,
 )
+from harness.plugin.mutants import collect_sites
 from harness.plugin.session import _session_key
-from harness.plugin_mutants import collect_sites
 from harness.pool import (
     MIN_TIMEOUT,
     PoolRegistry,
@@ -101,7 +102,7 @@ class SpatialFixture:
         """
         __tracebackhide__ = True
         settings = self._node.config.stash[_settings_key]
-        if settings.layouts and getattr(self._registry, "mutant", None) is None:
+        if settings.layouts and not mutant_mode().verdict_only:
             # --spatial-layouts N: every layout first; the usual check (goldens, summary) after
             sweep = {k: v for k, v in kwargs.items() if k not in ("spatial_size", "mesh")}
             self.check_layouts(case, max_ranks=settings.layouts, timeout=timeout, **sweep)
@@ -109,8 +110,6 @@ class SpatialFixture:
         pool = self._pool(ranks)
         if locate is None and (settings.calibrate or settings.locate):
             locate = True
-        if getattr(self._registry, "mutant", None) is not None:
-            locate = False  # a mutant's rerun only asks whether the check fails
         try:
             report = check_equivalence(
                 case,
@@ -229,7 +228,7 @@ class SpatialFixture:
 
     def _timeout(self, timeout: float | None) -> float:
         seconds = timeout or self.timeout
-        cap = getattr(self._registry, "timeout_cap", None)  # a mutant rerun
+        cap = mutant_mode().timeout  # a mutant's rerun: a shorter limit
         return min(seconds, cap) if cap else seconds
 
     def pool(self, ranks: int | None = None) -> Any:

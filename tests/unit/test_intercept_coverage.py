@@ -194,7 +194,9 @@ def _rank_main(rank: int, store: str, out: str) -> None:
     from torch.distributed import ProcessGroup
 
     from harness import _intercept
-    from harness.mutants import _BY_METHOD
+    from harness.mutation.catalogue import _BY_METHOD
+    from harness.mutation.inject import INJECTOR
+    from harness.mutation.mode import RECORD
 
     reached: list[str] = []
 
@@ -210,12 +212,11 @@ def _rank_main(rank: int, store: str, out: str) -> None:
             continue
         setattr(ProcessGroup, name, recorder(name, attr))
     tracker = _intercept.install()
-    tracker.begin()
-    tracker.recording = True
+    tracker.begin(RECORD)
     results = {}
     for fn, call in _calls(rank).items():
         reached.clear()
-        tracker.sites.clear()
+        INJECTOR.sites.clear()
         tracker.dtypes.clear()
         before = sum(tracker.seen.values()) + tracker.p2p.total()
         call()
@@ -226,11 +227,13 @@ def _rank_main(rank: int, store: str, out: str) -> None:
             "methods": methods,
             "private": sorted({m for m in reached if m[0] == "_"} - set(_intercept._METHODS)),
             "noted": noted,
-            "names": sorted({s.op for s in tracker.sites.values()}),
-            "mutable": sorted({s.method for s in tracker.sites.values() if s.method in _BY_METHOD}),
-            "sites": sorted({s.method for s in tracker.sites.values()}),
+            "names": sorted({s.op for s in INJECTOR.sites.values()}),
+            "mutable": sorted(
+                {s.method for s in INJECTOR.sites.values() if s.method in _BY_METHOD}
+            ),
+            "sites": sorted({s.method for s in INJECTOR.sites.values()}),
             "dtypes": sorted(tracker.dtypes),
-            "files": sorted({w.rsplit(":", 1)[0] for w in tracker.sites}),
+            "files": sorted({w.rsplit(":", 1)[0] for w in INJECTOR.sites}),
         }
     tracker.end()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -301,7 +304,7 @@ def test_the_transposes_of_torch_2_13_reach_the_methods_it_routes_them_through(r
 
 
 def test_the_transposes_get_the_rotation_and_the_swapped_split_sizes(reached):
-    from harness.mutants import _BY_METHOD
+    from harness.mutation.catalogue import _BY_METHOD
 
     for method in reached["all_to_all_single"]["methods"]:
         assert {"skip", "rotate", "swap-splits"} <= set(_BY_METHOD[method])

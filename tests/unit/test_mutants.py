@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.mutants import (
+from harness.mutation.catalogue import (
     Mutant,
     Outcome,
     Site,
@@ -289,20 +289,16 @@ class _Config:
     option = type("Option", (), {"numprocesses": 2})()
 
 
-class _Registry:
-    record_sites = False
-
-
 class _Worker:
     def __init__(self, outcomes: list[Outcome]) -> None:
-        from harness.plugin_mutants import _OUTPUT, _plain
+        from harness.plugin.mutants import _OUTPUT, _plain
 
         self.workeroutput = {_OUTPUT: {"not_run": "", "outcomes": [_plain(o) for o in outcomes]}}
 
 
 @pytest.mark.parametrize("order", ["survivor-first", "killer-first"])
 def test_a_mutant_killed_by_any_worker_is_killed_whichever_worker_reports_first(order):
-    from harness.plugin_mutants import MutantSession
+    from harness.plugin.mutants import MutantSession
 
     mutant = Mutant(WHERE, "rotate", "all_to_all_single")
     survived = Outcome(mutant, "model.py:41")
@@ -311,7 +307,7 @@ def test_a_mutant_killed_by_any_worker_is_killed_whichever_worker_reports_first(
     reports = [[survived, other], [killed]]
     if order == "killer-first":
         reports.reverse()
-    session = MutantSession(_Config(), _Registry(), None)  # type: ignore[arg-type]
+    session = MutantSession(_Config(), None)  # type: ignore[arg-type]
     for outcomes in reports:
         session.pytest_testnodedown(_Worker(outcomes), None)
     assert sorted(session.outcomes, key=lambda o: o.mutant) == [killed, other]

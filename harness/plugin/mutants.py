@@ -2,11 +2,11 @@
 
 A plugin object of ``harness.plugin``, registered only with ``--spatial-mutants``. The
 session first runs the selected tests as they are, with every rank recording the call sites
-its code reaches (``harness.mutants``); they must all pass. Then, still on the warm pools,
-each mutant of each site reached inside the project (the rootdir, not installed packages)
-reruns the tests that reached it, fastest first, until one fails: killed by that test, with
-how it failed; or every one passes: SURVIVED, with the reason where one is known. Under
-xdist each worker mutates the sites of the tests it ran; the controller adds them up.
+its code reaches (``harness.mutation.catalogue``); they must all pass. Then, still on the
+warm pools, each mutant of each site reached inside the project (the rootdir, not installed
+packages) reruns the tests that reached it, fastest first, until one fails: killed by that
+test, with how it failed; or every one passes: SURVIVED, with the reason where one is known.
+Under xdist each worker mutates the sites of the tests it ran; the controller adds them up.
 
 The terminal summary is a table (mutant, call site, verdict) ending in
 ``spatial mutation score: K/N killed``; ``--spatial-mutants-min-score P`` fails the session
@@ -21,19 +21,17 @@ from typing import Any
 
 import pytest
 
-from harness.mutants import (
+from harness.mutation.campaign import Killed, Reached, campaign
+from harness.mutation.catalogue import (
     Mutant,
     Outcome,
-    Site,
     SiteStats,
-    cannot_matter,
-    merge_sites,
-    mutants_for,
     quantity_of,
     score,
     score_line,
     table_rows,
 )
+from harness.mutation.mode import RECORD, MutantMode, running
 from harness.report import format_table
 
 SITES_KEY = pytest.StashKey[list[dict[str, SiteStats]]]()
@@ -47,14 +45,13 @@ RERUN_FACTOR, RERUN_FLOOR = 10.0, 30.0
 class MutantSession:
     """The mutation run of one pytest process (see the module docstring)."""
 
-    def __init__(self, config: pytest.Config, registry: Any, min_score: float | None) -> None:
-        self.config, self.registry, self.min_score = config, registry, min_score
+    def __init__(self, config: pytest.Config, min_score: float | None) -> None:
+        self.config, self.min_score = config, min_score
         self.durations: dict[str, float] = {}
         self.failed: list[str] = []
         self.outcomes: list[Outcome] = []
         self.not_run = ""
         self.mutating = False
-        registry.record_sites = True
 
     # ------------------------------------------------------------------ the first run
 
@@ -69,7 +66,8 @@ class MutantSession:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtestloop(self, session: pytest.Session) -> Any:
-        result = yield
+        with running(RECORD):  # the first run: every rank records the call sites it reaches
+            result = yield
         if getattr(self.config.option, "numprocesses", None) and not hasattr(
             self.config, "workerinput"
         ):
@@ -95,53 +93,15 @@ class MutantSession:
     def mutate(self, session: pytest.Session) -> list[Outcome]:
         ran = {item.nodeid: item for item in session.items if item.nodeid in self.durations}
         root = self.config.rootpath.resolve()
-        everything: list[dict[str, SiteStats]] = []
-        tests_of: dict[str, list[pytest.Item]] = {}
-        for item in ran.values():
+        reached: Reached[pytest.Item] = Reached(lambda where: _inside(where, root))
+        for nodeid, item in ran.items():
             recorded: list[dict[str, SiteStats]] = item.stash.get(SITES_KEY, [])
-            everything += recorded
-            for where in {w for stats in recorded for w in stats}:
-                if _inside(where, root):
-                    tests_of.setdefault(where, []).append(item)
-        # one view of each site over every test and layout that reached it
-        reached = {w: s for w, s in merge_sites(everything).items() if w in tests_of}
-        outcomes = []
+            reached.add(item, self.durations[nodeid], recorded)
         self.mutating = True
         try:
-            for where in sorted(reached):
-                site = reached[where]
-                tests = sorted(tests_of[where], key=lambda i: self.durations.get(i.nodeid, 0.0))
-                for mutant in mutants_for(site):
-                    outcomes.append(self._try(mutant, site, tests))
+            return campaign(reached, _rerun, timeout=_rerun_timeout)
         finally:
             self.mutating = False
-            self.registry.mutant = None
-            self.registry.timeout_cap = None
-        return outcomes
-
-    def _try(self, mutant: Mutant, site: Site, tests: list[pytest.Item]) -> Outcome:
-        from _pytest.runner import runtestprotocol
-
-        reason = cannot_matter(mutant, site)
-        if reason:
-            return Outcome(mutant, site.location, reason=reason)
-        for item in tests:
-            self.registry.mutant = mutant
-            self.registry.timeout_cap = max(
-                RERUN_FLOOR, RERUN_FACTOR * self.durations.get(item.nodeid, 0.0)
-            )
-            before = len(item.user_properties)
-            _fresh_request(item)
-            reports = runtestprotocol(item, nextitem=None, log=False)
-            failed = next((r for r in reports if r.failed), None)
-            if failed is not None:
-                rows: list[Any] = [v for k, v in item.user_properties[before:] if k == _EQUIV_PROP]
-                problems = [q for row in rows for q in row.get("problems", ())]
-                how = ", ".join(sorted(set(problems))) or quantity_of(failed.longreprtext)
-                del item.user_properties[before:]
-                return Outcome(mutant, site.location, killed_by=item.nodeid, quantity=how)
-            del item.user_properties[before:]
-        return Outcome(mutant, site.location)
 
     # ------------------------------------------------------------------ adding up
 
@@ -197,6 +157,32 @@ def collect_sites(node: pytest.Item, pool: Any) -> None:
     sites = getattr(pool, "last_sites", None)
     if sites:
         node.stash.setdefault(SITES_KEY, []).extend(sites)
+
+
+def _rerun(item: pytest.Item, mode: MutantMode) -> Killed | None:
+    """Run ``item`` again (in ``mode``, which its ``spatial`` fixture reads): how it failed,
+    or ``None`` if it passed."""
+    from _pytest.runner import runtestprotocol
+
+    before = len(item.user_properties)
+    _fresh_request(item)
+    try:
+        reports = runtestprotocol(item, nextitem=None, log=False)
+        failed = next((r for r in reports if r.failed), None)
+        if failed is None:
+            return None
+        rows: list[Any] = [v for k, v in item.user_properties[before:] if k == _EQUIV_PROP]
+        problems = [q for row in rows for q in row.get("problems", ())]
+        return Killed(
+            item.nodeid, ", ".join(sorted(set(problems))) or quantity_of(failed.longreprtext)
+        )
+    finally:
+        del item.user_properties[before:]
+
+
+def _rerun_timeout(seconds: float) -> float:
+    """A mutant's rerun of a test that took ``seconds`` as it is: its checks' limit."""
+    return max(RERUN_FLOOR, RERUN_FACTOR * seconds)
 
 
 def _inside(site: str, root: Path) -> bool:
