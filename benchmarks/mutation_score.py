@@ -5,8 +5,8 @@
 Prints killed / survived / untested per file and per function, and the score
 killed / (killed + survived + untested): a mutant that no test runs counts as surviving.
 Timeouts count as killed (the mutant made a test hang, which fails it). Exits 1 when the
-score is under ``--min``, so the tox env fails on a regression. README.md ("Mutation
-testing") records the score and why each remaining survivor is harmless.
+score is under ``--min``, so the tox env fails on a regression. docs/mutation.md records
+the score and why each remaining survivor is harmless.
 """
 
 from __future__ import annotations

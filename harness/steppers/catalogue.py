@@ -1,8 +1,9 @@
 """Which built-in stepper configurations the main job checks, and the fault catalogue.
 
 One table serves the main job (``harness-check``), the fault tests in ``tests/faults``,
-``FAULTS.md`` and the README's fault table, so none can disagree about what catches what:
-``python -m harness.steppers.catalogue`` prints FAULTS.md (``--readme``: the README table),
+``FAULTS.md`` and the fault table of ``docs/faults.md``, so none can disagree about what
+catches what: ``python -m harness.steppers.catalogue`` prints FAULTS.md (``--table``: the
+table of ``docs/faults.md``),
 and a test fails when either file drifts from this module.
 """
 
@@ -155,7 +156,7 @@ def skipped_faults(ranks: int) -> list[tuple[str, str, str]]:
 
 # ---------------------------------------------------------------------- the document
 
-#: (stepper, fault id) -> (the bug, what goes wrong). What FAULTS.md and the README say.
+#: (stepper, fault id) -> (the bug, what goes wrong). What FAULTS.md and docs/faults.md say.
 DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
     ("coupled-mlp", "no-grad-sync"): (
         "no all-reduce of parameter gradients over the spatial group",
@@ -405,7 +406,7 @@ def smallest_layouts(
 
 
 def located_text(stepper: str, fault: str) -> str:
-    """The README's words for where a fault is located."""
+    """docs/faults.md's words for where a fault is located."""
     where = LOCATED[(stepper, fault)]
     if where is None:
         return "not located: the run raises or hangs"
@@ -417,7 +418,7 @@ def located_text(stepper: str, fault: str) -> str:
 
 
 def layout_text(stepper: str, fault: str) -> str:
-    """The README's words for the smallest layout that shows a fault.
+    """docs/faults.md's words for the smallest layout that shows a fault.
 
     >>> layout_text("sfno", "mean-of-means"), layout_text("sfno", "no-grad-sync")
     ('3 ranks: grid 3x1', '2 ranks: 2 data groups of 1x1')
@@ -432,7 +433,7 @@ def layout_text(stepper: str, fault: str) -> str:
 
 
 def markdown_table(ranks: int = 4) -> list[str]:
-    """The README's fault table: one row per fault of the matrix on ``ranks`` ranks."""
+    """docs/faults.md's fault table: one row per fault of the matrix on ``ranks`` ranks."""
     rows = [
         "| stepper | fault | the bug | what goes wrong | caught as | first divergence "
         "| smallest failing layout |",
@@ -502,7 +503,7 @@ if __name__ == "__main__":
 
     if "--smallest" in sys.argv:  # SMALLEST_LAYOUT's entries, measured
         smallest_layouts(select=sys.argv[-1] if sys.argv[-1] != "--smallest" else "")
-    elif "--readme" in sys.argv:
+    elif "--table" in sys.argv or "--readme" in sys.argv:  # --readme: its name before docs/
         print("\n".join(markdown_table()))
     else:
         sys.stdout.write(document())

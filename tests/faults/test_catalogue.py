@@ -1,7 +1,7 @@
 """The fault catalogue (FAULTS.md): every fault is caught, with the quantity it names.
 
 One table (harness.steppers.catalogue) drives this test, the main job's fault matrix and the
-README's catalogue, so they cannot disagree. Each fault must make check_equivalence fail
+catalogue of docs/faults.md, so they cannot disagree. Each fault must make check_equivalence fail
 with an expected quantity and a message naming the rank, the step and where; the same
 layout without the fault must pass.
 """
@@ -96,11 +96,11 @@ def test_faults_md_is_the_catalogue_as_the_code_has_it():
     )
 
 
-def test_the_readme_fault_table_is_the_catalogue_as_the_code_has_it():
-    text = (ROOT / "README.md").read_text()
+def test_the_docs_fault_table_is_the_catalogue_as_the_code_has_it():
+    text = (ROOT / "docs" / "faults.md").read_text()
     table = text.split("<!-- fault-table:start -->\n")[1].split("\n<!-- fault-table:end -->")[0]
     assert table.splitlines() == catalogue.markdown_table(), (
-        "README.md's fault table drifted: paste python -m harness.steppers.catalogue --readme"
+        "docs/faults.md's fault table drifted: paste python -m harness.steppers.catalogue --table"
     )
 
 

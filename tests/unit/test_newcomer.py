@@ -1,4 +1,5 @@
-"""What a newcomer meets in the first hour: the README's commands and promises hold."""
+"""What a newcomer meets in the first hour: the README's commands and promises hold, and the
+README stays a page that leads to every page of docs/."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from harness.goldens import GoldenStore
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
 def _quick_start() -> str:
@@ -45,14 +47,43 @@ def test_every_field_of_topology_is_documented_in_its_docstring_and_the_readme()
         assert f"`{f.name}`" in README, f.name
 
 
-def test_the_readme_says_where_a_golden_is_written(tmp_path):
+def test_the_goldens_page_says_where_a_golden_is_written(tmp_path):
+    page = (ROOT / "docs" / "goldens.md").read_text()
     store = GoldenStore(tmp_path / "goldens")
-    said = re.search(r"`(goldens/tests/test_my_model/test_matches\[h2w2\]\.pt)`", README)
-    assert said, "the README's example of a golden's path"
+    said = re.search(r"(goldens/tests/test_my_model/test_matches\[h2w2\]\.pt)", page)
+    assert said, "docs/goldens.md's example of a golden's path"
     path = store.path_for("tests/test_my_model.py::test_matches[h2w2]")
     assert path.relative_to(tmp_path).as_posix() == said.group(1)
     named = store.path_for("tests/test_my_model.py::test_matches", "loss")
-    assert f"`{named.relative_to(tmp_path).as_posix()}`" in README
+    assert named.relative_to(tmp_path).as_posix() in page
+
+
+def test_the_readme_is_a_page_of_at_most_300_lines():
+    # issue 31: what it is, Quick start, a first case, a failure, options, where to read more;
+    # everything else has its one home under docs/
+    assert len(README.splitlines()) <= 300, len(README.splitlines())
+
+
+def test_the_readme_links_every_page_of_docs():
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)[#)]", README))
+    unlinked = sorted({page.name for page in DOCS} - linked)
+    assert DOCS and not unlinked, f"pages of docs/ the README does not lead to: {unlinked}"
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors for a document's headings: lower case, punctuation dropped, spaces -."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"(?ms)^```.*?^```", "", markdown), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_of_the_readme_and_docs_names_a_file_and_heading_that_exist():
+    for document in [ROOT / "README.md", *DOCS]:
+        text = document.read_text()
+        for target, anchor in re.findall(r"\]\(([^)#:\s]*)(?:#([^)]*))?\)", text):
+            path = document.parent / target if target else document
+            assert path.exists(), f"{document.name} links {target}, which does not exist"
+            if anchor and path.suffix == ".md":
+                assert anchor in _anchors(path.read_text()), f"{document.name} links #{anchor}"
 
 
 def test_the_fault_table_fits_100_columns_and_keeps_every_verdict_whole():

@@ -156,7 +156,7 @@ def test_harness_check_model_fme_prints_the_table_and_passes(tmp_path: Any) -> N
     assert "ALL CHECKS PASSED" in proc.stdout
 
 
-# ---------------------------------------------------------------------- findings (README)
+# ------------------------------------------ findings (docs/guide.md, "Found by harness")
 
 
 @pytest.mark.spatial(ranks=RANKS)
