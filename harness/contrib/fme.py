@@ -12,6 +12,10 @@ the model:
   forward, identity backward);
 - data sliced to the rank's block by fme's ``get_local_slices`` (``scatter_spatial``).
 
+Rollouts (``rollout=N``) go through fme's own inference path: ``FmeCase.predict`` wraps the
+network in fme's ``Stepper`` and calls its ``predict`` (forcing per step, the prognostic
+variable fed back, a diagnostic output) on data sliced by fme's ``BatchData.scatter_spatial``.
+
 The reference is the same code with fme's ``NonDistributed`` backend. On the ranks fme's
 ``ModelTorchDistributed`` runs inside the harness's process group: fme's vendored
 ``DistributedManager`` wants to create the default group itself (and its ``atexit`` handler
@@ -280,7 +284,7 @@ class FmeCase(SpatialCase):
     def predict(self, model: torch.nn.Module, batch: Any, topo: Topology, steps: int) -> Any:
         """fme's own inference path: its ``Stepper.predict`` (``predict_generator``, one
         ``Stepper.step`` per forward step: normalize, the network, denormalize) over ``steps``
-        steps, as the seed's ``predict`` golden calls it (``test_stepper_predict_regression``):
+        steps, the path the seed's ``predict`` golden drives (``test_stepper_predict_regression``):
         a forcing read at every step, prognostic variables fed back, a diagnostic output.
 
         The stepper is fme's, built from its ``StepperConfig`` around the network the
