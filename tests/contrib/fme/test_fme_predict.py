@@ -17,7 +17,7 @@ pytest.importorskip("fme", reason="fme is not installed here: tox -e fme (and .c
 import torch
 
 from harness import check_equivalence
-from harness.contrib.fme import INFERENCE_FAULTS, FmeCase
+from harness.contrib.fme import INFERENCE_FAULTS, FmeCase, main_configs
 from harness.errors import ConfigError
 from harness.topology import Topology
 from tests.contrib.upstream import expect_upstream, upstream_bug
@@ -57,6 +57,23 @@ def test_fmes_own_predict_on_2x2_matches_its_single_process_predict(
     assert report.rollout is not None
     compared = {(p.step, p.name) for p in report.rollout.curve}
     assert compared == {(k, n) for k in range(ROLLOUT) for n in ("var1", "diagnostic")}
+
+
+@pytest.mark.spatial(ranks=RANKS)
+@pytest.mark.parametrize("config", main_configs(RANKS), ids=lambda c: c[0])
+def test_fmes_own_predict_matches_on_every_main_layout(spatial: Any, config: Any) -> None:
+    # uneven blocks and data groups too (the data layout runs without noise: main_configs)
+    _label, factory, kwargs, spatial_size = config
+    weights = TRAINED if kwargs.get("noise_embed_dim", 4) else {}
+    report = check_equivalence(
+        factory(**kwargs, **weights),
+        ranks=RANKS,
+        spatial_size=spatial_size,
+        steps=1,
+        rollout=ROLLOUT,
+        pool=spatial.pool(RANKS),
+    )
+    assert report.ok, report
 
 
 @pytest.mark.spatial(ranks=RANKS)
