@@ -12,6 +12,10 @@ the model:
   forward, identity backward);
 - data sliced to the rank's block by fme's ``get_local_slices`` (``scatter_spatial``).
 
+Rollouts (``rollout=N``) go through fme's own inference path: ``FmeCase.predict`` wraps the
+network in fme's ``Stepper`` and calls its ``predict`` (forcing per step, the prognostic
+variable fed back, a diagnostic output) on data sliced by fme's ``BatchData.scatter_spatial``.
+
 The reference is the same code with fme's ``NonDistributed`` backend. On the ranks fme's
 ``ModelTorchDistributed`` runs inside the harness's process group: fme's vendored
 ``DistributedManager`` wants to create the default group itself (and its ``atexit`` handler
@@ -49,6 +53,7 @@ from harness.topology import Topology
 
 __all__ = [
     "FME_FAULTS",
+    "INFERENCE_FAULTS",
     "FmeCase",
     "FmeConfig",
     "FmeNotInstalled",
@@ -76,7 +81,16 @@ FME_FAULTS: dict[str, str] = {
     "mesh-data-innermost": "fme's manager lays its (data, h, w) mesh out with the data "
     "dimension innermost: fme's spatial groups are strided, the harness's consecutive (a "
     "layout the harness must refuse in one line, not judge)",
+    # only in inference (fme's Stepper.predict, no_grad): a training check passes them
+    "inference-stale-forcing": "each rank keeps the forcing it scattered for the first "
+    "rollout step and feeds it to every later step (a per-rank buffer cached across steps)",
+    "inference-noise-per-rank": "inference seeds each rank's isotropic-noise generator with "
+    "the rank (ensemble inference seeded per process): the tiles of one member see "
+    "different noise",
 }
+
+#: the faults of ``FME_FAULTS`` that live only in fme's inference path (``FmeCase.predict``)
+INFERENCE_FAULTS = ("inference-stale-forcing", "inference-noise-per-rank")
 
 
 class FmeNotInstalled(ConfigError, ImportError):
@@ -137,6 +151,16 @@ class FmeConfig:
     #: also run the model in eval mode each step and compare that output ("eval output"):
     #: some of fme's code paths (the latent mean clipping) only act in eval
     eval_output: bool = False
+    #: the latent global-mean envelope (fme's ``_gm_min``, ``_gm_max`` buffers, every channel)
+    #: a trained checkpoint carries into inference, loaded before ``predict`` as fme loads a
+    #: checkpoint's state: with ``clip_latent_global_means`` fme's eval forward clips the
+    #: latent means to it (a network as built holds -inf, inf there and clips nothing)
+    latent_mean_envelope: tuple[float, float] | None = None
+    #: after fme's init, draw the weights of the noise-conditioning convolutions
+    #: (``W_scale_2d``, ``W_bias_2d``) from N(0, std^2), as a trained checkpoint holds them:
+    #: fme initialises them to zero, so in a network as built the noise changes no output
+    #: (only gradients), and neither a field nor a rollout could see a noise bug
+    noise_weights_std: float = 0.0
     options: dict[str, Any] = field(default_factory=dict)  # any other builder field
 
     def builder(self) -> Any:
@@ -209,6 +233,8 @@ class FmeCase(SpatialCase):
         net = cfg.builder().build(
             cfg.channels, cfg.channels, DatasetInfo(img_shape=(cfg.nlat, cfg.nlon))
         )
+        if cfg.noise_weights_std:
+            _draw_noise_weights(net, cfg.noise_weights_std)
         return _FmeModel(net, instance.wrap_module(net), _area_weights(cfg))
 
     def teardown(self, model: torch.nn.Module | None, topo: Topology) -> None:
@@ -253,6 +279,52 @@ class FmeCase(SpatialCase):
         shards = {k: Shard.grid(v, rows, cols, cfg.nlat, cfg.nlon) for k, v in fields.items()}
         return Outputs(loss, dict(shards))
 
+    # ------------------------------------------------------------------ inference
+
+    def predict(self, model: torch.nn.Module, batch: Any, topo: Topology, steps: int) -> Any:
+        """fme's own inference path: its ``Stepper.predict`` (``predict_generator``, one
+        ``Stepper.step`` per forward step: normalize, the network, denormalize) over ``steps``
+        steps, the path the seed's ``predict`` golden drives (``test_stepper_predict_regression``):
+        a forcing read at every step, prognostic variables fed back, a diagnostic output.
+
+        The stepper is fme's, built from its ``StepperConfig`` around the network the
+        harness built (its weights and buffers copied in as a checkpoint would be, the
+        mode as the harness set it); the data is one global ``BatchData`` sliced to the
+        rank's block by fme's own ``BatchData.scatter_spatial``, as fme's loaders do. Each
+        step's prognostic and diagnostic fields come back as ``Shard.grid`` blocks."""
+        from fme.core.distributed.distributed import Distributed
+
+        cfg = self.config
+        if cfg.corrector is not None or cfg.channels < 2:
+            raise ConfigError(
+                f"FmeCase.predict rolls out a forcing and channels - 1 prognostic variables "
+                f"without a corrector; got channels={cfg.channels}, corrector="
+                f"{cfg.corrector}: roll out with channels >= 2 and corrector=None"
+            )
+        if cfg.latent_mean_envelope is not None and not cfg.clip_latent_global_means:
+            raise ConfigError(
+                f"FmeCase latent_mean_envelope={cfg.latent_mean_envelope} is the envelope of "
+                "fme's latent-mean clipping, which is off: pass clip_latent_global_means=True"
+            )
+        assert isinstance(model, _FmeModel)
+        if cfg.latent_mean_envelope is not None:
+            _load_envelope(model.net, cfg.latent_mean_envelope)
+        prognostic = [f"var{i}" for i in range(1, cfg.channels)]
+        stepper = _stepper(model, cfg, ["forcing", *prognostic], [*prognostic, "diagnostic"])
+        data = _rollout_data(batch, prognostic, steps).scatter_spatial((cfg.nlat, cfg.nlon))
+        initial = data.get_start(prognostic, n_ic_timesteps=stepper.n_ic_timesteps)
+        with warnings.catch_warnings():  # fme times its predict only inside its GlobalTimer
+            warnings.filterwarnings("ignore", "The GlobalTimer is currently inactive")
+            output, _ = stepper.predict(initial, data)
+        names = [*prognostic, "diagnostic"]
+        if topo.spatial_group is None:
+            return [{n: output.data[n][:, k] for n in names} for k in range(steps)]
+        rows, cols = Distributed.get_instance().get_local_slices((cfg.nlat, cfg.nlon))
+        return [
+            {n: Shard.grid(output.data[n][:, k], rows, cols, cfg.nlat, cfg.nlon) for n in names}
+            for k in range(steps)
+        ]
+
     def partition(self, topo: Topology) -> LatLonPartition:
         """Where a rank's activations sit, for locating a first divergence: the lat x lon
         block of the rank in fme's h x w mesh, split as torch-harmonics splits (fme
@@ -288,6 +360,106 @@ class _FmeModel(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         return self.wrapped(*args)
+
+
+# ---------------------------------------------------------------------- fme's stepper
+
+
+def _stepper(model: _FmeModel, cfg: FmeConfig, in_names: list[str], out_names: list[str]) -> Any:
+    """fme's ``Stepper`` (``StepperConfig.get_stepper``, single-module step) for ``cfg``'s
+    network, holding ``model``'s weights and buffers. Built under ``fork_rng``: the
+    stepper's own network is drawn and discarded, and the rollout's noise must come from
+    the RNG state the harness seeded, on the reference and on every rank alike."""
+    import dataclasses
+    import datetime
+
+    from fme.ace.stepper.single_module import StepperConfig
+    from fme.core.coordinates import HybridSigmaPressureCoordinate, LatLonCoordinates
+    from fme.core.dataset_info import DatasetInfo
+    from fme.core.normalizer import NetworkAndLossNormalizationConfig, NormalizationConfig
+    from fme.core.registry.module import ModuleSelector
+    from fme.core.step import SingleModuleStepConfig, StepSelector
+
+    names = sorted({*in_names, *out_names})
+    step = SingleModuleStepConfig(
+        builder=ModuleSelector(
+            type="NoiseConditionedSFNO", config=dataclasses.asdict(cfg.builder())
+        ),
+        in_names=in_names,
+        out_names=out_names,
+        # the seed golden's normalization: not the identity, so normalizing is exercised
+        normalization=NetworkAndLossNormalizationConfig(
+            network=NormalizationConfig(
+                means=dict.fromkeys(names, 0.1), stds=dict.fromkeys(names, 1.1)
+            )
+        ),
+    )
+    lat, lon = _lat_lon_degrees(cfg)
+    info = DatasetInfo(
+        horizontal_coordinates=LatLonCoordinates(lat=lat, lon=lon),
+        vertical_coordinate=HybridSigmaPressureCoordinate(
+            ak=torch.arange(7, dtype=torch.float32), bk=torch.arange(7, dtype=torch.float32)
+        ),
+        timestep=datetime.timedelta(hours=6),
+    )
+    config = StepperConfig(step=StepSelector(type="single_module", config=dataclasses.asdict(step)))
+    with torch.random.fork_rng():
+        stepper = config.get_stepper(info)
+    (module,) = stepper.modules  # fme's wrapped network: DDP or its DummyWrapper
+    module.load_state_dict(model.wrapped.state_dict())  # a checkpoint of the harness's net
+    module.train(model.training)
+    return stepper
+
+
+def _rollout_data(batch: dict[str, torch.Tensor], prognostic: list[str], steps: int) -> Any:
+    """The rollout's global ``BatchData`` from step 0's batch: the prognostic variables'
+    initial condition is ``x``'s channels 1..; the forcing turns from ``x``'s channel 0
+    to ``y``'s over the steps (a new forcing every step, so a stale one shows)."""
+    import numpy as np
+    import xarray as xr
+    from fme.ace.data_loading.batch_data import BatchData
+
+    x, y = batch["x"], batch["y"]
+    angle = 0.5 * torch.arange(steps + 1, dtype=x.dtype)[None, :, None, None]
+    forcing = torch.cos(angle) * x[:, None, 0] + torch.sin(angle) * y[:, None, 0]
+    data = {"forcing": forcing}
+    for i, name in enumerate(prognostic, start=1):
+        data[name] = x[:, None, i].expand(-1, steps + 1, -1, -1).contiguous()
+    time = xr.DataArray(np.zeros((x.shape[0], steps + 1)), dims=["sample", "time"])
+    return BatchData.new_on_device(data=data, time=time, horizontal_dims=["lat", "lon"])
+
+
+def _draw_noise_weights(net: torch.nn.Module, std: float) -> None:
+    """Give fme's zero-initialised noise conditioning trained-like weights. From a private
+    generator: the same on every rank (the weights are replicated) and the seeded RNG
+    stream the noise draws from stays as it was."""
+    generator = torch.Generator().manual_seed(20_261_010)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if ".W_scale_2d." in name or ".W_bias_2d." in name:
+                p.copy_(std * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+
+
+def _load_envelope(net: torch.nn.Module, envelope: tuple[float, float]) -> None:
+    """Put a trained checkpoint's latent-mean envelope into fme's buffers."""
+    low, high = envelope
+    for name, b in net.named_buffers():
+        if name.endswith("_gm_min"):
+            b.fill_(low)
+        elif name.endswith("_gm_max"):
+            b.fill_(high)
+
+
+def _lat_lon_degrees(cfg: FmeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid's latitudes and longitudes in degrees (fme's area weights follow them)."""
+    import numpy as np
+
+    if cfg.grid == "legendre-gauss":
+        lat = np.degrees(np.arcsin(np.polynomial.legendre.leggauss(cfg.nlat)[0]))
+    else:
+        lat = np.linspace(90.0, -90.0, cfg.nlat)
+    lon = np.arange(cfg.nlon) * 360.0 / cfg.nlon
+    return torch.tensor(lat.copy(), dtype=torch.float32), torch.tensor(lon, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------- fme's global state
@@ -470,6 +642,32 @@ def _patch_faults(faults: tuple[str, ...]) -> None:
             return self._global_mesh
 
         patch(DistributedManager, "initialize_mesh", data_innermost)
+    if "inference-stale-forcing" in faults:
+        from fme.ace.stepper.single_module import Stepper
+
+        generate = Stepper.predict_generator
+
+        def stale_forcing(self: Any, ic: Any, forcing: Any, *args: Any, **kw: Any) -> Any:
+            first = {k: v[:, :1].expand_as(v) for k, v in forcing.items()}
+            return generate(self, ic, first, *args, **kw)
+
+        patch(Stepper, "predict_generator", stale_forcing)
+    if "inference-noise-per-rank" in faults:
+        from fme.ace.registry import stochastic_sfno
+        from fme.core.rand import use_generator
+
+        draw = stochastic_sfno.isotropic_noise
+
+        def per_rank(*args: Any, **kw: Any) -> torch.Tensor:
+            if torch.is_grad_enabled():  # training draws as fme does
+                noise: torch.Tensor = draw(*args, **kw)
+                return noise
+            seeded = torch.Generator().manual_seed(torch.distributed.get_rank())
+            with use_generator(seeded):
+                noise = draw(*args, **kw)
+            return noise
+
+        patch(stochastic_sfno, "isotropic_noise", per_rank)
 
 
 _FAULT_GROUPS: list[Any] = []

@@ -22,6 +22,7 @@ pytest.importorskip("fme", reason="fme is not installed here: tox -e fme (and .c
 from harness import check_equivalence
 from harness.contrib.fme import (
     FME_FAULTS,
+    INFERENCE_FAULTS,
     FmeCase,
     FmeNotInstalled,
     fault_matrix,
@@ -65,6 +66,8 @@ def fme_state() -> dict[str, Any]:
     """What fme and torch-harmonics hold in module globals on this rank."""
     import torch.distributed as dist
     import torch_harmonics.distributed.utils as thu
+    from fme.ace.registry import stochastic_sfno
+    from fme.ace.stepper.single_module import Stepper
     from fme.core.distributed import _gloo_patch, distributed, model_torch_distributed
     from fme.core.distributed.external.pnd_manager import DistributedManager
 
@@ -86,6 +89,8 @@ def fme_state() -> dict[str, Any]:
                 model_torch_distributed.patch_gloo_alltoall,
                 _gloo_patch._gloo_all_to_all,
                 DistributedManager.initialize_mesh,
+                Stepper.predict_generator,
+                stochastic_sfno.isotropic_noise,
             )
         ),
     }
@@ -106,8 +111,10 @@ def test_a_run_leaves_fme_as_it_found_it_on_every_rank(spatial: Any) -> None:
             "ModelTorchDistributed._get_local_spatial_shape",
             "ModelTorchDistributed._register_spatial_grad_hooks",
             "ModelTorchDistributed.spatial_reduce_sum",
+            "Stepper.predict_generator",
             "_AutogradAllReduce.backward",
             "_gloo_all_to_all",
+            "isotropic_noise",
             "patch_gloo_alltoall",
         ],
     }
@@ -117,6 +124,12 @@ def test_a_run_leaves_fme_as_it_found_it_on_every_rank(spatial: Any) -> None:
     # a run with every fault patched in (it fails) leaves fme's functions as they were too
     every_fault = FmeCase(h=2, w=2, faults=tuple(FME_FAULTS))
     assert not check_equivalence(every_fault, ranks=RANKS, pool=spatial.pool(RANKS)).ok
+    assert spatial.run(fme_state) == [clean] * RANKS
+    # and so does a rollout through fme's predict with the inference faults acting in it
+    inference = FmeCase(h=2, w=2, faults=INFERENCE_FAULTS, noise_weights_std=0.5)
+    assert not check_equivalence(
+        inference, ranks=RANKS, steps=1, rollout=2, pool=spatial.pool(RANKS)
+    ).ok
     assert spatial.run(fme_state) == [clean] * RANKS
     assert fme_state() == clean  # the reference's process too
 
