@@ -284,7 +284,7 @@ DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
     ),
     ("healpix", "empty-rank-mean"): (
         "a rank's squared error taken as a mean over its cells times their count",
-        "0 / 0 on a rank that owns no cell: NaN loss everywhere (an empty rank only)",
+        "0 / 0 on a rank that owns no cell: every batch skipped as NaN (an empty rank only)",
     ),
 }
 
@@ -386,15 +386,15 @@ SMALLEST_LAYOUT: dict[tuple[str, str], tuple[int, tuple[int, ...], str]] = {
     ("sfno", "shard-wrong-l"): (2, (2, 1), "even"),  # 2 ranks: grid 2x1
     ("sfno", "shard-grad-replicated"): (2, (2, 1), "even"),  # 2 ranks: grid 2x1
     ("healpix", "rank-major-gather"): (2, (2,), "even"),  # 2 ranks: grid 2
-    ("healpix", "padding-kept"): (4, (4,), "even"),  # 4 ranks: grid 4
+    ("healpix", "padding-kept"): (2, (2,), "uneven"),  # 2 ranks: grid 2, uneven blocks
     ("healpix", "gather-over-world"): (2, (1,), "even"),  # 2 ranks: grid 1, 2 data groups
     ("healpix", "rank-order"): (2, (2,), "even"),  # 2 ranks: grid 2
     ("healpix", "local-neighbour-index"): (2, (2,), "even"),  # 2 ranks: grid 2
-    ("healpix", "empty-skip"): (4, (4,), "even"),  # 4 ranks: grid 4
-    ("healpix", "empty-none-grad"): (4, (4,), "even"),  # 4 ranks: grid 4
+    ("healpix", "empty-skip"): (2, (2,), "empty-rank"),  # 2 ranks: grid 2, empty rank
+    ("healpix", "empty-none-grad"): (2, (2,), "empty-rank"),  # 2 ranks: grid 2, empty rank
     ("healpix", "non-autograd-gather"): (2, (2,), "even"),  # 2 ranks: grid 2
     ("healpix", "grad-scale"): (2, (2,), "even"),  # 2 ranks: grid 2
-    ("healpix", "rank-local-nan-check"): (4, (4,), "even"),  # 4 ranks: grid 4
+    ("healpix", "rank-local-nan-check"): (2, (2,), "empty-rank"),  # 2 ranks: grid 2, empty rank
     ("healpix", "same-batch-violated"): (2, (1,), "even"),  # 2 ranks: grid 1, 2 data groups
     ("healpix", "local-sample-key"): (2, (1,), "even"),  # 2 ranks: grid 1, 2 data groups
     ("sfno", "band-start-from-own-size"): (4, (4, 1), "even"),  # 4 ranks: grid 4x1
@@ -514,7 +514,10 @@ def document(ranks: int = 4) -> str:
         "of the quantities below (and passes on the same layout without it), and that its first",
         "divergence points where the bug lives; `harness-check`",
         "prints the same matrix. The last column is the smallest layout that shows the fault",
-        "(`harness.check_layouts` up to 4 ranks; `tests/distributed/test_layouts.py`).",
+        "(`harness.check_layouts` up to 4 ranks, uneven blocks and a rank owning nothing",
+        "included where the case allows them; `tests/distributed/test_layouts.py`): some",
+        "faults show only on uneven bands, on 3 or more azimuth ranks, with data groups, or",
+        "on a rank with no cells.",
         "Generated from `harness/steppers/catalogue.py`",
         "(`python -m harness.steppers.catalogue > FAULTS.md`); a test fails if it drifts.",
         "",

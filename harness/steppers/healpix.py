@@ -115,8 +115,9 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
     "rank-local-nan-check": ({"deadlock", "timeout", "field"}, QUIET, None),
     "same-batch-violated": ({"field", "loss"}, EVEN, None),
     "local-sample-key": ({"coverage"}, TOKENS2, 2),
-    # a rank with no cells: 0 / 0 there, NaN everywhere after the loss's sum
-    "empty-rank-mean": ({"nonfinite"}, NO_CELLS, None),
+    # a rank with no cells: 0 / 0 there, NaN in the group's sum, so every rank skips the
+    # batch as bad (a loss of zero, no gradient) where the reference trains
+    "empty-rank-mean": ({"loss", "grad"}, NO_CELLS, None),
 }
 
 # Observation points are sub-cell centres this many levels below nside: strictly inside
