@@ -155,3 +155,30 @@ def test_each_correct_built_in_stepper_passes_every_layout_up_to_8_ranks(spatial
     assert all("samples do not split" in r.refused for r in report.refused), report
     kinds = {r.layout.blocks for r in report.passed}
     assert kinds == ({"even", "uneven", "empty-rank"} if stepper == "healpix" else {"even"})
+
+
+#: (world size, grid, blocks) of every layout up to 4 ranks where each of the catalogue's
+#: layout-only faults shows (its sweep case: the fault's own, partition left to the layouts)
+STEPPER_SHOWS_ON = {
+    # w >= 3 only: 1x3 and 1x4; the 2x2 grid's second azimuth rank is its last, and passes
+    ("sfno", "m-slice-from-end"): {(3, (1, 3), "even"), (4, (1, 4), "even")},
+    # uneven bands only: 30 latitudes in bands of [15, 15], [10, 10, 10], [8, 8, 8, 6]
+    ("sfno", "band-start-from-own-size"): {(4, (4, 1), "even")},
+    # a rank owning no cell only, with or without data groups
+    ("healpix", "empty-rank-mean"): {
+        (2, (2,), "empty-rank"),
+        (3, (3,), "empty-rank"),
+        (4, (4,), "empty-rank"),
+        (4, (2,), "empty-rank"),
+    },
+}
+
+
+@pytest.mark.parametrize("key", sorted(STEPPER_SHOWS_ON), ids=lambda key: f"{key[0]}:{key[1]}")
+def test_a_built_in_fault_of_some_layouts_fails_on_those_only(spatial, key):
+    make, kwargs = CATALOGUE[key]
+    case = catalogue.sweep_case(key[0], make, kwargs, key[1])
+    report = check_layouts(case, max_ranks=4, pools=spatial.pool, locate=False)
+    failing = {(r.layout.world_size, r.layout.mesh, r.layout.blocks) for r in report.failing}
+    assert failing == STEPPER_SHOWS_ON[key], report
+    assert len(report.passed) >= 8, report  # the others ran, and passed
