@@ -320,7 +320,8 @@ class LayoutsReport:
         if first is not None:
             parts.append(f"Smallest failing layout, {self.smallest_failing}:\n{first}")
         parts.append(
-            "Every layout (grid x world size W; data groups = W / grid ranks; n/a: refused "
+            "Every layout (grid x world size W; data groups = W / grid ranks; 'uneven': "
+            "blocks of different sizes, 'empty-rank': a rank owning nothing; n/a: refused "
             "by the case; '.': no such layout):\n" + self.map()
         )
         failing = self.failing
