@@ -466,3 +466,22 @@ def test_a_reference_that_raises_is_each_layouts_error_not_an_exception():
     first = report.failing[0].report.mismatches[0]
     assert (first.quantity, first.run) == ("error", "reference")
     assert "RuntimeError: the reference cannot build" in first.where
+
+
+def test_the_picture_has_a_row_per_grid_and_blocks_and_frames_a_failing_empty_rank(tmp_path):
+    pytest.importorskip("matplotlib")  # the plots extra
+    import matplotlib.image
+
+    results = [
+        LayoutResult(x, report_of(x, *([loss_off(1)] if x.blocks == "empty-rank" else [])))
+        for x in layouts(2, 1, blocks=BLOCKS)
+    ]
+    report = LayoutsReport(case="demo", max_ranks=2, mesh_dims=1, results=results)
+    assert report.smallest_failing == Layout(2, 2, 1, (2,), "empty-rank")
+    pixels = matplotlib.image.imread(report.plot(tmp_path / "layouts.png"))[..., :3]
+    red = (pixels[..., 0] > 0.8) & (pixels[..., 1] < 0.3)
+    green = (pixels[..., 1] > 0.6) & (pixels[..., 0] < 0.4)
+    # rows 1 (W=1 and W=2), 2 and 2 uneven pass: four cells of one size; the last row, 2
+    # empty-rank, fails: one cell, drawn below them all
+    assert red.sum() > 100 and green.sum() > 3 * red.sum()
+    assert red.nonzero()[0].min() > green.nonzero()[0].max()
