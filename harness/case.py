@@ -183,6 +183,16 @@ class SpatialCase:
         as built, on the reference and on every rank (``harness.rollout``)."""
         raise no_predict(self)
 
+    def block_variants(self, mesh: tuple[int, ...]) -> dict[str, SpatialCase]:
+        """Uneven and empty blocks this case's partition allows on the process grid ``mesh``
+        (``check_layouts`` runs each after the even layout of that grid): a name of
+        ``harness.layouts.BLOCKS`` (``"uneven"``: blocks of different sizes; ``"empty-rank"``:
+        a rank owning nothing) -> the case to run there. Each is this case with only how the
+        partitioned run splits the domain changed (explicit band sizes, cell bounds): the
+        same model and data, so the same reference (the sweep runs it once). Default: none,
+        only the case's own blocks on each grid."""
+        return {}
+
     def describe(self, topo: Topology | None = None) -> str:
         """A short description of the partition for reports (override to say more)."""
         return ""

@@ -7,14 +7,16 @@ shard reported at the transposed grid position shows only on 2 x 2, a halo taken
 the wrong longitude never shows on h x 1. So every layout is run: every world size
 ``W <= max_ranks``, every split of it into ``spatial_size x data_size``, every process grid of
 ``case.mesh_dims`` factors of the spatial size (``Topology.mesh``), each one
-``check_equivalence`` on the warm pool of ``W`` ranks.
+``check_equivalence`` on the warm pool of ``W`` ranks. Where the case's partition allows
+them (``SpatialCase.block_variants``), each grid also runs with uneven blocks and with a
+rank owning nothing (``Layout.blocks``), right after the even layouts of its size.
 
 A layout the case refuses (a ``ConfigError`` raised while building or batching on the
 ranks: a batch that does not split over 3 data groups, a grid too small for 8 polar ranks)
 is not run, and is listed with the case's reason; it is neither a pass nor a failure. The
 smallest failing layout is the one with the fewest ranks, then the simplest: fewest ranks
-splitting the domain, then fewest split grid axes, then the first axis split first
-(``Layout.order``).
+splitting the domain, then even blocks before uneven before an empty rank, then fewest
+split grid axes, then the first axis split first (``Layout.order``).
 """
 
 from __future__ import annotations
@@ -36,36 +38,62 @@ from harness.topology import Topology
 if TYPE_CHECKING:
     from harness.pool import Runner
 
-__all__ = ["Layout", "LayoutResult", "LayoutsReport", "check_layouts", "layouts"]
+__all__ = ["BLOCKS", "Layout", "LayoutResult", "LayoutsReport", "check_layouts", "layouts"]
+
+#: How a layout's blocks are cut, simplest first: ``"even"``, the case's own split of the
+#: grid; ``"uneven"``, blocks of different sizes; ``"empty-rank"``, a rank owning nothing.
+#: A case names the last two it allows in ``SpatialCase.block_variants``.
+BLOCKS = ("even", "uneven", "empty-rank")
+_BLOCK_TEXT = {"uneven": "uneven blocks", "empty-rank": "a rank owning nothing"}
 
 
 @dataclass(frozen=True)
 class Layout:
     """Where the ranks of one partitioned run sit: ``world_size`` ranks in ``data_size``
     spatial groups of ``spatial_size`` ranks, each group on the process grid ``mesh`` (a
-    tuple of ``mesh_dims`` sizes whose product is ``spatial_size``)."""
+    tuple of ``mesh_dims`` sizes whose product is ``spatial_size``), its blocks cut as
+    ``blocks`` says (one of ``BLOCKS``; not ``"even"``: the case of
+    ``case.block_variants(mesh)[blocks]`` runs it)."""
 
     world_size: int
     spatial_size: int
     data_size: int
     mesh: tuple[int, ...]
+    blocks: str = "even"
 
     @property
     def grid(self) -> str:
         """The process grid as text: ``"2x2"``, ``"3"``."""
         return "x".join(str(n) for n in self.mesh)
 
+    def case_for(self, case: SpatialCase) -> SpatialCase | None:
+        """The case that runs this layout: ``case`` itself for even blocks, else its
+        ``block_variants(mesh)[blocks]``; ``None`` where the case does not allow these
+        blocks (a drawn layout to skip: ``hypothesis.assume(...)``)."""
+        if self.blocks == "even":
+            return case
+        return block_cases(case, self.mesh).get(self.blocks) if self.spatial_size > 1 else None
+
+    @property
+    def row(self) -> str:
+        """The map's row: the grid, and the blocks unless even (``"2x1 uneven"``)."""
+        return self.grid if self.blocks == "even" else f"{self.grid} {self.blocks}"
+
     @property
     def order(self) -> tuple[Any, ...]:
-        """Smallest first: fewest ranks, fewest ranks splitting the domain, fewest split
-        grid axes, then the first axis split first (``3x1`` before ``1x3``)."""
+        """Smallest first: fewest ranks, fewest ranks splitting the domain, even blocks
+        before uneven before an empty rank, fewest split grid axes, then the first axis
+        split first (``3x1`` before ``1x3``)."""
         split = sum(1 for n in self.mesh if n > 1)
-        return (self.world_size, self.spatial_size, split, tuple(-n for n in self.mesh))
+        blocks = BLOCKS.index(self.blocks) if self.blocks in BLOCKS else len(BLOCKS)
+        mesh = tuple(-n for n in self.mesh)
+        return (self.world_size, self.spatial_size, blocks, split, mesh)
 
     def __str__(self) -> str:
         groups = f", {self.data_size} data groups" if self.data_size > 1 else ""
         noun = "rank" if self.world_size == 1 else "ranks"
-        return f"{self.world_size} {noun}: grid {self.grid}{groups}"
+        blocks = f", {_BLOCK_TEXT.get(self.blocks, self.blocks)}" if self.blocks != "even" else ""
+        return f"{self.world_size} {noun}: grid {self.grid}{blocks}{groups}"
 
 
 def _grids(size: int, dims: int) -> list[tuple[int, ...]]:
@@ -81,24 +109,63 @@ def _grids(size: int, dims: int) -> list[tuple[int, ...]]:
 
 
 def layouts(
-    max_ranks: int, mesh_dims: int = 1, world_sizes: Iterable[int] | None = None
+    max_ranks: int,
+    mesh_dims: int = 1,
+    world_sizes: Iterable[int] | None = None,
+    blocks: Iterable[str] = ("even",),
 ) -> list[Layout]:
-    """Every layout up to ``max_ranks`` ranks (or of ``world_sizes``), smallest first.
+    """Every layout up to ``max_ranks`` ranks (or of ``world_sizes``), smallest first; with
+    ``blocks``, each grid of at least 2 ranks once per name of ``BLOCKS`` given.
 
     >>> [x.grid for x in layouts(2, mesh_dims=2)]  # 1 rank; 2 data groups of 1; 2 x 1; 1 x 2
     ['1x1', '1x1', '2x1', '1x2']
+    >>> [x.row for x in layouts(2, blocks=BLOCKS)][2:]
+    ['2', '2 uneven', '2 empty-rank']
     """
     _check_int(max_ranks, "max_ranks", "e.g. max_ranks=8")
     _check_int(mesh_dims, "mesh_dims", "1 for bands or cell ranges, 2 for lat x lon blocks")
+    kinds = _check_blocks(blocks)
     sizes = range(1, max_ranks + 1) if world_sizes is None else sorted(set(world_sizes))
     found = [
-        Layout(w, s, w // s, grid)
+        Layout(w, s, w // s, grid, kind)
         for w in sizes
         for s in range(1, w + 1)
         if w % s == 0
         for grid in _grids(s, mesh_dims)
+        for kind in kinds
+        if kind == "even" or s > 1
     ]
     return sorted(found, key=lambda x: x.order)
+
+
+def _check_blocks(blocks: Iterable[str]) -> list[str]:
+    kinds = [blocks] if isinstance(blocks, str) else list(blocks)
+    unknown = [k for k in kinds if k not in BLOCKS]
+    if unknown or not kinds:
+        raise ConfigError(
+            f"blocks={kinds!r}: unknown block kind(s) {unknown}; choose from {BLOCKS}, "
+            'e.g. blocks=("even", "uneven")'
+        )
+    return sorted(set(kinds), key=BLOCKS.index)
+
+
+def block_cases(case: SpatialCase, mesh: tuple[int, ...]) -> dict[str, SpatialCase]:
+    """``case.block_variants(mesh)``, checked: names of ``BLOCKS`` other than ``"even"``,
+    each mapped to a ``SpatialCase``; else one ``ConfigError`` naming the problem."""
+    found = case.block_variants(mesh)
+    if not isinstance(found, dict):
+        raise ConfigError(
+            f"{case.label}.block_variants({mesh}) returned {type(found).__name__}; return a "
+            'dict such as {"uneven": case_with_uneven_blocks}, or {} for none'
+        )
+    for name, variant in found.items():
+        if name not in BLOCKS[1:] or not isinstance(variant, SpatialCase):
+            raise ConfigError(
+                f"{case.label}.block_variants({mesh}) gave {name!r}: "
+                f"{type(variant).__name__}; keys are {BLOCKS[1:]}, values SpatialCases "
+                "(this case with only its split of the domain changed)"
+            )
+    return found
 
 
 def _check_int(value: Any, name: str, example: str) -> None:
@@ -171,21 +238,26 @@ class LayoutsReport:
     def result(self, layout: Layout) -> LayoutResult:
         return next(r for r in self.results if r.layout == layout)
 
-    def map(self) -> str:
-        """Grid (rows) x world size (columns): ``pass``, ``FAIL``, ``n/a`` (refused) or
-        ``.`` (no such layout: the grid's ranks do not divide the world)."""
-        by = {(r.layout.mesh, r.layout.world_size): r.status for r in self.results}
-        sizes = sorted({r.layout.world_size for r in self.results})
-        grids = sorted(
-            {r.layout.mesh for r in self.results},
-            key=lambda m: Layout(0, math.prod(m), 1, m).order[1:],
+    def _rows(self) -> list[tuple[tuple[int, ...], str]]:
+        """The map's rows, (grid, blocks), simplest first."""
+        return sorted(
+            {(r.layout.mesh, r.layout.blocks) for r in self.results},
+            key=lambda row: Layout(0, math.prod(row[0]), 1, *row).order[1:],
         )
-        grid_names = ["x".join(str(n) for n in m) for m in grids]
-        width = max([len("grid"), *map(len, grid_names)])
+
+    def map(self) -> str:
+        """Grid and blocks (rows: ``2x1``, ``2x1 uneven``...) x world size (columns):
+        ``pass``, ``FAIL``, ``n/a`` (refused) or ``.`` (no such layout: the grid's ranks do
+        not divide the world)."""
+        by = {(r.layout.mesh, r.layout.blocks, r.layout.world_size): r.status for r in self.results}
+        sizes = sorted({r.layout.world_size for r in self.results})
+        rows = self._rows()
+        names = [Layout(0, 0, 0, *row).row for row in rows]
+        width = max([len("grid"), *map(len, names)])
         head = f"{'grid':<{width}}  " + " ".join(f"{f'W={w}':>5}" for w in sizes)
         lines = [head.rstrip()]
-        for mesh, name in zip(grids, grid_names, strict=True):
-            cells = " ".join(f"{by.get((mesh, w), '.'):>5}" for w in sizes)
+        for (mesh, blocks), name in zip(rows, names, strict=True):
+            cells = " ".join(f"{by.get((mesh, blocks, w), '.'):>5}" for w in sizes)
             lines.append(f"{name:<{width}}  {cells}".rstrip())
         return "\n".join(lines)
 
@@ -199,25 +271,24 @@ class LayoutsReport:
         from matplotlib.patches import Rectangle
 
         sizes = sorted({r.layout.world_size for r in self.results})
-        grids = sorted(
-            {r.layout.mesh for r in self.results},
-            key=lambda m: Layout(0, math.prod(m), 1, m).order[1:],
-        )
+        grids = self._rows()
         codes = {"pass": 1.0, "FAIL": 2.0, "n/a": 0.0}
         cells = np.full((len(grids), len(sizes)), np.nan)
         for r in self.results:
-            cells[grids.index(r.layout.mesh), sizes.index(r.layout.world_size)] = codes[r.status]
+            row = grids.index((r.layout.mesh, r.layout.blocks))
+            cells[row, sizes.index(r.layout.world_size)] = codes[r.status]
         colours = ListedColormap(["#bbbbbb", "#4caf50", "#e53935"])
         fig = Figure(figsize=(1 + 0.6 * len(sizes), 1 + 0.35 * len(grids)))
         ax = fig.add_subplot()
         ax.imshow(cells, cmap=colours, vmin=-0.5, vmax=2.5, aspect="auto")
         ax.set_xticks(range(len(sizes)), [str(w) for w in sizes])
-        ax.set_yticks(range(len(grids)), ["x".join(map(str, m)) for m in grids])
+        ax.set_yticks(range(len(grids)), [Layout(0, 0, 0, *row).row for row in grids])
         ax.set_xlabel("world size (ranks)")
-        ax.set_ylabel("process grid")
+        ax.set_ylabel("process grid (blocks)")
         smallest = self.smallest_failing
         if smallest is not None:
-            y, x = grids.index(smallest.mesh), sizes.index(smallest.world_size)
+            y = grids.index((smallest.mesh, smallest.blocks))
+            x = sizes.index(smallest.world_size)
             ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, lw=3))
         ax.set_title(f"{self.case}: pass / FAIL / refused per layout", fontsize=9)
         out = Path(path)
@@ -249,7 +320,8 @@ class LayoutsReport:
         if first is not None:
             parts.append(f"Smallest failing layout, {self.smallest_failing}:\n{first}")
         parts.append(
-            "Every layout (grid x world size W; data groups = W / grid ranks; n/a: refused "
+            "Every layout (grid x world size W; data groups = W / grid ranks; 'uneven': "
+            "blocks of different sizes, 'empty-rank': a rank owning nothing; n/a: refused "
             "by the case; '.': no such layout):\n" + self.map()
         )
         failing = self.failing
@@ -337,6 +409,13 @@ def check_layouts(
     t0 = time.perf_counter()
     out = LayoutsReport(case=case.label, max_ranks=max_ranks, mesh_dims=dims)
     todo = layouts(max_ranks, dims, world_sizes)
+    # the uneven and empty blocks the case allows on each grid, after its even layouts
+    variants = {m: block_cases(case, m) for m in {x.mesh for x in todo if x.spatial_size > 1}}
+    cases = {x: case for x in todo}
+    for x in list(todo):
+        for kind, variant in variants.get(x.mesh, {}).items():
+            cases[Layout(x.world_size, x.spatial_size, x.data_size, x.mesh, kind)] = variant
+    todo = list(cases)
     # the reference does not depend on the layout: run it once for every layout
     run = {k: kwargs[k] for k in ("steps", "lr", "seed") if k in kwargs}
     try:
@@ -347,7 +426,7 @@ def check_layouts(
         reference = None
     for layout in sorted(todo, key=lambda x: (x.world_size, x.order)):
         report = check_equivalence(
-            case,
+            cases[layout],
             ranks=layout.world_size,
             spatial_size=layout.spatial_size,
             mesh=layout.mesh,
@@ -366,7 +445,7 @@ def check_layouts(
         layout = smallest.layout
         if not smallest.report.quantities & set(FAILURES):  # a raise or a hang says where
             located = check_equivalence(
-                case,
+                cases[layout],
                 ranks=layout.world_size,
                 spatial_size=layout.spatial_size,
                 mesh=layout.mesh,

@@ -31,6 +31,7 @@ __all__ = [
     "ownership",
     "sht_split_rule",
     "split_sizes",
+    "uneven_sizes",
 ]
 
 
@@ -90,6 +91,27 @@ def split_sizes(size: int, parts: int, rule: str | None = None) -> list[int]:
         chunk = size // parts
         last = size - chunk * (parts - 1)
     return [chunk] * (parts - 1) + [last]
+
+
+def uneven_sizes(size: int, parts: int) -> list[int]:
+    """A deliberately uneven split of ``size`` items over ``parts`` ranks (``parts >= 2``):
+    the first rank gets half an even share, the others share the rest (``balanced``). Every
+    rank gets at least one item; sizes differ by more than one, so code that holds only for
+    equal blocks shows. ``check_layouts``' ``uneven`` blocks (``SpatialCase.block_variants``).
+
+    >>> uneven_sizes(48, 2), uneven_sizes(48, 4), uneven_sizes(12, 3)
+    ([12, 36], [6, 14, 14, 14], [2, 5, 5])
+    """
+    _check_int("size", size, 0)
+    _check_int("parts", parts, 2)
+    size, parts = int(size), int(parts)
+    if size < 2 * parts:
+        raise ConfigError(
+            f"{size} items cannot be split unevenly over {parts} ranks with every rank "
+            f"holding one; uneven blocks need size >= {2 * parts}"
+        )
+    first = max(1, size // parts // 2)
+    return [first, *split_sizes(size - first, parts - 1, rule="balanced")]
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -429,6 +451,29 @@ class CellPartition:
         _check_int("ranks", ranks, 1)
         sizes = split_sizes(12 * nside * nside, int(ranks), rule="balanced")
         return cls(nside, tuple(_offsets(sizes)))
+
+    @classmethod
+    def uneven(cls, nside: int, ranks: int) -> CellPartition:
+        """Cells split unevenly (``uneven_sizes``: the first rank short), ``ranks >= 2``.
+
+        >>> CellPartition.uneven(nside=2, ranks=4).sizes
+        [6, 14, 14, 14]
+        """
+        nside = _check_nside(nside)
+        return cls(nside, tuple(_offsets(uneven_sizes(12 * nside * nside, ranks))))
+
+    @classmethod
+    def with_empty_rank(cls, nside: int, ranks: int, empty: int = 1) -> CellPartition:
+        """Spatial rank ``empty`` owns no cell; the others split the cells evenly.
+
+        >>> CellPartition.with_empty_rank(nside=1, ranks=3).sizes
+        [6, 0, 6]
+        """
+        nside = _check_nside(nside)
+        _check_int("ranks", ranks, 2)
+        r = _check_rank(empty, int(ranks), f"{ranks}-rank cell partition")
+        sizes = split_sizes(12 * nside * nside, int(ranks) - 1, rule="balanced")
+        return cls(nside, tuple(_offsets([*sizes[:r], 0, *sizes[r:]])))
 
     @property
     def npix(self) -> int:

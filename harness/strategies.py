@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
+from harness.errors import ConfigError
 from harness.layouts import Layout
 from harness.layouts import layouts as _all_layouts
 from harness.partition import CellPartition, LatLonPartition, cell_of
@@ -74,17 +75,39 @@ def process_grids(ranks: int) -> st.SearchStrategy[tuple[int, int]]:
     return st.sampled_from(_grids(ranks))
 
 
-def layouts(*, max_ranks: int = 8, mesh_dims: int = 1) -> st.SearchStrategy[Layout]:
+def layouts(
+    *, max_ranks: int = 8, mesh_dims: int = 1, blocks: Sequence[str] = ("even",)
+) -> st.SearchStrategy[Layout]:
     """``harness.layouts.Layout`` s up to ``max_ranks`` ranks: a world size, its spatial x
-    data split and a process grid of ``mesh_dims`` axes, for
-    ``check_equivalence(case, ranks=l.world_size, spatial_size=l.spatial_size, mesh=l.mesh)``.
+    data split, a process grid of ``mesh_dims`` axes and, with ``blocks`` (names of
+    ``harness.layouts.BLOCKS``; ``blocks=BLOCKS`` for all), how its blocks are cut; for
+    ``check_equivalence(l.case_for(case), ranks=l.world_size, spatial_size=l.spatial_size,
+    mesh=l.mesh)`` (``case_for`` is ``None`` where the case does not allow those blocks:
+    ``assume`` it is not).
 
-    Shrinks towards the smallest layout (``Layout.order``: fewest ranks, then the simplest
-    grid), so a failing example reads as the smallest layout that shows the bug.
+    Shrinks towards the smallest layout (``Layout.order``: fewest ranks, even blocks, then
+    the simplest grid), so a failing example reads as the smallest layout that shows the bug.
     """
     max_ranks = _int("max_ranks", max_ranks, 1)
     mesh_dims = _int("mesh_dims", mesh_dims, 1)
-    return st.sampled_from(_all_layouts(max_ranks, mesh_dims))
+    try:
+        found = _all_layouts(max_ranks, mesh_dims, blocks=blocks)
+    except ConfigError as exc:
+        raise InvalidArgument(str(exc)) from None
+    # drawn as "this one?" for each layout in turn (smallest first), each a choice among
+    # the layouts left, not as one index into the list: Hypothesis shrinks a choice toward
+    # its first value ("this one"), so it tries every earlier layout and lands on the
+    # smallest that still fails (one index shrinks by steps and stops at the first layout
+    # that passes: the grids and blocks of one size interleave, so that is rarely the end)
+
+    @st.composite
+    def draw(draw: Any) -> Layout:
+        for i, layout in enumerate(found[:-1]):
+            if draw(st.sampled_from(range(len(found) - i))) == 0:
+                return layout
+        return found[-1]
+
+    return draw()
 
 
 # ---------------------------------------------------------------------- lat/lon

@@ -271,6 +271,22 @@ DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
         "keyed tokens (sample, cell, token) name their sample by the data group's local index",
         "data groups' tokens share keys: items held by several ranks, others by none",
     ),
+    ("sfno", "band-start-from-own-size"): (
+        "a latitude band's first row taken as the polar index times the band's own size",
+        "area weights of the wrong rows once bands differ in size (uneven bands only)",
+    ),
+    ("sfno", "m-slice-from-end"): (
+        "azimuth ranks after the first take their orders m counted back from the last",
+        "middle azimuth ranks filter with other orders' weights (w >= 3 only)",
+    ),
+    ("sfno", "noise-per-data-group"): (
+        "each data group draws noise for its own samples from the shared seed",
+        "every data group's samples get the first samples' noise (data groups only)",
+    ),
+    ("healpix", "empty-rank-mean"): (
+        "a rank's squared error taken as a mean over its cells times their count",
+        "0 / 0 on a rank that owns no cell: every batch skipped as NaN (an empty rank only)",
+    ),
 }
 
 
@@ -341,44 +357,64 @@ LOCATED: dict[tuple[str, str], str | None] = {
     ("sfno", "shard-wrong-l"): "forward of 'filters.0' (SpectralFilter)",
     ("sfno", "shard-grad-replicated"): "sync",
     ("healpix", "local-sample-key"): "coverage",
+    ("sfno", "band-start-from-own-size"): "forward of '' (SFNOStepper)",
+    ("sfno", "m-slice-from-end"): "forward of 'filters.0' (SpectralFilter)",
+    ("sfno", "noise-per-data-group"): "forward of '' (SFNOStepper)",
+    ("healpix", "empty-rank-mean"): "forward of '' (HealpixStepper)",
 }
 
 
-#: (stepper, fault id) -> (world size, process grid) of the smallest layout that shows the
-#: fault: ``check_layouts`` of the fault's own case over every layout up to 4 ranks
-#: (``python -m harness.steppers.catalogue --smallest`` measures them again). A case whose
-#: ``bounds`` name 4 ranks refuses every other spatial size, so its faults show at 4.
-#: ``tests/distributed/test_layouts.py`` checks each.
-SMALLEST_LAYOUT: dict[tuple[str, str], tuple[int, tuple[int, ...]]] = {
-    ("coupled-mlp", "no-grad-sync"): (2, (1,)),  # 2 ranks: grid 1, 2 data groups
-    ("coupled-mlp", "wrong-shard-index"): (1, (1,)),  # 1 rank: grid 1
-    ("coupled-mlp", "non-differentiable-reduce"): (2, (2,)),  # 2 ranks: grid 2
-    ("sfno", "reduce-not-differentiable"): (2, (2, 1)),  # 2 ranks: grid 2x1
-    ("sfno", "reduce-double-count"): (2, (2, 1)),  # 2 ranks: grid 2x1
-    ("sfno", "coupling-identity-backward"): (2, (2, 1)),  # 2 ranks: grid 2x1
-    ("sfno", "no-grad-sync"): (2, (1, 1)),  # 2 ranks: grid 1x1, 2 data groups
-    ("sfno", "grad-sync-mean"): (2, (2, 1)),  # 2 ranks: grid 2x1
-    ("sfno", "buffer-broadcast"): (1, (1, 1)),  # 1 rank: grid 1x1
-    ("sfno", "mean-of-means"): (3, (3, 1)),  # 3 ranks: grid 3x1
-    ("sfno", "split-mismatch"): (3, (1, 3)),  # 3 ranks: grid 1x3
-    ("sfno", "per-rank-noise"): (2, (1, 1)),  # 2 ranks: grid 1x1, 2 data groups
-    ("sfno", "local-weights"): (2, (2, 1)),  # 2 ranks: grid 2x1
-    ("sfno", "reduce-over-world"): (2, (2, 1)),  # 2 ranks: grid 2x1
-    ("sfno", "shard-wrong-l"): (2, (2, 1)),  # 2 ranks: grid 2x1
-    ("sfno", "shard-grad-replicated"): (2, (2, 1)),  # 2 ranks: grid 2x1
-    ("healpix", "rank-major-gather"): (2, (2,)),  # 2 ranks: grid 2
-    ("healpix", "padding-kept"): (4, (4,)),  # 4 ranks: grid 4
-    ("healpix", "gather-over-world"): (2, (1,)),  # 2 ranks: grid 1, 2 data groups
-    ("healpix", "rank-order"): (2, (2,)),  # 2 ranks: grid 2
-    ("healpix", "local-neighbour-index"): (2, (2,)),  # 2 ranks: grid 2
-    ("healpix", "empty-skip"): (4, (4,)),  # 4 ranks: grid 4
-    ("healpix", "empty-none-grad"): (4, (4,)),  # 4 ranks: grid 4
-    ("healpix", "non-autograd-gather"): (2, (2,)),  # 2 ranks: grid 2
-    ("healpix", "grad-scale"): (2, (2,)),  # 2 ranks: grid 2
-    ("healpix", "rank-local-nan-check"): (4, (4,)),  # 4 ranks: grid 4
-    ("healpix", "same-batch-violated"): (2, (1,)),  # 2 ranks: grid 1, 2 data groups
-    ("healpix", "local-sample-key"): (2, (1,)),  # 2 ranks: grid 1, 2 data groups
+#: (stepper, fault id) -> (world size, process grid, blocks) of the smallest layout that
+#: shows the fault: ``check_layouts`` of ``sweep_case`` (the fault's own case, its partition
+#: left to the layouts) over every layout up to 4 ranks, uneven blocks and an empty rank
+#: included where the case allows them (``python -m harness.steppers.catalogue --smallest``
+#: measures them again). ``tests/distributed/test_layouts.py`` checks each.
+SMALLEST_LAYOUT: dict[tuple[str, str], tuple[int, tuple[int, ...], str]] = {
+    ("coupled-mlp", "no-grad-sync"): (2, (1,), "even"),  # 2 ranks: grid 1, 2 data groups
+    ("coupled-mlp", "wrong-shard-index"): (1, (1,), "even"),  # 1 rank: grid 1
+    ("coupled-mlp", "non-differentiable-reduce"): (2, (2,), "even"),  # 2 ranks: grid 2
+    ("sfno", "reduce-not-differentiable"): (2, (2, 1), "even"),  # 2 ranks: grid 2x1
+    ("sfno", "reduce-double-count"): (2, (2, 1), "even"),  # 2 ranks: grid 2x1
+    ("sfno", "coupling-identity-backward"): (2, (2, 1), "even"),  # 2 ranks: grid 2x1
+    ("sfno", "no-grad-sync"): (2, (1, 1), "even"),  # 2 ranks: grid 1x1, 2 data groups
+    ("sfno", "grad-sync-mean"): (2, (2, 1), "even"),  # 2 ranks: grid 2x1
+    ("sfno", "buffer-broadcast"): (1, (1, 1), "even"),  # 1 rank: grid 1x1
+    ("sfno", "mean-of-means"): (3, (3, 1), "even"),  # 3 ranks: grid 3x1
+    ("sfno", "split-mismatch"): (3, (1, 3), "even"),  # 3 ranks: grid 1x3
+    ("sfno", "per-rank-noise"): (2, (1, 1), "even"),  # 2 ranks: grid 1x1, 2 data groups
+    ("sfno", "local-weights"): (2, (2, 1), "even"),  # 2 ranks: grid 2x1
+    ("sfno", "reduce-over-world"): (2, (2, 1), "even"),  # 2 ranks: grid 2x1
+    ("sfno", "shard-wrong-l"): (2, (2, 1), "even"),  # 2 ranks: grid 2x1
+    ("sfno", "shard-grad-replicated"): (2, (2, 1), "even"),  # 2 ranks: grid 2x1
+    ("healpix", "rank-major-gather"): (2, (2,), "even"),  # 2 ranks: grid 2
+    ("healpix", "padding-kept"): (2, (2,), "uneven"),  # 2 ranks: grid 2, uneven blocks
+    ("healpix", "gather-over-world"): (2, (1,), "even"),  # 2 ranks: grid 1, 2 data groups
+    ("healpix", "rank-order"): (2, (2,), "even"),  # 2 ranks: grid 2
+    ("healpix", "local-neighbour-index"): (2, (2,), "even"),  # 2 ranks: grid 2
+    ("healpix", "empty-skip"): (2, (2,), "empty-rank"),  # 2 ranks: grid 2, empty rank
+    ("healpix", "empty-none-grad"): (2, (2,), "empty-rank"),  # 2 ranks: grid 2, empty rank
+    ("healpix", "non-autograd-gather"): (2, (2,), "even"),  # 2 ranks: grid 2
+    ("healpix", "grad-scale"): (2, (2,), "even"),  # 2 ranks: grid 2
+    ("healpix", "rank-local-nan-check"): (2, (2,), "empty-rank"),  # 2 ranks: grid 2, empty rank
+    ("healpix", "same-batch-violated"): (2, (1,), "even"),  # 2 ranks: grid 1, 2 data groups
+    ("healpix", "local-sample-key"): (2, (1,), "even"),  # 2 ranks: grid 1, 2 data groups
+    ("sfno", "band-start-from-own-size"): (4, (4, 1), "even"),  # 4 ranks: grid 4x1
+    ("sfno", "m-slice-from-end"): (3, (1, 3), "even"),  # 3 ranks: grid 1x3
+    ("sfno", "noise-per-data-group"): (2, (1, 1), "even"),  # 2 ranks: grid 1x1, 2 data groups
+    ("healpix", "empty-rank-mean"): (2, (2,), "empty-rank"),  # 2 ranks: grid 2, empty rank
 }
+
+
+#: case arguments that pin a partition to one spatial size; a sweep drops them, so its own
+#: uneven and empty-rank blocks (``SpatialCase.block_variants``) show what they were for
+PINNING = {"healpix": ("bounds", "empty_ranks")}
+
+
+def sweep_case(stepper: str, make: Maker, kwargs: dict[str, Any], fault: str) -> SpatialCase:
+    """The case whose layouts a sweep checks for ``fault``: its 4-rank case without the
+    arguments that pin its partition to 4 ranks (``PINNING``)."""
+    kept = {k: v for k, v in kwargs.items() if k not in PINNING.get(stepper, ())}
+    return make(**kept, faults=(fault,))
 
 
 def smallest_layouts(
@@ -387,20 +423,21 @@ def smallest_layouts(
     select: str = "",
     pools: Callable[[int], Any] | None = None,
     out: Callable[[str], None] = print,
-) -> dict[tuple[str, str], tuple[int, tuple[int, ...]] | None]:
+) -> dict[tuple[str, str], tuple[int, tuple[int, ...], str] | None]:
     """Sweep every layout up to ``max_ranks`` of each fault (whose ``stepper:fault`` label
     contains ``select``) and return where each first shows (``None``: on no layout)."""
     from harness.layouts import check_layouts
 
-    found: dict[tuple[str, str], tuple[int, tuple[int, ...]] | None] = {}
+    found: dict[tuple[str, str], tuple[int, tuple[int, ...], str] | None] = {}
     for stepper, make, kwargs, _s, fault, _expected in fault_matrix(4):
         if select not in f"{stepper}:{fault}":
             continue
-        report = check_layouts(
-            make(**kwargs, faults=(fault,)), max_ranks=max_ranks, pools=pools, locate=False
-        )
+        case = sweep_case(stepper, make, kwargs, fault)
+        report = check_layouts(case, max_ranks=max_ranks, pools=pools, locate=False)
         smallest = report.smallest_failing
-        found[(stepper, fault)] = None if smallest is None else (smallest.world_size, smallest.mesh)
+        found[(stepper, fault)] = (
+            None if smallest is None else (smallest.world_size, smallest.mesh, smallest.blocks)
+        )
         out(f"    ({stepper!r}, {fault!r}): {found[(stepper, fault)]},  # {smallest}")
     return found
 
@@ -424,11 +461,15 @@ def layout_text(stepper: str, fault: str) -> str:
     ('3 ranks: grid 3x1', '2 ranks: 2 data groups of 1x1')
     >>> layout_text("coupled-mlp", "wrong-shard-index")
     '1 rank'
+    >>> layout_text("healpix", "empty-rank-mean")
+    '2 ranks: grid 2, a rank owning nothing'
     """
-    world, mesh = SMALLEST_LAYOUT[(stepper, fault)]
+    world, mesh, blocks = SMALLEST_LAYOUT[(stepper, fault)]
     if world == 1:
         return "1 rank"
     grid, data = "x".join(map(str, mesh)), world // math.prod(mesh)
+    if blocks != "even":
+        grid += {"uneven": ", uneven blocks", "empty-rank": ", a rank owning nothing"}[blocks]
     return f"{world} ranks: " + (f"{data} data groups of {grid}" if data > 1 else f"grid {grid}")
 
 
@@ -474,7 +515,10 @@ def document(ranks: int = 4) -> str:
         "of the quantities below (and passes on the same layout without it), and that its first",
         "divergence points where the bug lives; `harness-check`",
         "prints the same matrix. The last column is the smallest layout that shows the fault",
-        "(`harness.check_layouts` up to 4 ranks; `tests/distributed/test_layouts.py`).",
+        "(`harness.check_layouts` up to 4 ranks, uneven blocks and a rank owning nothing",
+        "included where the case allows them; `tests/distributed/test_layouts.py`): some",
+        "faults show only on uneven bands, on 3 or more azimuth ranks, with data groups, or",
+        "on a rank with no cells.",
         "Generated from `harness/steppers/catalogue.py`",
         "(`python -m harness.steppers.catalogue > FAULTS.md`); a test fails if it drifts.",
         "",

@@ -45,6 +45,7 @@ its unit tests say so.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
 from itertools import pairwise
@@ -83,6 +84,7 @@ HEALPIX_FAULTS = frozenset(
         "rank-local-nan-check",  # the skip-bad-batch check reads this rank's part, not the total
         "same-batch-violated",  # the data loader seeds its draws with the world rank
         "local-sample-key",  # keyed tokens name their sample by the data group's local index
+        "empty-rank-mean",  # a rank's squared error as a mean over its cells times their count
     }
 )
 
@@ -95,6 +97,7 @@ UNEVEN: dict[str, Any] = {"nside": 2, "bounds": (0, 8, 20, 34, 48)}
 DATA2: dict[str, Any] = {"nside": 2, "batch_size": 4}
 QUIET: dict[str, Any] = {"nside": 2, "bounds": (0, 12, 24, 36, 48), "empty_ranks": (1,)}
 TOKENS2: dict[str, Any] = {**DATA2, "tokens": 3}
+NO_CELLS: dict[str, Any] = {"nside": 2, "bounds": (0, 20, 20, 30, 48)}  # rank 1 owns no cell
 
 #: fault id -> (quantities that catch it, ``HealpixCase`` kwargs, spatial_size) on 4 ranks.
 FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
@@ -112,6 +115,9 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
     "rank-local-nan-check": ({"deadlock", "timeout", "field"}, QUIET, None),
     "same-batch-violated": ({"field", "loss"}, EVEN, None),
     "local-sample-key": ({"coverage"}, TOKENS2, 2),
+    # a rank with no cells: 0 / 0 there, NaN in the group's sum, so every rank skips the
+    # batch as bad (a loss of zero, no gradient) where the reference trains
+    "empty-rank-mean": ({"loss", "grad"}, NO_CELLS, None),
 }
 
 # Observation points are sub-cell centres this many levels below nside: strictly inside
@@ -327,6 +333,10 @@ class HealpixStepper(nn.Module):
             target = all_gather_uneven(target, topo, dim=1)
             mask = all_gather_uneven(mask, topo, dim=1)
         sq = ((pred - target) ** 2 * mask[..., None]).sum(dim=(1, 2))
+        if "empty-rank-mean" in self.faults:
+            # the bug: the rank's error as a mean over its cells scaled back by their count,
+            # the same wherever a rank owns cells; 0 / 0 on a rank that owns none
+            sq = ((pred - target) ** 2 * mask[..., None]).mean(dim=1).sum(dim=-1) * self.n_local
         parts = torch.stack([sq, mask.sum(dim=1) * pred.shape[-1]])  # this rank's (2, B)
         total = parts if "grad-scale" in self.faults else reduce_loss(parts, topo)
         # total is replicated over the spatial group: squared errors and counts per sample
@@ -530,6 +540,25 @@ class HealpixCase(SpatialCase):
         self.target_density, self.dtype = target_density, dtype
 
     # ------------------------------------------------------------ partition
+
+    def block_variants(self, mesh: tuple[int, ...]) -> dict[str, SpatialCase]:
+        """Uneven cell ranges (the first rank short) and a rank owning no cell (spatial rank
+        1), on ``mesh[0]`` ranks; none when ``bounds`` pin the partition."""
+        ranks = mesh[0] if mesh else 1
+        if self.bounds is not None or ranks < 2:
+            return {}
+        out: dict[str, SpatialCase] = {}
+        if self.npix >= 2 * ranks:
+            out["uneven"] = self._with_bounds(CellPartition.uneven(self.nside, ranks).bounds)
+        out["empty-rank"] = self._with_bounds(
+            CellPartition.with_empty_rank(self.nside, ranks).bounds
+        )
+        return out
+
+    def _with_bounds(self, bounds: tuple[int, ...]) -> HealpixCase:
+        variant = copy.copy(self)  # the same model and data: only the split differs
+        variant.bounds = bounds
+        return variant
 
     def partition(self, topo: Topology) -> CellPartition:
         """The spatial group's partition; all cells on one range for the reference."""

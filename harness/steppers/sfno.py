@@ -72,6 +72,13 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
     "per-rank-noise": ({"field"}, {"noise": 1, **_H2W2}, None),
     "local-weights": ({"loss", "error"}, _UNEVEN_LAT, None),
     "reduce-over-world": ({"loss"}, {"h": 2, "w": 1}, 2),
+    # faults that show on some layouts only (a sweep of check_layouts finds where):
+    # uneven latitude bands (30 over 4: [8, 8, 8, 6]; 2 and 3 bands are even)
+    "band-start-from-own-size": ({"loss", "field"}, _UNEVEN_LAT, None),
+    # w >= 3: on 2 azimuth ranks the second is the last, where counting back is right
+    "m-slice-from-end": ({"field", "grad", "loss"}, {"h": 1, "w": 4}, None),
+    # data groups: with one, its samples are the whole batch
+    "noise-per-data-group": ({"field"}, {"noise": 1, "h": 2, "w": 1, "batch_size": 4}, 2),
     # sharded spectral weights (makani's layout): a shard from the wrong l range starts
     # wrong (param at build) and filters the wrong modes (field, grad)
     "shard-wrong-l": ({"param", "grad", "field"}, {**_H2W2, "shard_weights": True}, None),
@@ -316,7 +323,7 @@ class SFNOStepper(nn.Module):
         self.topo = topo
         self.faults = config.faults
         h, w = self.h, self.w = config.process_grid(topo)
-        p, a = topo.grid_position(h, w)
+        p, a = self.grid_position = topo.grid_position(h, w)
         self.partition = data_partition(config, h, w)
         self.lat_slice, self.lon_slice = self.partition.slices(p * w + a)
 
@@ -327,6 +334,11 @@ class SFNOStepper(nn.Module):
             m_slice = _offset_slice(self.sht.m_shapes, a)
         else:
             l_slice, m_slice = slice(0, lmax), slice(0, mmax)
+        if "m-slice-from-end" in self.faults and a > 0:
+            # the bug: every azimuth rank after the first takes its orders counted back from
+            # the last, as the second of a 2-way split may; a middle rank filters its modes
+            # with other orders' weights
+            m_slice = slice(mmax - (m_slice.stop - m_slice.start), mmax)
 
         # global and replicated: the same buffer (name, shape, values) on every rank
         self.register_buffer(
@@ -395,6 +407,12 @@ class SFNOStepper(nn.Module):
 
     def local_area_weights(self) -> torch.Tensor:
         """The area weights of this rank's latitudes."""
+        if "band-start-from-own-size" in self.faults:
+            # the bug: the band's first latitude is the polar index times this band's size,
+            # right while every band has the same size
+            n = self.lat_slice.stop - self.lat_slice.start
+            start = self.grid_position[0] * n
+            return self.area_weights[start : start + n]
         return self.area_weights[self.lat_slice]
 
     def global_mean(self, x: torch.Tensor, block: int = 0) -> torch.Tensor:
@@ -421,6 +439,13 @@ class SFNOStepper(nn.Module):
     def draw_noise(self, batch_local: int) -> torch.Tensor:
         """Noise for this rank's samples and block, drawn for the whole globe and batch."""
         cfg, topo = self.config, self.topo
+        if "noise-per-data-group" in self.faults:
+            # the bug: each data group draws noise for its own samples from the shared seed,
+            # so every group's samples get the first samples' noise
+            full = torch.randn(
+                (batch_local, cfg.noise, cfg.nlat, cfg.nlon), generator=self.noise_generator
+            )
+            return full[..., self.lat_slice, self.lon_slice]
         full = torch.randn(
             (batch_local * topo.data_size, cfg.noise, cfg.nlat, cfg.nlon),
             generator=self.noise_generator,

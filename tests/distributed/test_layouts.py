@@ -11,6 +11,8 @@ import pytest
 from harness import check_equivalence, check_layouts
 from harness.steppers import catalogue
 from harness.steppers.catalogue import fault_matrix
+from harness.steppers.healpix import HealpixCase
+from harness.steppers.mlp import CoupledMLPCase
 from harness.steppers.sfno import SFNOCase
 from tests.distributed.stencil import SMALLEST, StencilCase
 
@@ -104,14 +106,15 @@ def test_every_fault_of_the_catalogue_has_its_smallest_failing_layout():
     "key", sorted(catalogue.SMALLEST_LAYOUT), ids=lambda key: f"{key[0]}:{key[1]}"
 )
 def test_each_catalogue_fault_shows_first_at_its_recorded_smallest_layout(spatial, key):
-    world, mesh = catalogue.SMALLEST_LAYOUT[key]
+    world, mesh, blocks = catalogue.SMALLEST_LAYOUT[key]
     make, kwargs = CATALOGUE[key]
-    # the layouts up to its world size: every smaller one passes (or is refused)
-    report = check_layouts(
-        make(**kwargs, faults=(key[1],)), max_ranks=world, pools=spatial.pool, locate=False
-    )
+    # the layouts up to its world size, uneven and empty blocks too: every smaller one
+    # passes (or is refused)
+    case = catalogue.sweep_case(key[0], make, kwargs, key[1])
+    report = check_layouts(case, max_ranks=world, pools=spatial.pool, locate=False)
     smallest = report.smallest_failing
-    assert smallest is not None and (smallest.world_size, smallest.mesh) == (world, mesh), report
+    assert smallest is not None, report
+    assert (smallest.world_size, smallest.mesh, smallest.blocks) == (world, mesh, blocks), report
 
 
 def test_the_main_jobs_sweep_prints_each_layout_and_fails_naming_the_smallest(spatial):
@@ -129,3 +132,53 @@ def test_the_main_jobs_sweep_prints_each_layout_and_fails_naming_the_smallest(sp
     assert failure.endswith("smallest failing layout: 2 ranks: grid 1x2")
     assert any("Smallest failing layout, 2 ranks: grid 1x2:" in text for text in lines)
     assert "  pass  2 ranks: grid 2x1" in lines and "  FAIL  2 ranks: grid 1x2" in lines
+
+
+#: the built-in steppers, correct, with a batch that splits over 1, 2, 3, 4, 6 and 8 data
+#: groups (5 and 7 are refused: 24 samples do not split over them); the SFNO's 4 samples
+#: keep its sweep affordable (3, 5, 6, 7 and 8 data groups refused)
+BUILT_IN = {
+    "coupled-mlp": lambda: CoupledMLPCase(batch_size=24),
+    "sfno": lambda: SFNOCase(batch_size=4),
+    "healpix": lambda: HealpixCase(nside=2, batch_size=24, n_obs=12),
+}
+
+
+# every layout of 1 to 8 ranks, each pool started once: the slowest tests of this file (a
+# minute or more each on 2 busy cores); pools of its own, so not under a launcher
+@pytest.mark.spatial_pool
+@pytest.mark.parametrize("stepper", sorted(BUILT_IN))
+def test_each_correct_built_in_stepper_passes_every_layout_up_to_8_ranks(spatial, stepper):
+    report = spatial.check_layouts(BUILT_IN[stepper](), max_ranks=8, locate=False)
+    assert report.ok and {r.layout.world_size for r in report.passed} == set(range(1, 9))
+    # only data splits the batch cannot make are refused, never a grid or blocks
+    assert all("samples do not split" in r.refused for r in report.refused), report
+    kinds = {r.layout.blocks for r in report.passed}
+    assert kinds == ({"even", "uneven", "empty-rank"} if stepper == "healpix" else {"even"})
+
+
+#: (world size, grid, blocks) of every layout up to 4 ranks where each of the catalogue's
+#: layout-only faults shows (its sweep case: the fault's own, partition left to the layouts)
+STEPPER_SHOWS_ON = {
+    # w >= 3 only: 1x3 and 1x4; the 2x2 grid's second azimuth rank is its last, and passes
+    ("sfno", "m-slice-from-end"): {(3, (1, 3), "even"), (4, (1, 4), "even")},
+    # uneven bands only: 30 latitudes in bands of [15, 15], [10, 10, 10], [8, 8, 8, 6]
+    ("sfno", "band-start-from-own-size"): {(4, (4, 1), "even")},
+    # a rank owning no cell only, with or without data groups
+    ("healpix", "empty-rank-mean"): {
+        (2, (2,), "empty-rank"),
+        (3, (3,), "empty-rank"),
+        (4, (4,), "empty-rank"),
+        (4, (2,), "empty-rank"),
+    },
+}
+
+
+@pytest.mark.parametrize("key", sorted(STEPPER_SHOWS_ON), ids=lambda key: f"{key[0]}:{key[1]}")
+def test_a_built_in_fault_of_some_layouts_fails_on_those_only(spatial, key):
+    make, kwargs = CATALOGUE[key]
+    case = catalogue.sweep_case(key[0], make, kwargs, key[1])
+    report = check_layouts(case, max_ranks=4, pools=spatial.pool, locate=False)
+    failing = {(r.layout.world_size, r.layout.mesh, r.layout.blocks) for r in report.failing}
+    assert failing == STEPPER_SHOWS_ON[key], report
+    assert len(report.passed) >= 8, report  # the others ran, and passed

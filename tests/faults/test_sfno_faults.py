@@ -22,6 +22,9 @@ CATALOGUE = [
     "reduce-over-world",
     "shard-wrong-l",
     "shard-grad-replicated",
+    "band-start-from-own-size",
+    "m-slice-from-end",
+    "noise-per-data-group",
 ]
 # Each fault is run, on and off, by tests/faults/test_catalogue.py from FAULT_CHECKS.
 

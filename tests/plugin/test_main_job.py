@@ -79,7 +79,7 @@ def test_three_ranks_explain_every_row_and_pass(tmp_path):
     assert "  [1/3] coupled-mlp (37 positions): equivalent, golden none (" in out
     assert "(no goldens recorded for 3 ranks in" in out and "not a failure)" in out
     assert "3/3 faults caught" in out
-    assert "skipped 25 fault(s), its layout is sized for 4 ranks (run --ranks 4): sfno:" in out
+    assert "skipped 29 fault(s), its layout is sized for 4 ranks (run --ranks 4): sfno:" in out
     assert "ALL CHECKS PASSED" in out
 
 
@@ -98,11 +98,11 @@ def test_k_selects_layouts_and_faults_by_label_and_every_table_fits_100_columns(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "Layouts (4):" in out and "healpix" not in out.split("Injected faults")[0]
-    assert "Injected faults (13):" in out and "13/13 faults caught" in out
+    assert "Injected faults (16):" in out and "16/16 faults caught" in out
     table = out.split("partitioned vs reference:\n")[1].split("\n\n")[0].splitlines()
     assert [line.split()[0] for line in table[2:]] == ["sfno"] * 4
     assert max(len(line) for line in table) <= 100
-    faults = out.split("verdict\n")[-1].split("\n13/13")[0].splitlines()
+    faults = out.split("verdict\n")[-1].split("\n16/16")[0].splitlines()
     assert max(len(line) for line in faults) <= 100
 
 

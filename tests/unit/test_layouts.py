@@ -14,7 +14,17 @@ from hypothesis.errors import InvalidArgument
 from harness import ConfigError, EquivalenceReport, Mismatch, SpatialCase, Topology
 from harness import strategies as hs
 from harness.equivalence import check_equivalence
-from harness.layouts import Layout, LayoutResult, LayoutsReport, check_layouts, layouts, refusal
+from harness.layouts import (
+    BLOCKS,
+    Layout,
+    LayoutResult,
+    LayoutsReport,
+    block_cases,
+    check_layouts,
+    layouts,
+    refusal,
+)
+from harness.partition import CellPartition, uneven_sizes
 from harness.plugin.options import _parse_layouts
 from harness.steppers.healpix import HealpixCase
 from harness.steppers.sfno import SFNOCase, SFNOConfig
@@ -126,6 +136,136 @@ def test_a_bad_sweep_size_is_one_error():
 def test_a_layout_reads_as_ranks_grid_and_data_groups():
     assert str(Layout(4, 2, 2, (1, 2))) == "4 ranks: grid 1x2, 2 data groups"
     assert str(Layout(1, 1, 1, (1,))) == "1 rank: grid 1"
+
+
+# ---------------------------------------------------------------------- uneven and empty blocks
+
+
+def test_uneven_and_empty_blocks_run_right_after_the_even_layouts_of_their_size():
+    got = [(x.world_size, x.data_size, x.row) for x in layouts(3, 1, blocks=BLOCKS)]
+    assert got == [
+        (1, 1, "1"),
+        (2, 2, "1"),  # one rank per spatial group: nothing to cut unevenly
+        (2, 1, "2"),
+        (2, 1, "2 uneven"),
+        (2, 1, "2 empty-rank"),
+        (3, 3, "1"),
+        (3, 1, "3"),
+        (3, 1, "3 uneven"),
+        (3, 1, "3 empty-rank"),
+    ]
+    two_d = [x.row for x in layouts(2, 2, blocks=("uneven", "even")) if x.spatial_size == 2]
+    assert two_d == ["2x1", "1x2", "2x1 uneven", "1x2 uneven"]
+
+
+def test_a_layout_of_uneven_or_empty_blocks_says_so():
+    assert str(Layout(2, 2, 1, (2,), "uneven")) == "2 ranks: grid 2, uneven blocks"
+    assert str(Layout(4, 2, 2, (2,), "empty-rank")) == (
+        "4 ranks: grid 2, a rank owning nothing, 2 data groups"
+    )
+
+
+def test_an_unknown_block_kind_is_one_error_naming_the_kinds():
+    with pytest.raises(ConfigError, match=r"unknown block kind\(s\) \['ragged'\].*'empty-rank'"):
+        layouts(2, blocks=("even", "ragged"))
+    with pytest.raises(InvalidArgument, match="unknown block kind"):
+        hs.layouts(blocks=("ragged",))
+
+
+def test_uneven_sizes_differ_by_more_than_one_and_leave_no_rank_empty():
+    for size, parts in [(48, 2), (48, 8), (12, 3), (16, 4), (30, 4)]:
+        sizes = uneven_sizes(size, parts)
+        assert sum(sizes) == size and min(sizes) >= 1 and max(sizes) - min(sizes) > 1, sizes
+    with pytest.raises(ConfigError, match="uneven blocks need size >= 8"):
+        uneven_sizes(7, 4)
+
+
+def test_the_healpix_case_offers_uneven_cells_and_an_empty_rank_unless_its_bounds_are_pinned():
+    case = HealpixCase(nside=2, batch_size=4)
+    variants = block_cases(case, (4,))
+    assert set(variants) == {"uneven", "empty-rank"}
+    uneven = variants["uneven"].partition(rank_topology(4, (4,)))
+    empty = variants["empty-rank"].partition(rank_topology(4, (4,)))
+    assert uneven.sizes == [6, 14, 14, 14] and empty.sizes == [16, 0, 16, 16]
+    # the same model and data: only the split differs
+    assert variants["uneven"].batch_size == 4 and case.bounds is None
+    assert block_cases(case, (1,)) == {}
+    assert block_cases(HealpixCase(nside=2, bounds=(0, 24, 48)), (2,)) == {}
+    assert block_cases(SFNOCase(), (2, 2)) == {}  # the SHT fixes the SFNO's split
+
+
+def test_a_drawn_layout_gives_the_case_that_runs_it_or_none_where_the_case_has_no_such_blocks():
+    case = HealpixCase(nside=1)
+    assert Layout(2, 2, 1, (2,)).case_for(case) is case
+    empty = Layout(3, 3, 1, (3,), "empty-rank").case_for(case)
+    assert (
+        isinstance(empty, HealpixCase)
+        and empty.bounds == CellPartition.with_empty_rank(1, 3).bounds
+    )
+    assert Layout(2, 2, 1, (2, 1), "uneven").case_for(SFNOCase()) is None
+
+
+class _BadVariants(SpatialCase):
+    name = "bad-variants"
+
+    def block_variants(self, mesh):
+        return {"ragged": self}
+
+
+def test_a_block_variant_of_an_unknown_kind_is_one_error_before_any_rank_runs():
+    with pytest.raises(ConfigError, match=r"gave 'ragged'.*keys are \('uneven', 'empty-rank'\)"):
+        check_layouts(_BadVariants(), max_ranks=2, pools=_NoRanks)
+
+
+def test_an_uneven_layout_of_fewer_ranks_is_smaller_than_an_even_one_of_more():
+    uneven2, even3 = Layout(2, 2, 1, (2,), "uneven"), Layout(3, 3, 1, (3,))
+    even2 = Layout(2, 2, 1, (2,))
+    report = LayoutsReport(
+        case="demo",
+        max_ranks=3,
+        mesh_dims=1,
+        results=[
+            LayoutResult(even3, report_of(even3, loss_off(0))),
+            LayoutResult(uneven2, report_of(uneven2, loss_off(0))),
+            LayoutResult(even2, report_of(even2)),
+        ],
+    )
+    assert report.smallest_failing == uneven2
+    assert (
+        str(report)
+        .splitlines()[0]
+        .endswith("smallest failing layout: 2 ranks: grid 2, uneven blocks")
+    )
+    rows = {
+        line.split()[0] + (" " + line.split()[1] if "uneven" in line else ""): line
+        for line in report.map().splitlines()
+    }
+    assert rows["2 uneven"].split()[-2:] == ["FAIL", "."]
+    assert rows["2"].split()[-2:] == ["pass", "."]
+
+
+@given(hs.layouts(max_ranks=6, mesh_dims=2, blocks=BLOCKS))
+def test_drawn_layouts_with_blocks_are_layouts_of_the_sweep(layout):
+    assert layout in layouts(6, 2, blocks=BLOCKS)
+
+
+def test_drawn_layouts_shrink_to_the_smallest_failing_uneven_one():
+    from hypothesis import find
+
+    # a bug of uneven bands: on uneven blocks of 3 or more polar ranks, and on 4 x 1 even
+    def fails(x):
+        return (x.blocks == "uneven" and x.mesh[0] >= 3) or (x.mesh == (4, 1))
+
+    found = find(hs.layouts(max_ranks=6, mesh_dims=2, blocks=BLOCKS), fails)
+    assert found == Layout(3, 3, 1, (3, 1), "uneven")
+
+    # far apart in the list: the smallest is 2 ranks, every layout between passes
+    def far(x):
+        empty_lon = x.blocks == "empty-rank" and x.mesh[1] >= 2
+        return empty_lon or (x.world_size >= 5 and x.mesh == (1, 1))
+
+    found = find(hs.layouts(max_ranks=8, mesh_dims=2, blocks=BLOCKS), far)
+    assert found == Layout(2, 2, 1, (1, 2), "empty-rank")
 
 
 # ---------------------------------------------------------------------- the report
@@ -326,3 +466,22 @@ def test_a_reference_that_raises_is_each_layouts_error_not_an_exception():
     first = report.failing[0].report.mismatches[0]
     assert (first.quantity, first.run) == ("error", "reference")
     assert "RuntimeError: the reference cannot build" in first.where
+
+
+def test_the_picture_has_a_row_per_grid_and_blocks_and_frames_a_failing_empty_rank(tmp_path):
+    pytest.importorskip("matplotlib")  # the plots extra
+    import matplotlib.image
+
+    results = [
+        LayoutResult(x, report_of(x, *([loss_off(1)] if x.blocks == "empty-rank" else [])))
+        for x in layouts(2, 1, blocks=BLOCKS)
+    ]
+    report = LayoutsReport(case="demo", max_ranks=2, mesh_dims=1, results=results)
+    assert report.smallest_failing == Layout(2, 2, 1, (2,), "empty-rank")
+    pixels = matplotlib.image.imread(report.plot(tmp_path / "layouts.png"))[..., :3]
+    red = (pixels[..., 0] > 0.8) & (pixels[..., 1] < 0.3)
+    green = (pixels[..., 1] > 0.6) & (pixels[..., 0] < 0.4)
+    # rows 1 (W=1 and W=2), 2 and 2 uneven pass: four cells of one size; the last row, 2
+    # empty-rank, fails: one cell, drawn below them all
+    assert red.sum() > 100 and green.sum() > 3 * red.sum()
+    assert red.nonzero()[0].min() > green.nonzero()[0].max()
