@@ -380,6 +380,28 @@ def test_two_pools_run_side_by_side_without_colliding():
     assert not any(_alive(pid) for pid in pids), "closing a pool ends its rank processes"
 
 
+@pytest.mark.spatial_pool
+def test_pools_of_every_world_size_fork_from_one_fork_server():
+    # torch is imported once, in the fork server; a pool of another size is cheap forks of
+    # it, never a second server (which would import torch again, seconds and ~200 MiB)
+    from harness.pool import PoolRegistry
+
+    registry = PoolRegistry(start_method="forkserver", max_processes=16)
+    try:
+        for size in (1, 2, 3):
+            assert [r[1] for r in registry.get(size).run(rank_and_sum, 0.0)] == [size] * size
+        assert registry.live == [1, 2, 3], "every size stays alive within the process cap"
+        parents = {_parent(pid) for size in (1, 2, 3) for pid in registry.get(size).pids}
+        assert len(parents) == 1 and os.getpid() not in parents, parents
+    finally:
+        registry.close()
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])  # state, then the parent pid
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
