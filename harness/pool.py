@@ -846,11 +846,38 @@ _SHARED: PoolRegistry | None = None
 
 
 def shared_registry() -> PoolRegistry:
-    """The process-wide pools ``check_equivalence`` uses when given none (outside pytest).
+    """The process-wide pools ``check_equivalence`` and ``check_layouts`` use when given none
+    (outside pytest).
 
     forkserver: torch is imported once and each rank forks from it (~0.1 s, not ~6 s).
+    Pools of every size a sweep uses stay alive within ``default_memory_budget_mib`` (a
+    second sweep, or a check after one, starts none); where the memory cannot be read, at
+    most 8 rank processes are kept.
     """
     global _SHARED
     if _SHARED is None:
-        _SHARED = PoolRegistry(start_method="forkserver")  # its pools close at exit with all
+        budget = default_memory_budget_mib()
+        _SHARED = PoolRegistry(  # its pools close at exit with all
+            start_method="forkserver",
+            max_processes=SHARED_MAX_PROCESSES if budget is not None else 8,
+            memory_budget_mib=budget,
+        )
     return _SHARED
+
+
+#: the most rank processes the shared pools keep when a memory budget caps them: every
+#: layout up to 8 ranks (36 processes), idle
+SHARED_MAX_PROCESSES = 40
+
+
+def default_memory_budget_mib() -> float | None:
+    """A quarter of the memory available now (``MemAvailable`` of ``/proc/meminfo``), in
+    MiB: what idle warm ranks may hold; ``None`` where the OS does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024 / 4
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

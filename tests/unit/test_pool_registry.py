@@ -87,3 +87,44 @@ def test_rank_memory_reads_this_processs_rss_and_pss():
     # this interpreter has torch loaded: tens of MiB at least; PSS never exceeds RSS
     assert rss > 10 * 1024 and 0 < pss <= rss
     assert rank_memory(2**22 + 12345) is None, "a pid that does not exist reads as unknown"
+
+
+def test_the_shared_pools_keep_every_size_of_a_sweep_within_a_quarter_of_free_memory(
+    stand_in_ranks, monkeypatch
+):
+    monkeypatch.setattr(pool_module, "_SHARED", None)
+    monkeypatch.setattr(pool_module, "default_memory_budget_mib", lambda: 1000.0)
+    registry = pool_module.shared_registry()
+    try:
+        assert registry.memory_budget_mib == 1000.0
+        for w in range(1, 9):  # 36 ranks of 40 MiB: 1440 MiB > 1000
+            registry.get(w)
+        # with 8 ranks (320 MiB) coming, 3 to 7 (1000 MiB) do not fit: 3, 4 and 5 close
+        assert registry.live == [6, 7, 8]
+        assert registry.max_processes == pool_module.SHARED_MAX_PROCESSES
+    finally:
+        monkeypatch.setattr(pool_module, "_SHARED", None)
+
+
+def test_without_a_readable_memory_the_shared_pools_keep_at_most_8_ranks(
+    stand_in_ranks, monkeypatch
+):
+    monkeypatch.setattr(pool_module, "_SHARED", None)
+    monkeypatch.setattr(pool_module, "default_memory_budget_mib", lambda: None)
+    registry = pool_module.shared_registry()
+    try:
+        for w in range(1, 9):
+            registry.get(w)
+        assert registry.live == [8]
+    finally:
+        monkeypatch.setattr(pool_module, "_SHARED", None)
+
+
+def test_the_default_budget_is_a_quarter_of_the_available_memory():
+    budget = pool_module.default_memory_budget_mib()
+    if budget is None:
+        pytest.skip("no /proc/meminfo on this system: no budget to read")
+    with open("/proc/meminfo") as f:
+        available = next(int(x.split()[1]) for x in f if x.startswith("MemAvailable:"))
+    # MemAvailable moves between the two reads: within 10 % of a quarter of it
+    assert abs(budget - available / 1024 / 4) <= 0.1 * available / 1024 / 4
