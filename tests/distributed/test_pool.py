@@ -397,6 +397,20 @@ def test_pools_of_every_world_size_fork_from_one_fork_server():
         registry.close()
 
 
+def modules_loaded(names: list[str]) -> list[bool]:
+    import sys
+
+    return [name in sys.modules for name in names]
+
+
+@pytest.mark.spatial_pool
+def test_a_fresh_forkserver_rank_has_the_heavy_imports_of_the_steppers_before_its_first_run():
+    # healpy (astropy under it) imported in each rank of each pool cost a layout sweep 1-5 s
+    # a pool; forked from the server that imported it once, a rank starts with it
+    with RankPool(1, start_method="forkserver", timeout=60) as pool:
+        assert pool.run(modules_loaded, ["healpy", "torch_harmonics.distributed"]) == [[True, True]]
+
+
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])  # state, then the parent pid
