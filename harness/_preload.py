@@ -18,6 +18,13 @@ try:  # cheap once torch._dynamo is loaded (~10 ms), ~7 s per rank otherwise
 except ImportError:
     pass
 
+try:  # the HEALPix stepper's cell positions (astropy under it: ~280 modules, ~1 s here, once)
+    # instead of 1-5 s in every rank of every pool that batches a HEALPix case: a layout
+    # sweep up to 8 ranks starts 8 pools, 36 ranks; and shared with them, not copied
+    import healpy  # noqa: F401
+except ImportError:
+    pass
+
 import harness.pool
 import harness.topology  # noqa: F401
 from harness._compat import exit_fast_at_exit, inside_forkserver_start

@@ -340,7 +340,10 @@ class _Rank:
             ok, detail = _verify_group(release.run_id, self.world)
         # Answer first, then put things back: the parent returns the run's results while
         # the ranks restore, and the next run's message waits in the pipe until they have.
-        send(self.conn, Released(run_id=release.run_id, ok=ok, detail=detail))
+        # Only a fence is answered: the pool reads nothing else (``Run.verified``), and an
+        # answer nobody reads is a write, a wake-up and a stale event for the next run.
+        if release.verify:
+            send(self.conn, Released(run_id=release.run_id, ok=ok, detail=detail))
         self.run_id = None
         self.board.leave(time.monotonic(), State.IDLE)
         if self.saved is not None:

@@ -22,6 +22,7 @@ split grid axes, then the first axis split first (``Layout.order``).
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -382,7 +383,8 @@ def check_layouts(
     go to every ``check_equivalence`` (``steps``, ``tolerance``, ``timeout``, ``seed``...).
     Layouts run smallest first, one world size at a time (each pool started once); a
     layout's hang is ended by the deadlock proof, not a clock, so an oversubscribed layout
-    that is merely slow still runs to its verdict. ``locate``: as for
+    that is merely slow still runs to its verdict: its timeout (``timeout``, else its
+    pool's) is multiplied by its ranks per core (``layout_timeout``). ``locate``: as for
     ``check_equivalence``, for the smallest failing layout only (the sweep itself never
     locates: the first failing layout is the one worth the cost); ``progress`` is told
     each layout's result as it comes.
@@ -424,15 +426,18 @@ def check_layouts(
         )
     except Exception:  # noqa: BLE001 - each layout's check reports the reference's error
         reference = None
+    given = kwargs.pop("timeout", None)
     for layout in sorted(todo, key=lambda x: (x.world_size, x.order)):
+        runner = pools(layout.world_size)
         report = check_equivalence(
             cases[layout],
             ranks=layout.world_size,
             spatial_size=layout.spatial_size,
             mesh=layout.mesh,
-            pool=pools(layout.world_size),
+            pool=runner,
             locate=False,
             reference=reference,
+            timeout=layout_timeout(given, runner, layout.world_size),
             **kwargs,
         )
         why = refusal(report) if not report.ok else ""
@@ -444,14 +449,16 @@ def check_layouts(
     if smallest is not None and locate is not False and smallest.report is not None:
         layout = smallest.layout
         if not smallest.report.quantities & set(FAILURES):  # a raise or a hang says where
+            runner = pools(layout.world_size)
             located = check_equivalence(
                 cases[layout],
                 ranks=layout.world_size,
                 spatial_size=layout.spatial_size,
                 mesh=layout.mesh,
-                pool=pools(layout.world_size),
+                pool=runner,
                 locate=locate,
                 reference=reference,
+                timeout=layout_timeout(given, runner, layout.world_size),
                 **kwargs,
             )
             if not located.ok:  # the same verdict, now with where it first departs
@@ -459,6 +466,26 @@ def check_layouts(
     out.results.sort(key=lambda r: r.layout.order)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def cores() -> int:
+    """The CPU cores this process may run on (its affinity, else the machine's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this OS
+        return os.cpu_count() or 1
+
+
+def layout_timeout(timeout: float | None, runner: Runner, world_size: int) -> float | None:
+    """A layout's run timeout: ``timeout`` (else the runner's own) times the ranks per core
+    when the layout has more ranks than cores. Oversubscribed ranks time-slice every
+    collective, so a layout of 8 ranks on 2 cores is several times slower than one of 2, and
+    a clock sized for the small layouts would be a false timeout on the large ones; a hang
+    is ended by the deadlock proof long before either clock. ``None`` when neither says."""
+    base = timeout if timeout is not None else getattr(runner, "timeout", None)
+    if base is None:
+        return None
+    return float(base) * max(1.0, world_size / cores())
 
 
 def sweep_cases(

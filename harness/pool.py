@@ -56,7 +56,14 @@ from harness.errors import (
 from harness.mutation.catalogue import SiteStats
 from harness.mutation.mode import current as mutant_mode
 
-__all__ = ["PoolRegistry", "RankPool", "Runner", "report_progress", "shared_registry"]
+__all__ = [
+    "PoolRegistry",
+    "RankPool",
+    "Runner",
+    "rank_memory",
+    "report_progress",
+    "shared_registry",
+]
 
 DEFAULT_TIMEOUT = 120.0
 #: Shorter per-run timeouts are refused: starting a run on a loaded machine alone can take
@@ -186,6 +193,14 @@ class RankPool:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._ranks.procs] if self._ranks else []
+
+    def memory_kib(self) -> list[tuple[int, int]] | None:
+        """``(RSS, PSS)`` in KiB of each rank process (``rank_memory``); ``None`` when the
+        pool is not started or the OS does not say."""
+        mem = [rank_memory(pid) for pid in self.pids]
+        if not mem or any(m is None for m in mem):
+            return None
+        return [m for m in mem if m is not None]
 
     @property
     def workdir(self) -> str | None:
@@ -691,9 +706,19 @@ def check_oversubscription(ranks: int, *, allow: bool = False, how: str = "allow
 class PoolRegistry:
     """One warm ``RankPool`` per world size, made on first use, closed together.
 
-    Caps the rank processes it keeps alive (``max_processes``) by closing the least recently
-    used pool: a session that uses 1, 2, 3 and 4 ranks should not hold ten processes on a
-    two-core machine.
+    Pools of several sizes stay alive at once (a layout sweep, or tests of 2, 3 and 4
+    ranks, start each once), within two caps, by closing the least recently used pool:
+
+    - ``max_processes``: rank processes alive in all (a session that uses 1, 2, 3 and 4
+      ranks should not hold ten processes on a two-core machine);
+    - ``memory_budget_mib`` (``None``: no budget): the proportional memory (PSS, from
+      ``/proc``; pages shared with the fork server counted once, split between the ranks
+      sharing them) of every idle rank, plus the new pool's estimate (its size times the
+      median rank's), in MiB. Measured only when a new pool is made, never on a warm
+      ``get``. Where the OS does not say (no ``/proc``), only ``max_processes`` applies.
+
+    With ``start_method="forkserver"`` every pool's ranks are forks of the one fork server
+    of this process, whatever their world size: torch is imported once.
     """
 
     def __init__(
@@ -705,17 +730,25 @@ class PoolRegistry:
         max_processes: int = 8,
         deadlock_window: float = DEADLOCK_WINDOW,
         preload: Sequence[str] = (),
+        memory_budget_mib: float | None = None,
     ) -> None:
+        if memory_budget_mib is not None and not memory_budget_mib > 0:
+            raise ConfigError(
+                f"memory_budget_mib must be a positive number of MiB (or None: no budget), "
+                f"got {memory_budget_mib!r}; an idle rank holds ~40 MiB of its own"
+            )
         self.default_ranks = default_ranks
         self.timeout = timeout
         self.start_method = start_method
         self.deadlock_window = deadlock_window
         self.preload = tuple(preload)
         self.max_processes = max(max_processes, default_ranks)
+        self.memory_budget_mib = memory_budget_mib
         self._pools: dict[int, RankPool] = {}
 
     def get(self, world_size: int) -> RankPool:
         pool = self._pools.pop(world_size, None)
+        made = pool is None
         if pool is None:
             pool = RankPool(
                 world_size,
@@ -726,11 +759,56 @@ class PoolRegistry:
             )
         self._pools[world_size] = pool  # most recently used last
         while sum(p.world_size for p in self._pools.values()) > self.max_processes:
-            oldest = next(iter(self._pools))
-            if oldest == world_size:
+            if not self._close_oldest(world_size):
                 break
-            self._pools.pop(oldest).close()
+        if made and self.memory_budget_mib is not None:
+            self._fit_memory(pool)
         return pool
+
+    def _close_oldest(self, keep: int) -> bool:
+        oldest = next(iter(self._pools))
+        if oldest == keep:
+            return False
+        self._pools.pop(oldest).close()
+        return True
+
+    def _fit_memory(self, new: RankPool) -> None:
+        """Close the least recently used pools until the idle ranks' PSS and the new pool's
+        estimate fit ``memory_budget_mib`` (measured only here: reading ``/proc`` costs a
+        millisecond or so a rank, too much for every warm ``get``)."""
+        assert self.memory_budget_mib is not None
+        while len(self._pools) > 1:
+            per_rank = {
+                size: [pss for _, pss in mem]
+                for size, p in self._pools.items()
+                if p is not new and (mem := p.memory_kib()) is not None
+            }
+            if not per_rank:
+                return  # nothing measurable: the process cap alone applies
+            known = sorted(kib for ranks in per_rank.values() for kib in ranks)
+            median = known[len(known) // 2]
+            mem = new.memory_kib()
+            estimate = sum(p for _, p in mem) if mem else median * new.world_size
+            used = sum(known) + estimate
+            if used / 1024 <= self.memory_budget_mib:
+                return
+            self._close_oldest(new.world_size)
+
+    def memory_kib(self) -> dict[int, list[tuple[int, int]]]:
+        """Each live pool's ranks' memory now: world size -> ``(RSS, PSS)`` in KiB per rank
+        (``harness.pool.rank_memory``); pools not started, or where ``/proc`` does not say,
+        are left out."""
+        out = {}
+        for size, pool in sorted(self._pools.items()):
+            mem = pool.memory_kib()
+            if mem is not None:
+                out[size] = mem
+        return out
+
+    @property
+    def live(self) -> list[int]:
+        """The world sizes of the pools kept, least recently used first."""
+        return list(self._pools)
 
     def close(self) -> None:
         for pool in self._pools.values():
@@ -738,15 +816,62 @@ class PoolRegistry:
         self._pools.clear()
 
 
+def rank_memory(pid: int) -> tuple[int, int] | None:
+    """``(RSS, PSS)`` of a process in KiB, from Linux's ``/proc/PID/smaps_rollup``;
+    ``None`` where unreadable. PSS counts a page shared by N processes as 1/N of it: the
+    fork server's torch, shared by every rank forked from it, is counted once in all."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    fields = {}
+    for line in lines[1:]:
+        name, _, rest = line.partition(":")
+        value = rest.split()
+        if value and value[0].isdigit():
+            fields[name] = int(value[0])
+    if "Rss" not in fields or "Pss" not in fields:
+        return None
+    return fields["Rss"], fields["Pss"]
+
+
 _SHARED: PoolRegistry | None = None
 
 
 def shared_registry() -> PoolRegistry:
-    """The process-wide pools ``check_equivalence`` uses when given none (outside pytest).
+    """The process-wide pools ``check_equivalence`` and ``check_layouts`` use when given none
+    (outside pytest).
 
     forkserver: torch is imported once and each rank forks from it (~0.1 s, not ~6 s).
+    Pools of every size a sweep uses stay alive within ``default_memory_budget_mib`` (a
+    second sweep, or a check after one, starts none); where the memory cannot be read, at
+    most 8 rank processes are kept.
     """
     global _SHARED
     if _SHARED is None:
-        _SHARED = PoolRegistry(start_method="forkserver")  # its pools close at exit with all
+        budget = default_memory_budget_mib()
+        _SHARED = PoolRegistry(  # its pools close at exit with all
+            start_method="forkserver",
+            max_processes=SHARED_MAX_PROCESSES if budget is not None else 8,
+            memory_budget_mib=budget,
+        )
     return _SHARED
+
+
+#: the most rank processes the shared pools keep when a memory budget caps them: every
+#: layout up to 8 ranks (36 processes), idle
+SHARED_MAX_PROCESSES = 40
+
+
+def default_memory_budget_mib() -> float | None:
+    """A quarter of the memory available now (``MemAvailable`` of ``/proc/meminfo``), in
+    MiB: what idle warm ranks may hold; ``None`` where the OS does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024 / 4
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

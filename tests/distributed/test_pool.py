@@ -380,6 +380,42 @@ def test_two_pools_run_side_by_side_without_colliding():
     assert not any(_alive(pid) for pid in pids), "closing a pool ends its rank processes"
 
 
+@pytest.mark.spatial_pool
+def test_pools_of_every_world_size_fork_from_one_fork_server():
+    # torch is imported once, in the fork server; a pool of another size is cheap forks of
+    # it, never a second server (which would import torch again, seconds and ~200 MiB)
+    from harness.pool import PoolRegistry
+
+    registry = PoolRegistry(start_method="forkserver", max_processes=16)
+    try:
+        for size in (1, 2, 3):
+            assert [r[1] for r in registry.get(size).run(rank_and_sum, 0.0)] == [size] * size
+        assert registry.live == [1, 2, 3], "every size stays alive within the process cap"
+        parents = {_parent(pid) for size in (1, 2, 3) for pid in registry.get(size).pids}
+        assert len(parents) == 1 and os.getpid() not in parents, parents
+    finally:
+        registry.close()
+
+
+def modules_loaded(names: list[str]) -> list[bool]:
+    import sys
+
+    return [name in sys.modules for name in names]
+
+
+@pytest.mark.spatial_pool
+def test_a_fresh_forkserver_rank_has_the_heavy_imports_of_the_steppers_before_its_first_run():
+    # healpy (astropy under it) imported in each rank of each pool cost a layout sweep 1-5 s
+    # a pool; forked from the server that imported it once, a rank starts with it
+    with RankPool(1, start_method="forkserver", timeout=60) as pool:
+        assert pool.run(modules_loaded, ["healpy", "torch_harmonics.distributed"]) == [[True, True]]
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])  # state, then the parent pid
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -485,3 +485,38 @@ def test_the_picture_has_a_row_per_grid_and_blocks_and_frames_a_failing_empty_ra
     # empty-rank, fails: one cell, drawn below them all
     assert red.sum() > 100 and green.sum() > 3 * red.sum()
     assert red.nonzero()[0].min() > green.nonzero()[0].max()
+
+
+# ---------------------------------------------------------------------- oversubscription
+
+
+class _Runner:
+    """A stand-in pool of ``world_size`` ranks (never run: ``check_equivalence`` is)."""
+
+    def __init__(self, world_size: int, timeout: float) -> None:
+        self.world_size, self.timeout = world_size, timeout
+        self.last_outputs: list[str] = []
+
+
+@pytest.mark.parametrize(("given", "base"), [(None, 10.0), (5.0, 5.0)])
+def test_an_oversubscribed_layout_gets_its_timeout_times_its_ranks_per_core(
+    monkeypatch, given, base
+):
+    import harness.equivalence
+    import harness.layouts
+
+    asked: dict[int, float] = {}
+
+    def check(case, *, ranks, spatial_size, mesh, pool, timeout, **kwargs):
+        asked[ranks] = timeout
+        return report_of(Layout(ranks, spatial_size, ranks // spatial_size, mesh))
+
+    monkeypatch.setattr(harness.equivalence, "check_equivalence", check)
+    monkeypatch.setattr(harness.layouts, "cores", lambda: 2)
+    extra = {} if given is None else {"timeout": given}
+    report = check_layouts(
+        HealpixCase(), world_sizes=[1, 2, 3, 8], pools=lambda w: _Runner(w, 10.0), **extra
+    )
+    assert report.ok
+    # up to 2 ranks on 2 cores: the clock as given; 3 ranks: 1.5x; 8 ranks: 4x
+    assert asked == {1: base, 2: base, 3: 1.5 * base, 8: 4 * base}
