@@ -39,7 +39,7 @@ from harness.adapters import ModelAdapter, adapter_names, find_adapter
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError
 from harness.goldens import GoldenResult, GoldenStatus, GoldenStore, GoldenTally, check_report
-from harness.pool import PoolRegistry, check_oversubscription
+from harness.pool import PoolRegistry, check_oversubscription, keep_limits
 from harness.report import EquivalenceReport, equivalence_table, format_table
 
 #: The goldens recorded for the main job, shipped inside the package.
@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         start_method="forkserver",
         # a real model's imports (seconds) happen once in the fork server, not in every run
         preload=source.preload,
+        **keep_limits(),  # --layouts: every world size's pool stays warm across steppers
     )
     failures: list[str] = []
     t0 = time.perf_counter()

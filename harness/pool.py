@@ -37,7 +37,7 @@ import types
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any, NoReturn, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, TypedDict, runtime_checkable
 
 from harness._compat import stop_forkserver
 from harness._events import Ready, RunCall, Stop, receive, send
@@ -60,6 +60,7 @@ __all__ = [
     "PoolRegistry",
     "RankPool",
     "Runner",
+    "keep_limits",
     "rank_memory",
     "report_progress",
     "shared_registry",
@@ -850,13 +851,23 @@ def shared_registry() -> PoolRegistry:
     """
     global _SHARED
     if _SHARED is None:
-        budget = default_memory_budget_mib()
-        _SHARED = PoolRegistry(  # its pools close at exit with all
-            start_method="forkserver",
-            max_processes=SHARED_MAX_PROCESSES if budget is not None else 8,
-            memory_budget_mib=budget,
-        )
+        # its pools close at exit with all
+        _SHARED = PoolRegistry(start_method="forkserver", **keep_limits())
     return _SHARED
+
+
+class KeepLimits(TypedDict):
+    max_processes: int
+    memory_budget_mib: float | None
+
+
+def keep_limits() -> KeepLimits:
+    """How many idle ranks a registry that serves sweeps keeps (the shared one, the
+    plugin's, ``harness-check``'s): every layout up to 8 ranks within a quarter of the free
+    memory; 8 processes where the memory cannot be read."""
+    budget = default_memory_budget_mib()
+    most = SHARED_MAX_PROCESSES if budget is not None else 8
+    return {"max_processes": most, "memory_budget_mib": budget}
 
 
 #: the most rank processes the shared pools keep when a memory budget caps them: every

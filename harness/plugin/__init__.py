@@ -34,7 +34,7 @@ from harness.plugin.fixtures import (
 from harness.plugin.launched import LauncherMode, launcher_registry
 from harness.plugin.options import DEFAULT_RANKS, Settings, parse_seconds, pytest_addoption
 from harness.plugin.session import HarnessSession, _session_key
-from harness.pool import PoolRegistry
+from harness.pool import PoolRegistry, keep_limits
 
 __all__ = [
     "DEFAULT_RANKS",
@@ -82,6 +82,7 @@ def pytest_configure(config: pytest.Config) -> None:
             start_method=settings.start_method,
             deadlock_window=settings.deadlock_window,
             preload=list(settings.preload),
+            **keep_limits(),  # a layout sweep's pools of every size stay warm
         )
     _register_mutants(config, settings)
     session = HarnessSession(
