@@ -428,7 +428,7 @@ def rollout_golden_steps(steps: int) -> list[int]:
     powers of two below ``steps``) and the last, ``steps - 1``.
 
     Why these: an inference bug shows at the step where it enters, mostly the first few
-    (0 to 3 for every inference fault of the catalogue), and rounding grows exponentially
+    (0 or 1 for every inference fault of FAULTS.md), and rounding grows exponentially
     in a chaotic rollout, so steps doubling apart sample its growth evenly; the last step
     pins where the rollout ends. 150 steps store 10, 1000 store 11.
 

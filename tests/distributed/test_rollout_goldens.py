@@ -8,7 +8,8 @@ from __future__ import annotations
 from harness.steppers.healpix import HealpixCase
 from harness.steppers.sfno import SFNOCase
 
-ROLLOUT = 8  # stores steps 0, 1, 2, 4 and 7: where inference faults enter (0-3), and later
+#: stores steps 0, 1, 2, 4 and 7: where the catalogue's inference faults enter (0, 1), and later
+ROLLOUT = 8
 
 
 def test_the_sfno_reference_rollout_still_matches_its_golden(spatial):
