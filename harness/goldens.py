@@ -12,8 +12,11 @@ equivalence check, its layout (``ranks``, ``spatial_size``, ``data_size``, ``par
 Format 1 goldens (written before) are still read: what they do not record is said as "not
 recorded" where it matters, when a check against them fails.
 
-A golden holds any named tensors: per-step fields of a rollout are more names
-(``rollout/step3/state``) in the same map, diffed and summarised like the rest.
+A golden holds any named tensors. The rollout of a check (``check_equivalence(...,
+rollout=N)``) adds the reference's per-step fields under ``rollout/step<k>/<field>``, at the
+steps ``rollout_golden_steps`` picks and strided to at most ``ROLLOUT_ELEMENTS`` values per
+field (``RolloutSamples``); each is judged against today's reference with that step's
+rounding spread (``StepBound``), not the fixed tolerance: see docs/goldens.md.
 
 It is loaded with ``torch.load(weights_only=True)``: nothing in a golden is ever executed.
 Writes go to a temporary file in the same directory, then ``os.replace``: a golden is either
@@ -31,15 +34,16 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import math
 import os
 import re
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 
@@ -53,6 +57,10 @@ from harness.compare import (
 )
 from harness.errors import GoldenError, exception_summary
 from harness.report import EquivalenceReport
+
+if TYPE_CHECKING:
+    from harness.records import FieldRecord
+    from harness.rollout import RolloutRecord
 
 FORMAT = "harness-golden"
 VERSION = 2
@@ -265,11 +273,13 @@ class GoldenStore:
         bound: Bound,
         provenance: Mapping[str, Any] | None = None,
         allow_nonfinite: bool = False,
+        steps: Mapping[str, StepBound] | None = None,
     ) -> GoldenResult:
         """Compare ``tensors`` with the golden at ``path`` (or write it, when updating).
 
         A NaN or inf on either side is a difference unless ``allow_nonfinite``; updating
-        refuses to write non-finite tensors (status ``refused``).
+        refuses to write non-finite tensors (status ``refused``). ``steps``: the tensors of a
+        rollout, judged by their step's bound instead of ``bound`` (``StepBound``).
         """
         provenance = {**default_provenance(), **(provenance or {})}
         exists = path.exists()
@@ -283,7 +293,7 @@ class GoldenStore:
                     raise
             if golden is not None:
                 lines = diff_tensors(
-                    tensors, golden["tensors"], bound, allow_nonfinite=allow_nonfinite
+                    tensors, golden["tensors"], bound, allow_nonfinite=allow_nonfinite, steps=steps
                 )
                 if not lines:
                     return GoldenResult(
@@ -323,7 +333,9 @@ class GoldenStore:
             path,
             GoldenStatus.UPDATED if exists else GoldenStatus.WRITTEN,
             lines,
-            GoldenChange.between(tensors, old, bound, unreadable=exists and golden is None),
+            GoldenChange.between(
+                tensors, old, bound, unreadable=exists and golden is None, steps=steps
+            ),
         )
 
     def not_updated(self, path: Path, reason: str) -> GoldenResult:
@@ -358,17 +370,29 @@ def check_report(
       (``Tolerance.for_dtype(dtype).field``): a golden pins the same run, so what may differ
       is the rounding of a reordered sum, as between reference and ranks;
     - what is written says where it came from: the case, ranks, partition, dtype and steps
-      of the report, the versions (``default_provenance``), and ``provenance``'s entries.
+      of the report, the versions (``default_provenance``), and ``provenance``'s entries;
+    - a check that rolled out (``report.rollout``) adds the reference's rollout, sampled
+      (``RolloutSamples``), each step judged by its rounding spread (``rollout_bounds``).
     """
     if store.update and not report.ok:
         return store.not_updated(path, "the equivalence check failed")
     dtype = next(iter(report.reference.values())).dtype
+    field_bound = Tolerance.for_dtype(dtype).field
+    tensors = dict(report.reference)
+    extra: dict[str, Any] = {}
+    steps: dict[str, StepBound] = {}
+    rollout = getattr(report, "rollout", None)  # a report-like object may have none
+    if rollout is not None and rollout.samples is not None:
+        tensors.update(rollout.samples.tensors)
+        extra = rollout.samples.provenance()
+        steps = rollout_bounds(rollout, field_bound)
     return store.check(
         path,
-        report.reference,
-        bound=Tolerance.for_dtype(dtype).field,
-        provenance={**report_provenance(report), **(provenance or {})},
+        tensors,
+        bound=field_bound,
+        provenance={**report_provenance(report), **extra, **(provenance or {})},
         allow_nonfinite=allow_nonfinite,
+        steps=steps,
     )
 
 
@@ -384,6 +408,197 @@ def report_provenance(report: EquivalenceReport) -> dict[str, Any]:
         "dtype": report.dtype,
         "steps": report.steps,
     }
+
+
+# ---------------------------------------------------------------------- rollout goldens
+
+ROLLOUT_PREFIX = "rollout/"
+#: At most this many values of each field at each stored step. A rollout golden pins the
+#: reference's trajectory, not its every value: a bug that moves a field moves it over
+#: many positions (a wrong halo, a wrong mean), so a strided sample of 1024 sees it, and
+#: 10 stored steps x 1024 float32 values keep one field's share of a golden at ~40 kB
+#: (the training golden of the test SFNO case is ~100 kB), small enough to review and
+#: commit.
+ROLLOUT_ELEMENTS = 1024
+_ROLLOUT_NAME = re.compile(r"^rollout/step(?P<step>\d+)/(?P<field>.+)$")
+
+
+def rollout_golden_steps(steps: int) -> list[int]:
+    """The steps of an ``steps``-step rollout a golden stores: 0, 1, 2, 4, 8, ... (the
+    powers of two below ``steps``) and the last, ``steps - 1``.
+
+    Why these: an inference bug shows at the step where it enters, mostly the first few
+    (0 or 1 for every inference fault of FAULTS.md), and rounding grows exponentially
+    in a chaotic rollout, so steps doubling apart sample its growth evenly; the last step
+    pins where the rollout ends. 150 steps store 10, 1000 store 11.
+
+    >>> rollout_golden_steps(150)
+    [0, 1, 2, 4, 8, 16, 32, 64, 128, 149]
+    >>> rollout_golden_steps(3)
+    [0, 1, 2]
+    """
+    if steps < 1:
+        return []
+    picked = {0, steps - 1}
+    k = 1
+    while k < steps:
+        picked.add(k)
+        k *= 2
+    return sorted(picked)
+
+
+def sample_stride(shape: Sequence[int], cap: int = ROLLOUT_ELEMENTS) -> int:
+    """The stride of a field's strided sample (every ``stride``-th value of it flattened):
+    the smallest that keeps at most ``cap`` values, made coprime with the field's last
+    dimension, so that the samples walk across its columns (longitudes, cells) instead of
+    falling down the same few (a stride of 20 over 20 longitudes would sample one).
+
+    >>> sample_stride((2, 3, 12, 20))  # 1440 values: 2 would do, 3 is coprime with 20
+    3
+    >>> sample_stride((4, 8))  # small enough: every value
+    1
+    """
+    numel = math.prod(shape)
+    stride = max(1, -(-numel // cap))
+    last = shape[-1] if shape else 1
+    while stride > 1 and math.gcd(stride, last) != 1:
+        stride += 1
+    return stride
+
+
+def rollout_name(step: int, field: str) -> str:
+    """The golden's name of ``field`` at rollout step ``step``: ``rollout/step3/state``."""
+    return f"{ROLLOUT_PREFIX}step{step}/{field}"
+
+
+def parse_rollout_name(name: str) -> tuple[int, str] | None:
+    """``(step, field)`` of a rollout golden's tensor name; ``None`` for any other name."""
+    m = _ROLLOUT_NAME.match(name)
+    return None if m is None else (int(m["step"]), m["field"])
+
+
+@dataclass(frozen=True)
+class RolloutSamples:
+    """The reference's rollout as a golden stores it: the fields of the steps
+    ``rollout_golden_steps`` picks, each flattened and strided to at most ``cap`` values
+    when larger (``sample_stride``), else whole in its own shape. Keyed fields
+    (``Shard.keyed``) are left out, as the rollout check leaves them out."""
+
+    steps: int
+    tensors: dict[str, torch.Tensor]
+    #: one line per field: its shape, dtype and how it was sampled (for the provenance)
+    sampling: tuple[str, ...] = ()
+
+    @classmethod
+    def of(
+        cls, reference: Sequence[Mapping[str, FieldRecord]], cap: int = ROLLOUT_ELEMENTS
+    ) -> RolloutSamples:
+        tensors: dict[str, torch.Tensor] = {}
+        sampling: dict[str, str] = {}
+        for k in rollout_golden_steps(len(reference)):
+            for name, rec in reference[k].items():
+                if rec.keyed:
+                    continue
+                v = rec.values.detach()
+                stride = sample_stride(tuple(v.shape), cap)
+                if stride > 1:
+                    v = v.reshape(-1)[::stride]
+                    how = f"flattened, one value in {stride} ({v.numel()} of {rec.values.numel()})"
+                else:
+                    how = "every value"
+                tensors[rollout_name(k, name)] = v.to("cpu").clone()
+                sampling.setdefault(
+                    name, f"{name}: {tuple(rec.values.shape)} {_dtype(v.dtype)}, {how}"
+                )
+        return cls(len(reference), tensors, tuple(sampling.values()))
+
+    def provenance(self) -> dict[str, Any]:
+        """What a golden records of its rollout: the steps rolled out and stored, and how
+        each field was sampled."""
+        return {
+            "rollout_steps": self.steps,
+            "rollout_stored_steps": rollout_golden_steps(self.steps),
+            "rollout_sampling": list(self.sampling),
+        }
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """How far a rollout golden's field at one step may be from today's reference: max abs
+    at most ``limit = max(factor x spread, floor)``, the envelope the rollout check itself
+    uses (``harness.rollout``). ``spread`` is what rounding alone reached there today (the
+    furthest of ``members`` nudged reruns), ``floor`` the golden's fixed field tolerance at
+    the field's scale (``atol + rtol x max |reference|``), which holds where rounding moves
+    nothing. A golden recorded on another machine or torch build differs from today's
+    reference by rounding that the rollout then grows, as a nudged rerun does: a fixed
+    tolerance would fail a correct chaotic rollout after a few dozen steps."""
+
+    step: int
+    field: str
+    steps: int
+    spread: float
+    factor: float
+    members: int
+    floor: float
+
+    @property
+    def limit(self) -> float:
+        return max(self.factor * self.spread, self.floor)
+
+    @property
+    def bound(self) -> Bound:
+        """As an elementwise bound: every value within ``limit`` (max abs <= limit)."""
+        return Bound(0.0, self.limit)
+
+    def where(self) -> str:
+        return f"rollout step {self.step} of {self.steps}, field '{self.field}'"
+
+    def text(self) -> str:
+        return (
+            f"{self.factor:g}x the rounding spread {self.spread:.3g} of {self.members} nudged "
+            f"reruns at this step, at least the field tolerance {self.floor:.3g}"
+        )
+
+
+def rollout_bounds(record: RolloutRecord, field_bound: Bound) -> dict[str, StepBound]:
+    """The bound of each stored tensor of ``record``'s rollout golden, from today's rollout:
+    its step's measured spread (``record.curve``). A stored step and field the rollout did
+    not judge (its spread unknown: a nudged rerun went non-finite) has no entry and is
+    held to ``field_bound`` elementwise, as the training golden is."""
+    out = {}
+    for p in record.curve:
+        name = rollout_name(p.step, p.name)
+        if record.samples is not None and name in record.samples.tensors:
+            out[name] = StepBound(
+                p.step,
+                p.name,
+                record.steps,
+                p.spread,
+                record.factor,
+                record.members,
+                field_bound.atol + field_bound.rtol * p.scale,
+            )
+    return out
+
+
+def _rollout_length(names: Iterable[str]) -> int:
+    """The rollout steps a set of golden names holds (its last stored step is the last)."""
+    steps = [s for s, _ in filter(None, map(parse_rollout_name, names))]
+    return max(steps) + 1 if steps else 0
+
+
+def _in_order(names: Iterable[str]) -> list[str]:
+    """Names sorted, a rollout's by step (``step2`` before ``step16``), after the rest."""
+
+    def key(name: str) -> tuple[int, int, str]:
+        parsed = parse_rollout_name(name)
+        return (0, 0, name) if parsed is None else (1, parsed[0], parsed[1])
+
+    return sorted(names, key=key)
 
 
 def recorded_elsewhere(recorded: Mapping[str, Any], running: Mapping[str, Any]) -> list[str]:
@@ -464,26 +679,35 @@ class GoldenChange:
         bound: Bound,
         *,
         unreadable: bool = False,
+        steps: Mapping[str, StepBound] | None = None,
     ) -> GoldenChange:
+        """``steps``: the rollout's tensors, changed when over their step's bound (said in
+        brackets: how many times the bound)."""
         if old is None:  # a new golden, or one that could not be read
-            return cls(added=tuple(sorted(new)), unreadable=unreadable)
+            return cls(added=tuple(_in_order(new)), unreadable=unreadable)
+        steps = steps or {}
         changed, kinds, unchanged = [], [], 0
         largest: tuple[str, float, float] | None = None
-        for name in sorted(new.keys() & old.keys()):
-            d = compare_tensors(new[name], old[name], bound, allow_nonfinite=True)
+        for name in _in_order(new.keys() & old.keys()):
+            step = steps.get(name)
+            d = compare_tensors(
+                new[name], old[name], bound if step is None else step.bound, allow_nonfinite=True
+            )
             if d.problem:
                 changed.append(name)
                 kinds.append((name, d.problem.replace("the reference", "the golden")))
             elif not d.ok:
                 changed.append(name)
+                if step is not None:
+                    kinds.append((name, f"{d.max_abs / step.limit:.3g}x its step's bound"))
                 if largest is None or (d.max_rel, d.max_abs) > (largest[2], largest[1]):
                     largest = (name, d.max_abs, d.max_rel)
             else:
                 unchanged += 1
         return cls(
             changed=tuple(changed),
-            added=tuple(sorted(new.keys() - old.keys())),
-            removed=tuple(sorted(old.keys() - new.keys())),
+            added=tuple(_in_order(new.keys() - old.keys())),
+            removed=tuple(_in_order(old.keys() - new.keys())),
             unchanged=unchanged,
             largest=largest,
             kinds=tuple(kinds),
@@ -705,24 +929,55 @@ def diff_tensors(
     bound: Bound,
     *,
     allow_nonfinite: bool = False,
+    steps: Mapping[str, StepBound] | None = None,
 ) -> list[str]:
     """Lines describing every difference between two tensor maps (empty if none).
 
     Unless ``allow_nonfinite``, a NaN or inf on either side is a difference of its own (a
-    golden cannot vouch for it, matching or not).
+    golden cannot vouch for it, matching or not). ``steps``: the rollout's tensors, each
+    judged by its step's bound (``StepBound``) and named by its step and field. A golden
+    without a rollout where this run has one (or the other way round) is one line saying
+    so, not a line per tensor.
     """
+    steps = steps or {}
     lines = []
-    for name in sorted(golden.keys() - actual.keys()):
+    missing = _in_order(golden.keys() - actual.keys())
+    extra = _in_order(actual.keys() - golden.keys())
+    ran, recorded = _rollout_length(actual), _rollout_length(golden)
+    if ran and not recorded:
+        extra = [n for n in extra if not n.startswith(ROLLOUT_PREFIX)]
+        lines.append(
+            f"  the golden has no rollout part, and this check rolls out {ran} steps (the "
+            f"golden was recorded without rollout=, or before rollout goldens): {UPDATE_HINT} "
+            "to record the rollout's per-step fields."
+        )
+    elif recorded and not ran:
+        missing = [n for n in missing if not n.startswith(ROLLOUT_PREFIX)]
+        lines.append(
+            f"  the golden holds a rollout of {recorded} steps, and this check rolled out "
+            "none (rollout= dropped, or the rollout did not run)"
+        )
+    elif ran != recorded:
+        lines.append(f"  the golden holds a rollout of {recorded} steps, this check ran {ran}")
+    for name in missing:
         lines.append(f"  {name}: in the golden but not produced any more")
-    for name in sorted(actual.keys() - golden.keys()):
+    for name in extra:
         lines.append(f"  {name}: produced but not in the golden")
     if not allow_nonfinite:
         lines += _nonfinite_lines(golden, "the golden holds")
         lines += _nonfinite_lines(actual, "this run produced")
-    for name in sorted(actual.keys() & golden.keys()):
-        d = compare_tensors(actual[name], golden[name], bound, allow_nonfinite=True)
+    for name in _in_order(actual.keys() & golden.keys()):
+        step = steps.get(name)
+        d = compare_tensors(
+            actual[name], golden[name], bound if step is None else step.bound, allow_nonfinite=True
+        )
         if d.problem:
             lines.append(f"  {name}: {d.problem} (golden)")
+        elif not d.ok and step is not None:
+            lines.append(
+                f"  {name}: {step.where()}: max abs {d.max_abs:.3g} over the bound "
+                f"{step.limit:.3g} ({step.text()}; {d.count}/{d.total} values over)"
+            )
         elif not d.ok:
             lines.append(
                 f"  {name}: {d.count}/{d.total} over tolerance (rtol {bound.rtol:g}, atol "

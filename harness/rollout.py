@@ -35,6 +35,7 @@ from harness.topology import Topology
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
+    from harness.goldens import RolloutSamples
     from harness.pool import Runner
 
 #: each member's nudge: every floating value times (1 +- NUDGE_ULPS * eps), as ``harness.locate``
@@ -102,6 +103,8 @@ class RolloutRecord:
     not_compared: list[str] = field(default_factory=list)
     seconds: float = 0.0
     serial_seconds: float = 0.0  # of ``seconds``: the reference and its nudged reruns
+    #: the reference's rollout as a golden stores it (``harness.goldens.RolloutSamples``)
+    samples: RolloutSamples | None = None
 
     @property
     def first(self) -> RolloutPoint | None:
@@ -472,6 +475,9 @@ def check_rollout(
         reference, ensemble, ranks, bound, spatial_size=spatial_size, factor=factor
     )
     record.autocast = "" if autocast is None else str(autocast).replace("torch.", "")
+    from harness.goldens import RolloutSamples
+
+    record.samples = RolloutSamples.of(reference)  # a few steps, strided: the rest is freed
     record.seconds = time.perf_counter() - t0
     record.serial_seconds = serial
     return record

@@ -258,3 +258,85 @@ def test_goldens_of_an_ignored_directory_are_not_judged_unused(pytester):
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([f"  removed {gone}"])
     assert kept.exists() and not gone.exists()
+
+
+# ---------------------------------------------------------------------- rollout goldens
+
+ROLLOUT = """
+from harness.steppers.sfno import SFNOCase
+
+def test_roll(spatial):
+    case = SFNOCase(nlat=16, nlon=32, embed=4, h=1, w=2)
+    spatial.check(case, ranks=2, rollout={steps}, golden=True)
+"""
+
+
+def _edit_golden(path, edit):
+    data = torch.load(path, weights_only=True)
+    edit(data["tensors"])
+    torch.save(data, path)
+
+
+def test_a_rollout_golden_is_recorded_judged_per_step_and_summarised_on_update(pytester):
+    pytester.makeini("[pytest]\ngolden_dir = goldens\n")
+    pytester.makepyfile(test_r=ROLLOUT.format(steps=5))
+    path = pytester.path / "goldens" / "test_r" / "test_roll.pt"
+    run = ("-p", "no:cacheprovider", "--spatial-ranks=2")
+    pytester.runpytest_subprocess(*run, "--update-goldens").assert_outcomes(passed=1)
+    stored = torch.load(path, weights_only=True)["tensors"]
+    rolled = [n for n in stored if n.startswith("rollout/")]
+    assert rolled == [f"rollout/step{k}/state" for k in (0, 1, 2, 4)]
+    # 2 x 2 x 16 x 32 = 2048 values over the cap of 1024: one in 3 (2 divides 32), 683 kept
+    assert stored["rollout/step4/state"].shape == (683,)
+
+    # a step moved far beyond rounding: the failure names the step and the field
+    _edit_golden(path, lambda t: t["rollout/step2/state"].add_(1e-3))
+    failed = pytester.runpytest_subprocess(*run)
+    failed.assert_outcomes(failed=1)
+    failed.stdout.fnmatch_lines(
+        [
+            "*rollout/step2/state: rollout step 2 of 5, field 'state': max abs 0.001 over the "
+            "bound * (10x the rounding spread * of 4 nudged reruns at this step, at least the "
+            "field tolerance *"
+        ]
+    )
+    # the update summary lists it among the changed tensors, by its step's bound
+    updated = pytester.runpytest_subprocess(*run, "--update-goldens")
+    updated.assert_outcomes(passed=1)
+    updated.stdout.fnmatch_lines(
+        [
+            f"updated {path}: 1 changed, 0 added, 0 removed, * unchanged; largest change "
+            "rollout/step2/state: max abs 0.001*",
+            "  changed: rollout/step2/state (*x its step's bound)",
+        ]
+    )
+
+    # a golden recorded before rollout goldens: one clear failure, saying to update
+    _edit_golden(path, lambda t: [t.pop(n) for n in rolled])
+    old = pytester.runpytest_subprocess(*run)
+    old.assert_outcomes(failed=1)
+    old.stdout.fnmatch_lines(
+        ["  the golden has no rollout part, and this check rolls out 5 steps*--update-goldens*"]
+    )
+    assert "produced but not in the golden" not in old.stdout.str()
+
+
+def test_an_unused_rollout_golden_is_listed_and_pruned_like_the_rest(pytester):
+    from harness.goldens import rollout_name
+
+    _recorded(pytester)
+    gone = pytester.path / "goldens" / "test_review" / "test_rolled_once.pt"
+    _save_golden(
+        gone,
+        {"step0/loss": torch.ones(()), **{rollout_name(k, "x"): torch.ones(3) for k in (0, 1)}},
+        {"rollout_steps": 2},
+    )
+    pruned = pytester.runpytest("-p", "no:cacheprovider", "--goldens-prune")
+    pruned.assert_outcomes(passed=2)
+    pruned.stdout.fnmatch_lines(
+        [
+            "1 golden file no test of this run used, removed (--goldens-prune):",
+            f"  removed {gone}",
+        ]
+    )
+    assert not gone.exists()
