@@ -129,7 +129,7 @@ class RankFailure(HarnessError):
     def __post_init__(self) -> None:
         super().__init__(self.message)
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         # Exceptions pickle through ``args``; a dataclass needs its fields instead.
         return (type(self), (self.message, self.world_size, self.problems))
 
