@@ -29,7 +29,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from harness.errors import ConfigError, RankProblem, exception_summary, failure_from
 from harness.slurm import SlurmStep, slurm_step
@@ -386,7 +386,10 @@ class LauncherRunner:
         tracker.begin()  # as a pool's rank does: a run's operations, from zero
         try:
             # fn's result, or the failure's (summary, traceback, phase)
-            status: tuple[bool, Any] = (True, fn(*args, **kwargs))
+            status: tuple[Literal[True], T] | tuple[Literal[False], tuple[str, str, str]] = (
+                True,
+                fn(*args, **kwargs),
+            )
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - shared with the other ranks
@@ -399,11 +402,11 @@ class LauncherRunner:
         problems = [
             RankProblem(r, "error", s[1][0], s[1][1], phase=s[1][2])
             for r, s in enumerate(statuses)
-            if not s[0]
+            if s[0] is False
         ]
         if problems:
             raise failure_from(problems, self.world_size, timeout or self.timeout)
-        return [s[1] for s in statuses]
+        return [s[1] for s in statuses if s[0] is True]  # every one: no rank failed
 
     def close(self) -> None:
         import torch.distributed as dist
