@@ -35,7 +35,7 @@ class EquivalenceFailure(HarnessError, AssertionError):
     count it as a failure, not an error."""
 
     def __init__(self, text: str, report: Any = None) -> None:
-        # Any: an EquivalenceReport, whose module imports this one (a type-only import
+        # loosely typed: an EquivalenceReport, whose module imports this one (a type-only import
         # would make a circle); users read its fields, so object would not do
         super().__init__(text)
         self.report = report
