@@ -10,7 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Protocol, cast
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
 
 # ---------------------------------------------------------------------- multiprocessing
 
@@ -82,13 +88,13 @@ def group_sequence_numbers() -> dict[str, tuple[int, tuple[int, ...]]]:
     try:
         from torch.distributed import distributed_c10d as c10d
 
-        names: dict[Any, str] = dict(c10d._world.pg_names)
+        names: dict[ProcessGroup | None, object] = {g: n for g, n in c10d._world.pg_names.items()}
     except Exception:  # noqa: BLE001 - the internal moved: fall back to the default group
         names = {dist.group.WORLD: "default"}
     out = {}
     for pg, name in names.items():
         try:
-            seq = int(pg._get_sequence_number_for_group())
+            seq = int(cast(_Sequenced, pg)._get_sequence_number_for_group())
             ranks = tuple(dist.get_process_group_ranks(pg))
         except Exception:  # noqa: BLE001 - a group without a sequence number: skip it
             continue
@@ -96,7 +102,13 @@ def group_sequence_numbers() -> dict[str, tuple[int, tuple[int, ...]]]:
     return out
 
 
-def group_name(pg: Any) -> str:
+class _Sequenced(Protocol):
+    """A process group's private counter, which torch's stubs do not list."""
+
+    def _get_sequence_number_for_group(self) -> int: ...
+
+
+def group_name(pg: ProcessGroup) -> str:
     """The name torch gave a process group (``"0"`` for the default one), the same on every
     rank. Private: ``distributed_c10d._world.pg_names``; without it, ``pg.group_name``."""
     try:
@@ -107,10 +119,10 @@ def group_name(pg: Any) -> str:
         return str(getattr(pg, "group_name", "?"))
 
 
-def sequence_number(pg: Any) -> int:
+def sequence_number(pg: ProcessGroup) -> int:
     """How many operations this rank has issued on ``pg`` (collectives and point-to-point,
     from Python or C++). Private: ``ProcessGroup._get_sequence_number_for_group``."""
-    return int(pg._get_sequence_number_for_group())
+    return int(cast(_Sequenced, pg)._get_sequence_number_for_group())
 
 
 def operations_issued() -> int | None:
@@ -123,7 +135,7 @@ def operations_issued() -> int | None:
         return None
 
 
-def current_frame(thread_id: int) -> Any:
+def current_frame(thread_id: int) -> FrameType | None:
     """The Python frame thread ``thread_id`` is executing now, or ``None``.
 
     ``sys._current_frames`` (CPython; documented, underscore-named "for specialized
@@ -175,7 +187,7 @@ def use_uneven_transposes() -> None:
         primitives._transpose = _transpose_uneven
 
 
-_ORIGINAL_TRANSPOSE: list[Any] = []
+_ORIGINAL_TRANSPOSE: list[Callable[..., object]] = []
 
 
 def restore_transposes() -> None:
@@ -188,13 +200,13 @@ def restore_transposes() -> None:
 
 
 def _transpose_uneven(
-    tensor: Any,
+    tensor: torch.Tensor,
     dim0: int,
     dim1: int,
     dim1_split_sizes: list[int],
-    group: Any = None,
+    group: ProcessGroup | None = None,
     async_op: bool = False,
-) -> tuple[list[Any], list[int], None]:
+) -> tuple[list[torch.Tensor], list[int], None]:
     """torch-harmonics 0.8's ``primitives._transpose`` on ``all_to_all_single``: same contract.
 
     ``all_to_all_single`` takes uneven split sizes on every backend, so the chunks travel

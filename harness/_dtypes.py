@@ -11,7 +11,6 @@ the rank's interceptor does the same for the tensors of every torch.distributed 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import torch
 
@@ -46,7 +45,7 @@ class OutputDtypes:
         hooks = torch.nn.modules.module
         self.handle = hooks.register_module_forward_hook(self._hook)
 
-    def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _hook(self, module: torch.nn.Module, args: tuple[object, ...], output: object) -> None:
         t = output[0] if isinstance(output, (tuple, list)) and output else output
         if not isinstance(t, torch.Tensor):
             return

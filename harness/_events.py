@@ -137,7 +137,7 @@ def send(conn: Connection, event: object) -> None:
 
 
 def receive(conn: Connection) -> Any:
-    """The next event from a pool pipe."""
+    """The next event from a pool pipe (loosely typed: whatever was pickled; callers know which)."""
     return pickle.loads(conn.recv_bytes())
 
 

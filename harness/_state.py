@@ -14,15 +14,31 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    import torch
+
+#: what ``numpy.random.get_state`` returns (the legacy tuple, or the generator's dict)
+_NumpyState = dict[str, object] | tuple[str, "npt.NDArray[np.uint32]", int, int, float]
+
+
+class _Rngs(TypedDict):
+    torch_rng: torch.Tensor
+    np_rng: _NumpyState
+    py_rng: tuple[object, ...]
+    dtype: torch.dtype
+    undo_depth: int
 
 
 @dataclass
 class CallerState:
-    torch_rng: Any
-    np_rng: Any
-    py_rng: Any
-    dtype: Any
+    torch_rng: torch.Tensor
+    np_rng: _NumpyState
+    py_rng: tuple[object, ...]
+    dtype: torch.dtype
     undo_depth: int  # harness.adopt's undo stack when the run began: what the run adopted
 
     @classmethod
@@ -88,7 +104,7 @@ class RankState(CallerState):
         reset_torch_harmonics_groups()
 
 
-def _rngs() -> dict[str, Any]:
+def _rngs() -> _Rngs:
     import random
 
     import numpy as np

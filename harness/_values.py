@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 
-def is_distributed(t: Any) -> bool:
+def is_distributed(t: object) -> bool:
     """A tensor that holds part of a global value and can say so: it has ``to_local``."""
     return isinstance(t, torch.Tensor) and callable(getattr(t, "to_local", None))
 
@@ -145,7 +145,7 @@ def placed(t: torch.Tensor) -> Placed:
     return Placed(plain(full()), how=how, gathered=True)
 
 
-def _is(placement: Any, test: str) -> bool:
+def _is(placement: object, test: str) -> bool:
     method = getattr(placement, test, None)
     return bool(method()) if callable(method) else False
 

@@ -25,7 +25,7 @@ import importlib.metadata
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from harness.case import SpatialCase
 from harness.errors import ConfigError
@@ -43,10 +43,10 @@ class Layout(NamedTuple):
 
     label: str
     make: CaseFactory
-    kwargs: Mapping[str, Any]
+    kwargs: Mapping[str, object]
     spatial_size: int | None = None
 
-    def case(self, **extra: Any) -> SpatialCase:
+    def case(self, **extra: object) -> SpatialCase:
         return self.make(**{**self.kwargs, **extra})
 
 
@@ -56,7 +56,7 @@ class FaultCheck(NamedTuple):
 
     stepper: str
     make: CaseFactory
-    kwargs: Mapping[str, Any]
+    kwargs: Mapping[str, object]
     spatial_size: int | None
     fault: str
     expected: frozenset[str]
@@ -152,7 +152,7 @@ def adapter_names() -> list[str]:
     return sorted({*_OWN, *_entry_points()}, key=lambda n: (n != "builtin", n))
 
 
-def as_adapter(name: str, obj: Any) -> ModelAdapter:
+def as_adapter(name: str, obj: object) -> ModelAdapter:
     """``obj`` as an adapter: itself, or a module of the implicit interface wrapped."""
     if isinstance(obj, types.ModuleType):
         if not hasattr(obj, "main_configs"):

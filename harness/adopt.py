@@ -32,13 +32,17 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from harness.errors import ConfigError
-from harness.topology import ProcessGroup, Topology
+from harness.topology import Topology
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "GroupMismatch",
@@ -66,7 +70,7 @@ def on_undo(action: Callable[[], None]) -> None:
     _UNDO.append(action)
 
 
-def patch(owner: Any, name: str, value: Any) -> None:
+def patch(owner: object, name: str, value: object) -> None:
     """Set ``owner.name`` (a module, a class or an object) to ``value`` until ``undo``.
 
     The old value is kept as stored (``vars(owner)``), so a class's ``staticmethod`` comes
@@ -122,11 +126,11 @@ def adopted() -> Iterator[None]:
 
 def adopt_distributed_manager(
     topo: Topology,
-    manager: Any = None,
+    manager: type | None = None,
     *,
     device: torch.device | str = "cpu",
     groups: Mapping[str, str] | None = None,
-) -> Any:
+) -> type:
     """Make physicsnemo's ``DistributedManager`` (or ``manager``, a class of the same
     design: its state in the class dict ``_shared_state``) hold the harness's world.
 
@@ -141,23 +145,8 @@ def adopt_distributed_manager(
 
     ``undo`` puts the manager's whole state back as it was. Returns the manager class.
     """
-    if manager is None:
-        try:
-            from physicsnemo.distributed import DistributedManager
-        except ImportError as exc:
-            raise ConfigError(
-                f"adopt_distributed_manager needs physicsnemo's DistributedManager ({exc}): "
-                f"install it ({_PHYSICSNEMO}) or pass the manager class (e.g. fme's vendored "
-                "fme.core.distributed.external.pnd_manager.DistributedManager)"
-            ) from exc
-        manager = DistributedManager
-    state = getattr(manager, "_shared_state", None)
-    if not isinstance(state, dict):
-        raise ConfigError(
-            f"{manager!r} keeps no _shared_state dict: adopt_distributed_manager fills "
-            "physicsnemo's DistributedManager (or a class of its design); adopt other "
-            "libraries' state with harness.adopt.patch"
-        )
+    manager = _physicsnemo_manager() if manager is None else manager
+    state = _shared_state(manager)
     names = {"spatial": "spatial", "data": "data"} if groups is None else dict(groups)
     chosen = {name: _topology_group(topo, which) for name, which in names.items()}
     saved = dict(state)
@@ -188,6 +177,29 @@ def adopt_distributed_manager(
     return manager
 
 
+def _physicsnemo_manager() -> type:
+    try:
+        from physicsnemo.distributed import DistributedManager
+    except ImportError as exc:
+        raise ConfigError(
+            f"adopt_distributed_manager needs physicsnemo's DistributedManager ({exc}): "
+            f"install it ({_PHYSICSNEMO}) or pass the manager class (e.g. fme's vendored "
+            "fme.core.distributed.external.pnd_manager.DistributedManager)"
+        ) from exc
+    return cast(type, DistributedManager)
+
+
+def _shared_state(manager: type) -> dict[str, object]:
+    state = getattr(manager, "_shared_state", None)
+    if not isinstance(state, dict):
+        raise ConfigError(
+            f"{manager!r} keeps no _shared_state dict: adopt_distributed_manager fills "
+            "physicsnemo's DistributedManager (or a class of its design); adopt other "
+            "libraries' state with harness.adopt.patch"
+        )
+    return state
+
+
 def _topology_group(topo: Topology, which: str) -> ProcessGroup | None:
     if which == "spatial":
         return topo.spatial_group
@@ -206,7 +218,7 @@ def device_mesh(
     *,
     device_type: str = "cpu",
     names: tuple[str, str] = ("data", "spatial"),
-) -> Any:
+) -> DeviceMesh | None:
     """A 2-D ``DeviceMesh`` (data x spatial) over the harness's own groups, or ``None`` for
     the reference (a ``DeviceMesh`` needs a process group).
 
@@ -220,7 +232,8 @@ def device_mesh(
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = torch.arange(topo.world_size).reshape(topo.data_size, topo.spatial_size)
-    groups: list[Any] = [topo.data_group, topo.spatial_group]
+    # Topology.create makes the spatial and the data groups together: both are here
+    groups = cast("list[ProcessGroup]", [topo.data_group, topo.spatial_group])
     return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
 
 
@@ -244,7 +257,7 @@ class GroupMismatch(ConfigError):
         super().__init__(message)
         self.name, self.held, self.expected = name, held, expected
 
-    def __reduce__(self) -> tuple[Any, ...]:  # crosses from the ranks whole
+    def __reduce__(self) -> tuple[object, ...]:  # crosses from the ranks whole
         return (type(self), (str(self), self.name, self.held, self.expected))
 
 
@@ -253,7 +266,8 @@ def group_ranks(group: ProcessGroup | None) -> list[int] | None:
     member (``new_group`` hands non-members a placeholder); ``None`` for no group."""
     if group is None:
         return None
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
+    placeholder: object = dist.GroupMember.NON_GROUP_MEMBER  # an int, not a group
+    if group is placeholder:
         return []
     return [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
 
@@ -309,7 +323,7 @@ def check_group(
             )
         return
     mine = (group_ranks(group), expected_here)
-    verdicts: list[Any] = [None] * topo.world_size
+    verdicts = [mine] * topo.world_size  # placeholders: the gather fills every slot
     before = _operations_so_far()
     dist.all_gather_object(verdicts, mine)  # decided together: every rank sees every rank
     _CHECK_OPERATIONS[0] += _operations_so_far() - before

@@ -26,12 +26,16 @@ the output), or the ranks that do will wait for it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.distributed as dist
+from torch.autograd.function import FunctionCtx
+from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
 
 from harness.errors import ConfigError
 from harness.partition import CellPartition, LatLonPartition, ownership
@@ -40,23 +44,47 @@ from harness.topology import Topology
 # ---------------------------------------------------------------------- sums
 
 
-def apply(function: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
+def apply(function: type[torch.autograd.Function], *args: object) -> torch.Tensor:
     """``function.apply(*args)``, typed: torch's stubs leave ``Function.apply`` untyped."""
     return cast(torch.Tensor, function.apply(*args))
+
+
+class _Ctx(FunctionCtx):
+    """Autograd's ``ctx`` with the fields these functions keep on it (torch leaves it untyped)."""
+
+    group: ProcessGroup | None
+    dim: int
+    sizes: list[int]
+    rank: int
+    saved_tensors: tuple[torch.Tensor, ...]
+
+
+#: (local positions to send, in send order; send counts per rank; receive counts per rank)
+_HaloPlan = tuple[torch.Tensor, list[int], list[int]]
+
+
+class _HaloCtx(_Ctx):
+    plan: _HaloPlan
+    local_shape: torch.Size
+
+
+class _GridCtx(_Ctx):
+    plan: tuple[torch.Tensor, ...]
+    shape: torch.Size
 
 
 class _SpatialSum(torch.autograd.Function):
     """Forward: all-reduce SUM over the group. Backward: all-reduce SUM of the gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: _Ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
         out = x.clone()
         dist.all_reduce(out, group=group)
         return out  # replicated: every rank holds the same global sum
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: _Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
         # every rank used the sum; each rank's part influenced all of those uses
         dist.all_reduce(grad, group=ctx.group)
@@ -80,13 +108,13 @@ class _ReduceLoss(torch.autograd.Function):
     """Forward: all-reduce SUM over the group. Backward: identity (the value is counted once)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: _Ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         out = x.clone()
         dist.all_reduce(out, group=group)
         return out  # replicated: the global loss on every rank
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: _Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # Each rank back-propagates the same replicated loss; summing here too would count
         # every local part S times (the gradient sync over the group already adds them up).
         return grad, None
@@ -111,7 +139,9 @@ def reduce_loss(x: torch.Tensor, topo: Topology) -> torch.Tensor:
 _META_DIMS = 8  # trailing-shape slots compared across ranks (more dims: only the first 8)
 
 
-def _agree(x: torch.Tensor, dim: int, group: Any, size: int, problem: int = 0) -> list[int]:
+def _agree(
+    x: torch.Tensor, dim: int, group: ProcessGroup, size: int, problem: int = 0
+) -> list[int]:
     """Every rank's length along ``dim``, after checking together that the call is sound.
 
     One small all-gather carries each rank's length, its other dims and ``problem`` (a
@@ -149,7 +179,9 @@ _PROBLEMS = {
 }
 
 
-def _gather_padded(x: torch.Tensor, dim: int, group: Any, sizes: list[int]) -> torch.Tensor:
+def _gather_padded(
+    x: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int]
+) -> torch.Tensor:
     """Concatenate every rank's shard along ``dim`` in rank order (no autograd)."""
     longest = max(max(sizes), 1)  # gloo dislikes zero-element tensors
     pad_shape = list(x.shape)
@@ -166,7 +198,9 @@ class _AllGatherUneven(torch.autograd.Function):
     the gradient, then each rank keeps the slice of its own shard."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any, size: int) -> torch.Tensor:
+    def forward(
+        ctx: _Ctx, x: torch.Tensor, dim: int, group: ProcessGroup, size: int
+    ) -> torch.Tensor:
         dim = dim % x.dim()
         sizes = _agree(x, dim, group, size)
         out = _gather_padded(x, dim, group, sizes)
@@ -176,7 +210,7 @@ class _AllGatherUneven(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: _Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         grad = grad.contiguous().clone()
         # every rank used the whole gathered tensor: a shard's gradient is the sum of all uses
         dist.all_reduce(grad, group=ctx.group)
@@ -197,7 +231,7 @@ def all_gather_uneven(x: torch.Tensor, topo: Topology, dim: int = 0) -> torch.Te
     return out
 
 
-def _index_problem(index: Any, n: int, size: int) -> int:
+def _index_problem(index: object, n: int, size: int) -> int:
     if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
         return 1
     if index.numel() != n:
@@ -226,12 +260,12 @@ class _Assemble(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: _Ctx,
         values: torch.Tensor,
         index: torch.Tensor,
         size: int,
         dim: int,
-        group: Any,
+        group: ProcessGroup,
         world: int,
         problem: int,
     ) -> torch.Tensor:
@@ -249,7 +283,7 @@ class _Assemble(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: _Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (index,) = ctx.saved_tensors
         grad = grad.contiguous().clone()
         # every rank used the replicated tensor: a position's gradient is the sum of all uses
@@ -294,7 +328,7 @@ def assemble(
 
 
 @functools.lru_cache(maxsize=32)
-def _halo_plan(partition: CellPartition, rank: int) -> tuple[torch.Tensor, list[int], list[int]]:
+def _halo_plan(partition: CellPartition, rank: int) -> _HaloPlan:
     """(local positions to send, in send order; send counts per rank; receive counts per
     rank) for ``rank``. Every rank derives it from the same partition: no negotiation."""
     lo = partition.bounds[rank]
@@ -315,11 +349,11 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: _HaloCtx,
         x: torch.Tensor,
-        plan: tuple[torch.Tensor, list[int], list[int]],
+        plan: _HaloPlan,
         dim: int,
-        group: Any,
+        group: ProcessGroup,
     ) -> torch.Tensor:
         send_index, send_splits, recv_splits = plan
         local = x.movedim(dim, 0)
@@ -332,7 +366,7 @@ class _HaloExchange(torch.autograd.Function):
         return recv.movedim(0, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: _HaloCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         send_index, send_splits, recv_splits = ctx.plan
         g = grad.movedim(ctx.dim, 0).contiguous()
         back = g.new_empty((sum(send_splits), *g.shape[1:]))
@@ -435,7 +469,7 @@ def _grid_halo_plan(
         send_splits.append(len(chunk))
     send_index = np.concatenate(sends or [np.zeros(0, dtype=np.int64)])
 
-    def as_tensor(a: Any) -> torch.Tensor:
+    def as_tensor(a: npt.ArrayLike) -> torch.Tensor:
         return torch.from_numpy(np.asarray(a, dtype=np.int64))
 
     return (
@@ -457,11 +491,11 @@ class _GridHalo(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: _GridCtx,
         x: torch.Tensor,
         plan: tuple[torch.Tensor, ...],
         padded: tuple[int, int],
-        group: Any,
+        group: ProcessGroup | None,
     ) -> torch.Tensor:
         local_src, local_dst, send_index, remote_dst, _fill, send_splits, recv_splits = plan
         flat = x.reshape(*x.shape[:-2], -1)
@@ -480,7 +514,7 @@ class _GridHalo(torch.autograd.Function):
         return out.reshape(*flat.shape[:-1], *padded)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: _GridCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         local_src, local_dst, send_index, remote_dst, _fill, send_splits, recv_splits = ctx.plan
         g = grad.reshape(*grad.shape[:-2], -1)
         out = g.new_zeros((*g.shape[:-1], ctx.shape[-2] * ctx.shape[-1]))
@@ -546,7 +580,7 @@ def grid_halo_exchange(
 # ---------------------------------------------------------------------- gradient sync
 
 
-def sync_gradients(module: torch.nn.Module, topo: Topology) -> list[Any]:
+def sync_gradients(module: torch.nn.Module, topo: Topology) -> list[RemovableHandle]:
     """Hook every parameter so its gradient is summed over the spatial group as it lands.
 
     With data groups (``topo.data_size > 1``) the summed gradient is then averaged over the
@@ -559,7 +593,7 @@ def sync_gradients(module: torch.nn.Module, topo: Topology) -> list[Any]:
     """
     if topo.spatial_group is None and topo.data_group is None:
         return []
-    handles = []
+    handles: list[RemovableHandle] = []
     for param in module.parameters():
         if param.requires_grad:
             # A hook on the incoming gradient, not a post-accumulate hook: reducing the
@@ -568,7 +602,7 @@ def sync_gradients(module: torch.nn.Module, topo: Topology) -> list[Any]:
     return handles
 
 
-def _hook(topo: Topology) -> Any:
+def _hook(topo: Topology) -> Callable[[torch.Tensor], torch.Tensor]:
     def reduce(grad: torch.Tensor) -> torch.Tensor:
         # the incoming gradient may be an expanded view or shared with other uses: own it
         grad = grad.clone(memory_format=torch.contiguous_format)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 import torch
@@ -71,7 +70,7 @@ class Positions:
     """
 
     size: int
-    index: Any  # range, slice, sequence or 1-D LongTensor of global positions
+    index: range | slice | Sequence[int] | torch.Tensor  # 1-D LongTensor: global positions
     unit: str = "position"
 
     def positions(self) -> torch.Tensor:
@@ -95,7 +94,7 @@ class Axis:
     group: int = 0
 
 
-def axes_of(partition: Any, spatial_rank: int) -> list[Axis]:
+def axes_of(partition: object, spatial_rank: int) -> list[Axis]:
     """The partitioned dimensions that ``partition`` (one of a case's) gives this rank, each
     named by the partition's own axis names (``LatLonPartition.axes``, ``Positions.unit``).
 
@@ -112,7 +111,7 @@ def axes_of(partition: Any, spatial_rank: int) -> list[Axis]:
     return _axes_of(partition, spatial_rank)
 
 
-def _axes_of(partition: Any, spatial_rank: int) -> list[Axis]:
+def _axes_of(partition: object, spatial_rank: int) -> list[Axis]:
     if partition is None:
         return []
     if isinstance(partition, (list, tuple)):  # nested lists: one group
@@ -542,31 +541,9 @@ def first_divergence(
     noisy = {e.key: e for e in nudged.events} if nudged is not None else {}
     by_rank = [{e.key: e for e in t.events} for t in ranks]
     _mean_loss_over_data_groups(ranks, by_rank)
-    calls: dict[str, int] = {}
-    types: dict[str, str] = {}
-    parents: dict[tuple[str, int], tuple[tuple[str, int] | None, bool]] = {}
-    for e in reference.events:
-        if e.kind in ("input", "output"):
-            calls[e.module] = max(calls.get(e.module, 0), e.call + 1)
-            types[e.module] = e.type
-            parents[(e.module, e.call)] = (e.parent, e.through)
-    dtypes: dict[str, None] = {}
-    for t in ranks:
-        for e in t.events:
-            if e.tensor is not None and e.kind in ("input", "output"):
-                dtypes[str(e.tensor.dtype).replace("torch.", "")] = None
-    out.dtypes = tuple(dtypes)
-    # module calls that no rank made: the ranks compute them without calling the module
-    made = {(e.module, e.call) for t in ranks for e in t.events if e.kind == "output"}
-    skipped = {
-        (e.module, e.call)
-        for e in reference.events
-        if e.kind == "output" and ranks and (e.module, e.call) not in made
-    }
-    for module, _ in sorted(skipped):
-        label = f"{module!r} ({types.get(module, '')})"
-        if label not in out.not_run:
-            out.not_run.append(label)
+    calls, types, parents = _call_graph(reference)
+    out.dtypes = _activation_dtypes(ranks)
+    skipped = _not_run(reference, ranks, types, out)
     upstream: dict[tuple[str, int], float] = {}  # worst rel of a call's inputs / grad_outputs
     path: dict[str, None] = {}
     held: tuple[Event, _Verdict] | None = None  # a parameter's gradient that departed
@@ -581,13 +558,7 @@ def first_divergence(
             continue
         for v in verdicts:
             path[v.dtype] = None
-        if e.kind in _CALIBRATES:
-            cal = out.calibration.setdefault(_CALIBRATES[e.kind], Calibration())
-            cal.compared += 1
-            for v in verdicts:
-                if v.scale > 0 and math.isfinite(v.max_abs):
-                    cal.noise = max(cal.noise, v.noise / v.scale)
-                    cal.error = max(cal.error, v.max_abs / v.scale)
+        _calibrate(out, e, verdicts)
         out.compared += 1
         activation_grads += e.kind in ("grad_output", "grad_input")
         worst = max(verdicts, key=lambda v: v.multiple)
@@ -603,12 +574,10 @@ def first_divergence(
         out.first = _divergence(e, worst, reference.step, calls, types, parents, upstream)
         break
     if out.first is None and held is not None:
-        e, worst = held
-        out.first = _divergence(e, worst, reference.step, calls, types, parents, upstream)
+        out.first = _divergence(*held, reference.step, calls, types, parents, upstream)
         if activation_grads:  # they were compared, and matched: only the sync is left
-            out.first = replace(out.first, cause="synchronisation", name=e.slot)
-    for label in list(out.not_compared):
-        out.not_compared[label] = sorted(set(out.not_compared[label]))
+            out.first = replace(out.first, cause="synchronisation", name=held[0].slot)
+    out.not_compared = {label: sorted(set(v)) for label, v in out.not_compared.items()}
     out.path_dtypes = tuple(d for d in path if d != "-")
     return out
 
@@ -616,12 +585,69 @@ def first_divergence(
 #: kinds recorded outside any module call (their module name is the model's, ``""``)
 _OUTSIDE = ("loss", "field", "param_grad")
 
+#: (module, call) -> (the enclosing call, whether this call's output is that call's too)
+_Parents = dict[tuple[str, int], tuple[tuple[str, int] | None, bool]]
+
+
+def _call_graph(reference: Trace) -> tuple[dict[str, int], dict[str, str], _Parents]:
+    """From the reference's events: each module's number of calls, its type, and each
+    call's parent."""
+    calls: dict[str, int] = {}
+    types: dict[str, str] = {}
+    parents: _Parents = {}
+    for e in reference.events:
+        if e.kind in ("input", "output"):
+            calls[e.module] = max(calls.get(e.module, 0), e.call + 1)
+            types[e.module] = e.type
+            parents[(e.module, e.call)] = (e.parent, e.through)
+    return calls, types, parents
+
+
+def _activation_dtypes(ranks: Sequence[Trace]) -> tuple[str, ...]:
+    """The dtypes the ranks' module inputs and outputs were in, in order of appearance."""
+    dtypes: dict[str, None] = {}
+    for t in ranks:
+        for e in t.events:
+            if e.tensor is not None and e.kind in ("input", "output"):
+                dtypes[str(e.tensor.dtype).replace("torch.", "")] = None
+    return tuple(dtypes)
+
+
+def _not_run(
+    reference: Trace, ranks: Sequence[Trace], types: dict[str, str], out: Location
+) -> set[tuple[str, int]]:
+    """Module calls that no rank made (the ranks compute them without calling the module),
+    each module listed once in ``out.not_run``."""
+    made = {(e.module, e.call) for t in ranks for e in t.events if e.kind == "output"}
+    skipped = {
+        (e.module, e.call)
+        for e in reference.events
+        if e.kind == "output" and ranks and (e.module, e.call) not in made
+    }
+    for module, _ in sorted(skipped):
+        label = f"{module!r} ({types.get(module, '')})"
+        if label not in out.not_run:
+            out.not_run.append(label)
+    return skipped
+
+
+def _calibrate(out: Location, e: Event, verdicts: list[_Verdict]) -> None:
+    """Note the noise and the error of a quantity a check's Tolerance calibrates."""
+    if e.kind not in _CALIBRATES:
+        return
+    cal = out.calibration.setdefault(_CALIBRATES[e.kind], Calibration())
+    cal.compared += 1
+    for v in verdicts:
+        if v.scale > 0 and math.isfinite(v.max_abs):
+            cal.noise = max(cal.noise, v.noise / v.scale)
+            cal.error = max(cal.error, v.max_abs / v.scale)
+
 
 def _verdicts(
     e: Event,
     nudged: Event | None,
     ranks: Sequence[Trace],
-    by_rank: list[dict[Any, Event]],
+    by_rank: list[dict[tuple[str, int, str, str], Event]],
     out: Location,
 ) -> list[_Verdict]:
     """Each rank's verdict on one quantity, in the reading that fits best (``[]``: not
@@ -674,7 +700,7 @@ def _worst(verdicts: list[_Verdict]) -> float:
 
 
 def _readings(
-    e: Event, ranks: Sequence[Trace], by_rank: list[dict[Any, Event]]
+    e: Event, ranks: Sequence[Trace], by_rank: list[dict[tuple[str, int, str, str], Event]]
 ) -> list[dict[int, Event]]:
     """The ways a quantity replicated over ranks may be read; the best is judged.
 
@@ -710,7 +736,7 @@ def _readings(
 
 
 def _replicated_gradients(
-    e: Event, ranks: Sequence[Trace], by_rank: list[dict[Any, Event]]
+    e: Event, ranks: Sequence[Trace], by_rank: list[dict[tuple[str, int, str, str], Event]]
 ) -> dict[int, Event]:
     """The gradient of a tensor replicated over a spatial group, summed over the group:
     per spatial group, the sum in place of its first rank's event and a marker for the
@@ -745,7 +771,9 @@ def _replicated_gradients(
     return out
 
 
-def _mean_loss_over_data_groups(ranks: Sequence[Trace], by_rank: list[dict[Any, Event]]) -> None:
+def _mean_loss_over_data_groups(
+    ranks: Sequence[Trace], by_rank: list[dict[tuple[str, int, str, str], Event]]
+) -> None:
     """With several data groups, the loss the reference's is compared with is the mean of
     the groups' losses (as the check compares it)."""
     key = ("", 0, "loss", "loss")
@@ -765,7 +793,7 @@ def _divergence(
     step: int,
     calls: dict[str, int],
     types: dict[str, str],
-    parents: dict[tuple[str, int], tuple[tuple[str, int] | None, bool]],
+    parents: _Parents,
     upstream: dict[tuple[str, int], float],
 ) -> Divergence:
     common = dict(
@@ -794,33 +822,7 @@ def _divergence(
         )
     module, call, quantity = e.module, e.call, e.kind
     if e.kind in ("input", "grad_output"):
-        # made by the code around this call: its enclosing module's own code (climbing past
-        # parents that merely hand this output on), or the batch / the loss outside the model
-        parent, through = parents.get((module, call), (None, False))
-        while e.kind == "grad_output" and through and parent is not None:
-            parent, through = parents.get(parent, (None, False))
-        if parent is None:
-            what = "the batch (the model's input)" if e.kind == "input" else "the loss"
-            direction = "forward" if e.kind == "input" else "backward"
-            return Divergence(
-                direction,
-                None,
-                "",
-                f"{e.kind} of {module!r}",
-                name=what,
-                **common,  # type: ignore[arg-type]
-            )
-        quantity = f"{e.kind} of {module!r}"
-        module, call = parent
-        return Divergence(
-            "forward" if e.kind == "input" else "backward",
-            module,
-            types.get(module, ""),
-            quantity,
-            call=call,
-            calls=calls.get(module, 1),
-            **common,  # type: ignore[arg-type]
-        )
+        return _made_around(e, common, calls, types, parents)
     return Divergence(
         "forward" if e.kind == "output" else "backward",
         module,
@@ -829,6 +831,44 @@ def _divergence(
         call=call,
         calls=calls.get(module, 1),
         upstream_rel=upstream.get((module, call)),
+        **common,  # type: ignore[arg-type]
+    )
+
+
+def _made_around(
+    e: Event,
+    common: dict[str, object],
+    calls: dict[str, int],
+    types: dict[str, str],
+    parents: _Parents,
+) -> Divergence:
+    """A call's input (or output gradient) departs: made by the code around the call, its
+    enclosing module's own code (climbing past parents that merely hand this output on), or
+    the batch / the loss outside the model."""
+    module, call = e.module, e.call
+    parent, through = parents.get((module, call), (None, False))
+    while e.kind == "grad_output" and through and parent is not None:
+        parent, through = parents.get(parent, (None, False))
+    if parent is None:
+        what = "the batch (the model's input)" if e.kind == "input" else "the loss"
+        direction = "forward" if e.kind == "input" else "backward"
+        return Divergence(
+            direction,
+            None,
+            "",
+            f"{e.kind} of {module!r}",
+            name=what,
+            **common,  # type: ignore[arg-type]
+        )
+    quantity = f"{e.kind} of {module!r}"
+    module, call = parent
+    return Divergence(
+        "forward" if e.kind == "input" else "backward",
+        module,
+        types.get(module, ""),
+        quantity,
+        call=call,
+        calls=calls.get(module, 1),
         **common,  # type: ignore[arg-type]
     )
 
@@ -857,17 +897,7 @@ def _judge(
     noise_t = _readable(nudged.tensor) if nudged is not None else None
     if local is None or expected is None:
         return None
-    if isinstance(mine.placement, Placement):  # the case said (a sharded parameter too)
-        placement: Placement | None = mine.placement
-    elif ref.kind in ("param_grad", "loss") or mine.placement == "whole":
-        placement = Placement((None,) * local.dim(), ("",) * local.dim())
-    else:
-        placement = place(
-            tuple(local.shape),
-            tuple(expected.shape),
-            trace.axes,
-            (trace.data_rank, trace.data_size),
-        )
+    placement = _placement(ref, mine, local, expected, trace)
     if placement is None:
         return None
     try:
@@ -884,14 +914,24 @@ def _judge(
         view = view * trace.data_size
         whole = whole * trace.data_size
         noise_view = None if noise_view is None else noise_view * trace.data_size
+    return _measure(ref.kind, rank, local, view, keep, whole, noise_view, placement)
+
+
+def _measure(
+    kind: str,
+    rank: int,
+    local: torch.Tensor,
+    view: torch.Tensor,
+    keep: torch.Tensor,
+    whole: torch.Tensor,
+    noise_view: torch.Tensor | None,
+    placement: Placement,
+) -> _Verdict:
+    """This rank's ``local`` against the reference's ``view`` of it (where ``keep``), the
+    whole reference tensor giving the scale and the nudged reference's view the noise."""
     dtype = str(local.dtype).replace("torch.", "")
     if not (local.is_floating_point() or local.is_complex()):
-        bad = (local != view) & keep
-        if bool(bad.any()):
-            flat = int(torch.argmax(bad.reshape(-1).to(torch.uint8)))
-            where = _where(flat, local.shape, placement)
-            return _Verdict(rank, math.inf, math.inf, 0.0, math.inf, where, dtype)
-        return _Verdict(rank, 0.0, 0.0, 0.0, 0.0, "", dtype)
+        return _exact(rank, local, view, keep, placement, dtype)
     a = _wide(local)
     e = _wide(view)
     diff = torch.where(keep, (a - e).abs(), 0.0)
@@ -905,16 +945,11 @@ def _judge(
     diff = torch.where(finite, diff, 0.0)
     w = _wide(whole).abs()
     scale = float(torch.where(torch.isfinite(w), w, 0.0).max()) if w.numel() else 0.0
-    noise = 0.0
-    if noise_view is not None and noise_view.shape == view.shape:
-        n = _wide(noise_view)
-        ok = finite & torch.isfinite(n)
-        if e.numel():
-            noise = float(torch.where(ok, (n - e).abs(), 0.0).max())
+    noise = _noise(noise_view, e, finite)
     eps = torch.finfo(_real(local.dtype)).eps
     tiny = torch.finfo(_real(local.dtype)).tiny
     zero = scale == 0.0
-    atol = _absolute_term(ref.kind, local.dtype)
+    atol = _absolute_term(kind, local.dtype)
     if zero:  # no scale to be relative to: the check's absolute term decides
         floor = max(noise, atol / DEPART, tiny)
     else:
@@ -935,6 +970,51 @@ def _judge(
         scale,
         zero,
     )
+
+
+def _placement(
+    ref: Event, mine: Event, local: torch.Tensor, expected: torch.Tensor, trace: Trace
+) -> Placement | None:
+    """Where this rank's tensor sits in the reference's: as the case said, whole, or found."""
+    if isinstance(mine.placement, Placement):  # the case said (a sharded parameter too)
+        return mine.placement
+    if ref.kind in ("param_grad", "loss") or mine.placement == "whole":
+        return Placement((None,) * local.dim(), ("",) * local.dim())
+    return place(
+        tuple(local.shape),
+        tuple(expected.shape),
+        trace.axes,
+        (trace.data_rank, trace.data_size),
+    )
+
+
+def _exact(
+    rank: int,
+    local: torch.Tensor,
+    view: torch.Tensor,
+    keep: torch.Tensor,
+    placement: Placement,
+    dtype: str,
+) -> _Verdict:
+    """An integer tensor (indexes, masks): equal, or departing without measure."""
+    bad = (local != view) & keep
+    if bool(bad.any()):
+        flat = int(torch.argmax(bad.reshape(-1).to(torch.uint8)))
+        where = _where(flat, local.shape, placement)
+        return _Verdict(rank, math.inf, math.inf, 0.0, math.inf, where, dtype)
+    return _Verdict(rank, 0.0, 0.0, 0.0, 0.0, "", dtype)
+
+
+def _noise(noise_view: torch.Tensor | None, e: torch.Tensor, finite: torch.Tensor) -> float:
+    """The nudged reference's largest distance from the reference (widened ``e``), where
+    both are finite: the noise floor this run's rounding sets."""
+    if noise_view is None or noise_view.shape != e.shape:
+        return 0.0
+    n = _wide(noise_view)
+    ok = finite & torch.isfinite(n)
+    if not e.numel():
+        return 0.0
+    return float(torch.where(ok, (n - e).abs(), 0.0).max())
 
 
 def _absolute_term(kind: str, dtype: torch.dtype) -> float:

@@ -35,6 +35,8 @@ class EquivalenceFailure(HarnessError, AssertionError):
     count it as a failure, not an error."""
 
     def __init__(self, text: str, report: Any = None) -> None:
+        # loosely typed: an EquivalenceReport, whose module imports this one (a type-only import
+        # would make a circle); users read its fields, so object would not do
         super().__init__(text)
         self.report = report
 
@@ -129,7 +131,7 @@ class RankFailure(HarnessError):
     def __post_init__(self) -> None:
         super().__init__(self.message)
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         # Exceptions pickle through ``args``; a dataclass needs its fields instead.
         return (type(self), (self.message, self.world_size, self.problems))
 

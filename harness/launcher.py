@@ -29,10 +29,15 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from harness.errors import ConfigError, RankProblem, exception_summary, failure_from
-from harness.slurm import slurm_step
+from harness.slurm import SlurmStep, slurm_step
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store, TCPStore
+
+T = TypeVar("T")
 
 _SLURM = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
 
@@ -89,7 +94,22 @@ def launcher_rendezvous(environ: Mapping[str, str] | None = None) -> Rendezvous:
     """  # noqa: E501 - a doctest's output is one line
     env = os.environ if environ is None else environ
     step = slurm_step(env)
-    exported, derived = [], []
+    exported: list[str] = []
+    derived: list[str] = []
+    addr = _rendezvous_addr(env, step, exported, derived)
+    port = _rendezvous_port(env, step, exported, derived)
+    said = []
+    if exported:
+        said.append(f"exported {', '.join(exported)}")
+    if derived:
+        said.append(f"derived {', '.join(derived)}")
+    return Rendezvous(addr, port, "; ".join(said))
+
+
+def _rendezvous_addr(
+    env: Mapping[str, str], step: SlurmStep | None, exported: list[str], derived: list[str]
+) -> str:
+    """Rank 0's host, exported or derived (noted in ``exported`` / ``derived``)."""
     addr = env.get("MASTER_ADDR", "")
     if addr:
         exported.append("MASTER_ADDR")
@@ -110,6 +130,13 @@ def launcher_rendezvous(environ: Mapping[str, str] | None = None) -> Rendezvous:
             "from (SLURM_STEP_NODELIST or SLURM_JOB_NODELIST); torchrun sets it: export "
             "MASTER_ADDR=<the host of rank 0>"
         )
+    return addr
+
+
+def _rendezvous_port(
+    env: Mapping[str, str], step: SlurmStep | None, exported: list[str], derived: list[str]
+) -> int:
+    """Rank 0's port, exported or derived (noted in ``exported`` / ``derived``)."""
     raw_port = env.get("MASTER_PORT", "")
     if raw_port:
         exported.append("MASTER_PORT")
@@ -131,12 +158,7 @@ def launcher_rendezvous(environ: Mapping[str, str] | None = None) -> Rendezvous:
             "SLURM_STEP_ID); torchrun sets it: export MASTER_PORT=<a free port on rank 0's "
             "host>, e.g. 29500"
         )
-    said = []
-    if exported:
-        said.append(f"exported {', '.join(exported)}")
-    if derived:
-        said.append(f"derived {', '.join(derived)}")
-    return Rendezvous(addr, port, "; ".join(said))
+    return port
 
 
 _ARRIVED = "harness/launcher/arrived/{}"
@@ -144,7 +166,7 @@ _GAVE_UP = "harness/launcher/gave-up"  # rank 0's list of the ranks that never c
 _TOLD = "harness/launcher/told/{}"  # a rank read it: rank 0 (the store) may go
 
 
-def meet(rendezvous: Rendezvous, rank: int, world_size: int, timeout: float) -> Any:
+def meet(rendezvous: Rendezvous, rank: int, world_size: int, timeout: float) -> TCPStore:
     """Every rank at ``rendezvous`` within ``timeout`` seconds: the ``TCPStore`` they share.
 
     Or a ``ConfigError`` on each rank, by its deadline, that says what went wrong where it
@@ -199,7 +221,12 @@ def meet(rendezvous: Rendezvous, rank: int, world_size: int, timeout: float) -> 
 
 
 def _all_arrive(
-    store: Any, rendezvous: Rendezvous, rank: int, world_size: int, timeout: float, deadline: float
+    store: Store,
+    rendezvous: Rendezvous,
+    rank: int,
+    world_size: int,
+    timeout: float,
+    deadline: float,
 ) -> None:
     """Every rank's arrival key in the store by ``deadline``, or one error naming the absent.
 
@@ -235,9 +262,9 @@ def _all_arrive(
         )
 
 
-def _before(deadline: float, make: Callable[[], Any]) -> Any:
+def _before(deadline: float, make: Callable[[], T]) -> T:
     """``make()``, or ``TimeoutError`` at ``deadline`` (the thread is left behind, daemon)."""
-    result: list[Any] = []
+    result: list[T] = []
     error: list[BaseException] = []
 
     def target() -> None:
@@ -338,17 +365,17 @@ class LauncherRunner:
 
         self._tracker = _intercept.install()
 
-    def gather(self, obj: Any) -> list[Any]:
+    def gather(self, obj: T) -> list[T]:
         """Every rank's ``obj``, in rank order, on every rank."""
         import torch.distributed as dist
 
-        out: list[Any] = [None] * self.world_size
+        out = [obj] * self.world_size  # placeholders: the gather fills every slot
         dist.all_gather_object(out, obj, group=self._objects)
         return out
 
     def run(
-        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
-    ) -> list[Any]:
+        self, fn: Callable[..., T], *args: object, timeout: float | None = None, **kwargs: object
+    ) -> list[T]:
         """Call ``fn`` here, on every rank; every rank gets all results or the same failure.
 
         A ``BaseException`` from ``fn`` (``pytest.fail``, ``pytest.skip``, ``SystemExit``) is
@@ -358,7 +385,11 @@ class LauncherRunner:
         tracker = self._tracker
         tracker.begin()  # as a pool's rank does: a run's operations, from zero
         try:
-            status: tuple[bool, Any] = (True, fn(*args, **kwargs))
+            # fn's result, or the failure's (summary, traceback, phase)
+            status: tuple[Literal[True], T] | tuple[Literal[False], tuple[str, str, str]] = (
+                True,
+                fn(*args, **kwargs),
+            )
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - shared with the other ranks
@@ -371,11 +402,11 @@ class LauncherRunner:
         problems = [
             RankProblem(r, "error", s[1][0], s[1][1], phase=s[1][2])
             for r, s in enumerate(statuses)
-            if not s[0]
+            if s[0] is False
         ]
         if problems:
             raise failure_from(problems, self.world_size, timeout or self.timeout)
-        return [s[1] for s in statuses]
+        return [s[1] for s in statuses if s[0] is True]  # every one: no rank failed
 
     def close(self) -> None:
         import torch.distributed as dist

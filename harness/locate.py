@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+from torch.autograd.function import FunctionCtx
+from torch.utils.hooks import RemovableHandle
 
 from harness._values import block, is_distributed, plain
 from harness.collectives import apply
@@ -39,7 +41,7 @@ from harness.divergence import (
     shard_placement,
 )
 from harness.errors import ConfigError, RankFailure
-from harness.records import detached, map_tensors
+from harness.records import FieldRecord, detached, map_tensors
 from harness.topology import Topology
 
 if TYPE_CHECKING:
@@ -50,21 +52,29 @@ if TYPE_CHECKING:
 NUDGE_ULPS = 4.0
 
 
+class _TapCtx(FunctionCtx):
+    """Autograd's ``ctx`` with the sink ``_Tap`` keeps on it (torch leaves it untyped)."""
+
+    sink: Callable[[torch.Tensor], torch.Tensor]
+
+
 class _Tap(torch.autograd.Function):
     """Forward: a copy of ``x``. Backward: the gradient, handed to ``sink`` (which records
     it, and may nudge it)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, sink: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    def forward(
+        ctx: _TapCtx, x: torch.Tensor, sink: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         ctx.sink = sink
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: _TapCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return ctx.sink(grad), None
 
 
-def _tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+def _tensors(obj: object, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """The tensors in ``obj``'s tuples, lists and dicts, each with a slot name."""
     if isinstance(obj, torch.Tensor):
         return [(prefix or "0", obj)]
@@ -99,7 +109,7 @@ class Recorder:
         self.trace = Trace(step, forward_only=not backward)
         self.active = False
         self.model: torch.nn.Module | None = None
-        self.handles: list[Any] = []
+        self.handles: list[RemovableHandle] = []
         self.names: dict[int, str] = {}
         self.counts: dict[str, int] = {}
         self.stack: list[tuple[str, int]] = []
@@ -166,7 +176,9 @@ class Recorder:
 
         return hook
 
-    def _event(self, module: torch.nn.Module, call: int, kind: str, slot: str, t: Any) -> Event:
+    def _event(
+        self, module: torch.nn.Module, call: int, kind: str, slot: str, t: torch.Tensor | None
+    ) -> Event:
         name = self.names.get(id(module), "?")
         placement: Placement | str | None = None
         tensor = None if t is None else detached(t)
@@ -200,7 +212,9 @@ class Recorder:
         index = _shard_index(self.case, f"activation of {name!r}", said)
         return shard_placement(index, said.dim, values.dim(), said.grid_shape), values
 
-    def _pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+    def _pre(
+        self, module: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> tuple[tuple[object, ...], dict[str, object]] | None:
         if not self.active:
             return None
         name = self.names.get(id(module), "?")
@@ -235,7 +249,7 @@ class Recorder:
 
         return sink
 
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _post(self, module: torch.nn.Module, args: tuple[object, ...], output: object) -> None:
         if not self.active or not self.stack:
             return
         name, call = self.stack.pop()
@@ -394,8 +408,9 @@ def _traced(
 _BACKWARD = ("grad_output", "grad_input", "param_grad")
 
 
-def _slice_positions(f: Any) -> torch.Tensor:
-    s: slice = f.index
+def _slice_positions(f: FieldRecord) -> torch.Tensor:
+    assert isinstance(f.index, slice) and f.dim is not None
+    s = f.index
     start, step = s.start or 0, s.step or 1
     n = f.values.shape[f.dim]
     return torch.arange(start, start + n * step, step)

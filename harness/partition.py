@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import functools
 from bisect import bisect_right
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from harness.errors import ConfigError
 
@@ -118,7 +119,7 @@ def _offsets(sizes: list[int]) -> list[int]:
     return [0, *accumulate(sizes)]
 
 
-def _check_rank(rank: Any, ranks: int, what: str) -> int:
+def _check_rank(rank: object, ranks: int, what: str) -> int:
     """The one rank validator: a plain integer in ``[0, ranks)``."""
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not (0 <= rank < ranks):
         raise ConfigError(
@@ -127,7 +128,7 @@ def _check_rank(rank: Any, ranks: int, what: str) -> int:
     return int(rank)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ConfigError(
             f"{name} must be an integer >= {minimum}, got {value!r} "
@@ -180,7 +181,7 @@ class Ownership:
         twice)."""
         return [r for r, idx in enumerate(self.indices) for i in idx.tolist() if i == position]
 
-    def describe(self, name: Any = str) -> str:
+    def describe(self, name: Callable[[int], str] = str) -> str:
         """What is wrong, for a message; ``name(position)`` renders a position."""
         parts = []
         missing, doubled = self.missing, self.doubled
@@ -196,7 +197,7 @@ class Ownership:
         return "; ".join(parts)
 
 
-def ownership(indices: Any, size: int) -> Ownership:
+def ownership(indices: Iterable[npt.ArrayLike], size: int) -> Ownership:
     """Count the ranks claiming each position of ``[0, size)``; ``indices[r]`` are rank
     ``r``'s global positions (any integer array-like; empty for an empty rank).
 
@@ -338,11 +339,18 @@ class LatLonPartition:
 # ---------------------------------------------------------------------- HEALPix cells
 
 
-def _check_nside(nside: Any) -> int:
-    ok = isinstance(nside, (int, np.integer)) and not isinstance(nside, bool)
-    if not ok or nside < 1 or nside & (nside - 1) or nside > 2**29:
+def _check_nside(nside: object) -> int:
+    if (
+        not isinstance(nside, (int, np.integer))
+        or isinstance(nside, bool)
+        or nside < 1
+        or nside & (nside - 1)
+        or nside > 2**29
+    ):
         hint = ""
-        if ok and 2 < nside < 2**29:  # between two valid powers of two: name them
+        whole = isinstance(nside, (int, np.integer)) and not isinstance(nside, bool)
+        if whole and isinstance(nside, (int, np.integer)) and 2 < nside < 2**29:
+            # between two valid powers of two: name them (isinstance again: mypy narrows here)
             below = 1 << (int(nside).bit_length() - 1)
             hint = f" (nearest: {below} or {2 * below})"
         raise ConfigError(
@@ -352,7 +360,7 @@ def _check_nside(nside: Any) -> int:
     return int(nside)
 
 
-def cell_of(nside: int, lat_deg: Any, lon_deg: Any) -> np.ndarray:
+def cell_of(nside: int, lat_deg: npt.ArrayLike, lon_deg: npt.ArrayLike) -> np.ndarray:
     """NESTED HEALPix cell of each (latitude, longitude) in degrees.
 
     >>> cell_of(1, [80.0, -80.0], [45.0, 45.0]).tolist()

@@ -18,14 +18,23 @@ matplotlib is imported only when a plot is made (``pip install matplotlib``, or
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from harness.errors import ConfigError
 from harness.partition import CellPartition
+
+if TYPE_CHECKING:
+    from healpy.projector import MollweideProj
+    from matplotlib.axes import Axes
+    from matplotlib.colors import Colormap
+    from matplotlib.figure import Figure
 
 __all__ = ["plot_healpix_error", "plot_latlon_error"]
 
@@ -34,7 +43,7 @@ _NONFINITE = "#00c000"  # NaN or inf differences: a colour the error colormap ne
 _BOUNDARY = "#1f77b4"
 
 
-def _figure(width: float, height: float) -> Any:
+def _figure(width: float, height: float) -> Figure:
     """A Figure on the Agg canvas (no pyplot, no global backend switch)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -49,14 +58,14 @@ def _figure(width: float, height: float) -> Any:
     return fig
 
 
-def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
+def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     return out
 
 
-def _sizes(name: str, sizes: Any) -> list[int]:
+def _sizes(name: str, sizes: Iterable[float]) -> list[int]:
     try:
         values = [int(s) for s in sizes]
         exact = all(int(s) == s and s >= 0 for s in sizes)
@@ -81,13 +90,13 @@ def _scale(values: np.ndarray) -> tuple[float, str]:
     return (vmax if vmax > 0 else 1.0), note
 
 
-def _colormap() -> Any:
+def _colormap() -> Colormap:
     from matplotlib import colormaps
 
     return colormaps[_CMAP].with_extremes(bad=_NONFINITE)
 
 
-def _rank_label(ax: Any, x: float, y: float, rank: int, *, fontsize: int) -> None:
+def _rank_label(ax: Axes, x: float, y: float, rank: int, *, fontsize: int) -> None:
     """A boxed "rank N" at (x, y), in the colour of the rank boundaries."""
     ax.text(
         x,
@@ -102,14 +111,15 @@ def _rank_label(ax: Any, x: float, y: float, rank: int, *, fontsize: int) -> Non
 
 
 def plot_latlon_error(
-    error: Any,
+    error: npt.ArrayLike,
     path: str | os.PathLike[str],
     *,
     lat_sizes: list[int],
     lon_sizes: list[int],
     title: str,
-    latitudes: Any = None,
+    latitudes: npt.ArrayLike | None = None,
 ) -> Path:
+    # long: one figure drawn top to bottom; split, its layout would scatter over helpers
     """Save an equirectangular map of ``error`` with the ranks' blocks drawn; return the path.
 
     ``error`` is a (nlat, nlon) array of ``|partitioned - reference|``. ``lat_sizes`` and
@@ -119,8 +129,6 @@ def plot_latlon_error(
     (degrees, one per row) puts north at the top whichever way the rows run and labels the
     axis in degrees; without them row 0 is drawn at the top and the axis says so.
     """
-    # Long on purpose: one figure drawn top to bottom (image, boundaries, labels, worst
-    # cell, axes); split up, its layout decisions would be scattered over helpers.
     values = np.abs(np.asarray(error, dtype=np.float64))
     lats, lons = _sizes("lat_sizes", lat_sizes), _sizes("lon_sizes", lon_sizes)
     nlat, nlon = sum(lats), sum(lons)
@@ -176,7 +184,7 @@ def plot_latlon_error(
     return _save(fig, path)
 
 
-def _orient(ax: Any, nlat: int, latitudes: Any) -> None:
+def _orient(ax: Axes, nlat: int, latitudes: npt.ArrayLike | None) -> None:
     """North at the top when the latitudes say where north is; row 0 at the top otherwise."""
     if latitudes is None:
         ax.set_ylim(nlat, 0)
@@ -207,12 +215,13 @@ def _worst(values: np.ndarray) -> int | None:
 
 
 def plot_healpix_error(
-    error: Any,
+    error: npt.ArrayLike,
     path: str | os.PathLike[str],
     *,
-    bounds: Any,
+    bounds: Sequence[int],
     title: str,
 ) -> Path:
+    # long: one figure, two panels (error, owning rank), drawn top to bottom
     """Save a Mollweide map of ``error`` with the ranks' cell ranges drawn; return the path.
 
     ``error`` is a (npix,) array of ``|partitioned - reference|`` per HEALPix cell in NESTED
@@ -221,7 +230,6 @@ def plot_healpix_error(
     boundaries between ranks drawn and each rank labelled; right: the owning rank per cell.
     Non-finite differences are drawn in green.
     """
-    # Long on purpose: one figure, two panels, drawn top to bottom (see plot_latlon_error).
     import healpy as hp
     from healpy.projector import MollweideProj
 
@@ -336,7 +344,7 @@ def _rank_colour(rank: int) -> tuple[float, float, float, float]:
 
 
 def _label_xy(
-    proj: Any, hp: Any, nside: int, part: CellPartition, rank: int
+    proj: MollweideProj, hp: ModuleType, nside: int, part: CellPartition, rank: int
 ) -> tuple[float, float]:
     """Projected position of the rank's middle cell: a point inside its (compact) region."""
     lo, hi = part.bounds[rank], part.bounds[rank + 1]
@@ -344,6 +352,6 @@ def _label_xy(
     return float(x), float(y)
 
 
-def _ellipse(ax: Any) -> None:
+def _ellipse(ax: Axes) -> None:
     t = np.linspace(0, 2 * np.pi, 361)
     ax.plot(2 * np.cos(t), np.sin(t), color="0.3", linewidth=0.8)

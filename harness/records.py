@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, is_dataclass, replace
-from typing import Any
+from typing import TypeVar, cast
 
 import torch
 
@@ -143,20 +143,28 @@ def detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").clone()
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+T = TypeVar("T")
+
+
+def map_tensors(obj: T, fn: Callable[[torch.Tensor], torch.Tensor]) -> T:
     """``obj`` with ``fn`` applied to each tensor of its tuples (named or not), lists, dicts
     and dataclasses; anything else as it is (a batch, a module's inputs)."""
+    return cast(T, _map_tensors(obj, fn))  # the same structure, its tensors replaced
+
+
+def _map_tensors(obj: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(map_tensors(v, fn) for v in obj))
+        make: Callable[..., object] = type(obj)  # fields by position
+        return make(*(_map_tensors(v, fn) for v in obj))
     if isinstance(obj, (tuple, list)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
+        return type(obj)(_map_tensors(v, fn) for v in obj)
     if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
     if is_dataclass(obj) and not isinstance(obj, type):
         names = [f for f in obj.__dataclass_fields__ if obj.__dataclass_fields__[f].init]
-        return replace(obj, **{n: map_tensors(getattr(obj, n), fn) for n in names})
+        return replace(obj, **{n: _map_tensors(getattr(obj, n), fn) for n in names})
     return obj
 
 

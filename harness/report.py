@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -335,7 +335,7 @@ def _rank_text(ranks: list[int | None]) -> str:
 
 def _collapse(mismatches: Sequence[Mismatch]) -> list[tuple[Mismatch, list[int | None]]]:
     """One row per (quantity, run, name, step): the worst rank's numbers, every rank listed."""
-    rows: dict[tuple[Any, ...], tuple[Mismatch, list[int | None]]] = {}
+    rows: dict[tuple[object, ...], tuple[Mismatch, list[int | None]]] = {}
     for m in mismatches:
         key = (m.quantity, m.run, m.of, m.name, m.step)
         if key not in rows:

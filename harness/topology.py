@@ -8,18 +8,17 @@ wrong ranks otherwise), and groups are cached for the life of the default proces
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from harness.errors import ConfigError
 
-ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose for older torch stubs
-
 # (id of the default group, key) -> groups. Cleared when the default group is destroyed,
 # so a cached group can never outlive the process group it was made from.
-_GROUP_CACHE: dict[tuple[int, tuple[Any, ...]], Any] = {}
+_GROUP_CACHE: dict[tuple[int, tuple[Hashable, ...]], list[ProcessGroup]] = {}
 
 
 def clear_group_cache() -> None:
@@ -32,8 +31,8 @@ def _default_group_id() -> int:
 
 
 def cached_groups(
-    key: tuple[Any, ...], rank_lists: list[list[int]], *, sort_ranks: bool = True
-) -> list[Any]:
+    key: tuple[Hashable, ...], rank_lists: list[list[int]], *, sort_ranks: bool = True
+) -> list[ProcessGroup]:
     """Create (once) one process group per list of global ranks, in list order, on every rank.
 
     Every rank of the world must call this with the same ``key`` and ``rank_lists`` in the
@@ -74,7 +73,7 @@ def validate_sizes(world_size: int, spatial_size: int | None) -> int:
     return spatial_size
 
 
-def check_mesh(mesh: Any, spatial_size: int) -> tuple[int, ...]:
+def check_mesh(mesh: object, spatial_size: int) -> tuple[int, ...]:
     """``mesh`` as a tuple of ints whose product is ``spatial_size`` (``()`` for ``None``),
     or one ``ConfigError`` naming the problem and the fix.
 
@@ -83,8 +82,9 @@ def check_mesh(mesh: Any, spatial_size: int) -> tuple[int, ...]:
     """
     if mesh is None or (isinstance(mesh, tuple | list) and len(mesh) == 0):
         return ()
-    sizes = tuple(mesh) if isinstance(mesh, tuple | list) else (mesh,)
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+    given: tuple[object, ...] = tuple(mesh) if isinstance(mesh, tuple | list) else (mesh,)
+    sizes = tuple(n for n in given if isinstance(n, int) and not isinstance(n, bool) and n >= 1)
+    if len(sizes) != len(given):
         raise ConfigError(
             f"mesh={mesh!r}: a process grid is a tuple of integers >= 1, one per grid axis; "
             f"e.g. mesh=({spatial_size},) or mesh=(2, {spatial_size // 2}) "

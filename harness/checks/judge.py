@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -96,13 +96,13 @@ class Judge:
             quantity, name, step, rank, d.max_abs, d.max_rel, loc, d.count, d.total, hint=hint
         )
 
-    def diagnose(self, what: str, default: T, fn: Callable[..., T], *args: Any) -> T:
+    def diagnose(self, what: str, default: T, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)``, a diagnosis: should it raise, ``default``, and a ``Not located``
         line saying what could not be said: a hint never takes a finding down."""
         return diagnose(self.diagnoses, what, default, fn, *args)
 
 
-def diagnose(lines: list[str], what: str, default: T, fn: Callable[..., T], *args: Any) -> T:
+def diagnose(lines: list[str], what: str, default: T, fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)``, or ``default`` with a ``Not located: <what> (<ExcType>: msg)`` line in
     ``lines`` when it raises."""
     try:

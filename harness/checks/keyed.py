@@ -280,6 +280,21 @@ class _Placed:
     owners: np.ndarray  # the rank holding each item
 
 
+def _key_rows(ids: list[np.ndarray | None], n_keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per key: the reference's (first) row of it (-1: none), and how many ranks' items
+    hold it."""
+    ref_ids = ids[0]
+    assert ref_ids is not None
+    first_row = np.full(n_keys, -1, dtype=np.int64)  # the reference's (first) row of each key
+    present, first = np.unique(ref_ids, return_index=True)
+    first_row[present] = first
+    total = np.zeros(n_keys, dtype=np.int64)
+    for r_ids in ids[1:]:
+        if r_ids is not None:
+            total += np.bincount(r_ids, minlength=n_keys)
+    return first_row, total
+
+
 def _compare_items(
     judge: Judge,
     job: _KeyedJob,
@@ -289,16 +304,7 @@ def _compare_items(
     ref: FieldRecord,
 ) -> tuple[Mismatch | None, _Placed]:
     """Compare every item held exactly once with the reference's item of the same key."""
-    ref_ids = ids[0]
-    assert ref_ids is not None
-    n_keys = len(job.unique)
-    first_row = np.full(n_keys, -1, dtype=np.int64)  # the reference's (first) row of each key
-    present, first = np.unique(ref_ids, return_index=True)
-    first_row[present] = first
-    total = np.zeros(n_keys, dtype=np.int64)
-    for r_ids in ids[1:]:
-        if r_ids is not None:
-            total += np.bincount(r_ids, minlength=n_keys)
+    first_row, total = _key_rows(ids, len(job.unique))
     rows, ref_rows, owners, parts = [], [], [], []
     for rank, (f, r_ids) in enumerate(zip(fields, ids[1:])):
         if r_ids is None or held[rank] is None:

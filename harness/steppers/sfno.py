@@ -483,7 +483,7 @@ class SFNOStepper(nn.Module):
         topo = self.topo
         if topo.data_group is None:
             return loss
-        group = topo.data_group
+        group: dist.ProcessGroup | None = topo.data_group
         if "reduce-over-world" in self.faults:
             group = dist.group.WORLD  # the bug: S replicas of each data group's loss summed
         return apply(_MeanOverGroup, loss, group, topo.data_size)
