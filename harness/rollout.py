@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +61,10 @@ FACTOR = 10.0
 #: they give: measured, one 150-step float32 rollout of the 16x32 SFNO stepper took 4.6 s
 #: with torch's default threads and 0.55 s with one, on a loaded 2-core machine.
 SERIAL_THREADS = 1
+#: Run the ranks' partitioned rollout (a ``RankPool``'s other processes) while this process
+#: computes the serial ones, instead of one after the other (measured in
+#: benchmarks/rollout_cost.py: see docs/rollouts.md, "Cost").
+OVERLAP = True
 
 
 # ---------------------------------------------------------------------- records
@@ -454,6 +459,13 @@ def check_rollout(
     makes it the report's mismatches)."""
     t0 = time.perf_counter()
     _has_predict(case)
+    given = None if spatial_size == pool.world_size else spatial_size
+    call = (_rollout_entry, case, given, steps, seed, autocast)
+    # The ranks' rollout and the serial ones (reference, members) are independent: a
+    # RankPool's ranks are other processes, so they run while this process computes the
+    # serial rollouts instead of after them (the ranks mostly wait on gloo; see OVERLAP).
+    # A runner that runs the function in this very process (torchrun, srun) goes after.
+    ranks_run = _Background(pool, call, timeout) if _overlaps(pool) else None
     threads = torch.get_num_threads()
     torch.set_num_threads(SERIAL_THREADS)
     t_serial = time.perf_counter()
@@ -463,11 +475,17 @@ def check_rollout(
             run_prediction(case, Topology.single(), steps, seed, member=j, autocast=autocast)
             for j in range(members)
         ]
+    except BaseException:
+        if ranks_run is not None:
+            ranks_run.join()  # never leave the ranks running behind a verdict
+        raise
     finally:
         torch.set_num_threads(threads)
     serial = time.perf_counter() - t_serial
-    given = None if spatial_size == pool.world_size else spatial_size
-    ranks = pool.run(_rollout_entry, case, given, steps, seed, autocast, timeout=timeout)
+    if ranks_run is not None:
+        ranks = ranks_run.result()
+    else:
+        ranks = pool.run(*call, timeout=timeout)
     record = judge_rollout(
         reference, ensemble, ranks, bound, spatial_size=spatial_size, factor=factor
     )
@@ -475,6 +493,40 @@ def check_rollout(
     record.seconds = time.perf_counter() - t0
     record.serial_seconds = serial
     return record
+
+
+def _overlaps(pool: Runner) -> bool:
+    """Whether ``pool`` runs its ranks in other processes (a ``RankPool``), so that its run
+    can overlap the serial rollouts of this process."""
+    from harness.pool import RankPool
+
+    return OVERLAP and isinstance(pool, RankPool)
+
+
+class _Background:
+    """``pool.run(*call)`` in a thread: its results, or what it raised, from ``result()``."""
+
+    def __init__(self, pool: Runner, call: tuple[Any, ...], timeout: float | None) -> None:
+        self._out: list[Any] = []
+        self._error: BaseException | None = None
+
+        def target() -> None:
+            try:
+                self._out = pool.run(*call, timeout=timeout)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=target, name="harness-rollout-ranks", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> list[Any]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out
 
 
 def _has_predict(case: SpatialCase) -> None:
