@@ -41,20 +41,22 @@ if TYPE_CHECKING:
 #: each member's nudge: every floating value times (1 +- NUDGE_ULPS * eps), as ``harness.locate``
 NUDGE_ULPS = 4.0
 #: Ensemble members (nudged reruns of the reference) that measure the rounding spread. Fewer
-#: members see less of it: over 150 steps (benchmarks/rollout_cost.py) the spread of one
-#: member dipped at some step to 0.1x that of eight, of two to 0.34x, of four to 0.58x (SFNO
-#: and the Lorenz-96 ring alike). With four, FACTOR x the spread stays above 5x what eight
-#: members would measure, and a member costs one serial rollout (0.2-1.3 s for 150 SFNO
-#: steps here, a fraction of the partitioned rollout's own time).
+#: members see less of it: over 150 steps (benchmarks/rollout_cost.py, remeasured 2026-12-05)
+#: the spread of one member dipped at some step to 0.11x that of eight, of two to 0.34x, of
+#: four to 0.58x on the SFNO stepper (0.10x, 0.36x, 0.60x on the Lorenz-96 ring). With four,
+#: FACTOR x the spread stays above 5x what eight members would measure, and a member costs
+#: one serial rollout (0.3-0.9 s for 150 SFNO steps on the loaded 2-core machine), run while
+#: the ranks roll out (OVERLAP).
 MEMBERS = 4
 #: A step fails when the partitioned run is further from the reference than FACTOR times the
 #: furthest member. The partitioned run is one more draw of the same rounding process (sums
 #: in another order instead of nudged inputs), usually a smaller one: measured (float32, 4
-#: ranks, every step and field of 150-step rollouts, 4 members) the ratio error/spread was
-#: at most 1.0 on the Lorenz-96 ring (its replicated 'energy' sum, seeds 0-2;
-#: tests/distributed/ring.py) and 0.64 on the SFNO stepper (benchmarks/rollout_cost.py).
-#: 10 leaves a margin of 10x over the worst seen; the inference bugs measured enter at
-#: 700x..3e5x the spread (ring and SFNO faults), so the margin costs them no detection.
+#: ranks, every step and field of 150-step rollouts) the ratio error/spread was at most 1.0
+#: on the Lorenz-96 ring (its replicated 'energy' sum, seeds 0-2; tests/distributed/ring.py;
+#: 0.67 with 4 members in benchmarks/rollout_cost.py) and 0.18 on the SFNO stepper with 4
+#: members (0.64 with one). 10 leaves a margin of 10x over the worst seen; the inference
+#: bugs measured enter at 700x..3e5x the spread (ring and SFNO faults), so the margin costs
+#: them no detection.
 FACTOR = 10.0
 #: torch threads for the serial rollouts (reference and members) in the calling process, as
 #: every rank runs. A rollout is many small steps, where intra-op threads cost more than
@@ -62,8 +64,11 @@ FACTOR = 10.0
 #: with torch's default threads and 0.55 s with one, on a loaded 2-core machine.
 SERIAL_THREADS = 1
 #: Run the ranks' partitioned rollout (a ``RankPool``'s other processes) while this process
-#: computes the serial ones, instead of one after the other (measured in
-#: benchmarks/rollout_cost.py: see docs/rollouts.md, "Cost").
+#: computes the serial ones, instead of one after the other. The ranks spend their rollout
+#: waiting in gloo (18 collectives per SFNO step), so the serial rollouts fit in beside them
+#: where a core is free. On the loaded 2-core machine the gain is within the noise
+#: (benchmarks/rollout_cost.py, interleaved: 4.2x vs 5.2x and 4.7x vs 3.3x the training check,
+#: sequential vs overlapped); docs/rollouts.md, "Cost".
 OVERLAP = True
 
 
