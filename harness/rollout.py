@@ -68,7 +68,8 @@ SERIAL_THREADS = 1
 #: waiting in gloo (18 collectives per SFNO step), so the serial rollouts fit in beside them
 #: where a core is free. On the loaded 2-core machine the gain is within the noise
 #: (benchmarks/rollout_cost.py, interleaved: 4.2x vs 5.2x and 4.7x vs 3.3x the training check,
-#: sequential vs overlapped); docs/rollouts.md, "Cost".
+#: sequential vs overlapped), and at load 7 it saved ~1 s of 9.4 (the serial part);
+#: docs/rollouts.md, "Cost".
 OVERLAP = True
 
 
