@@ -6,8 +6,9 @@ nudged reruns (ensemble members) its envelope needs.
 The SFNO stepper (16x32, 2x2 process grid, float32) on 4 ranks: the training check
 (``check_equivalence``, 2 steps) against the rollout that ``rollout=150`` adds (the
 reference, ``MEMBERS`` nudged reruns of it and the partitioned rollout, then the
-judgement), medians of ``--repeats`` through one warm pool (the goal: at most 3x), the
-rollout split into its serial part (reference + members) and the rest (the ranks' run).
+judgement), medians of ``--repeats`` through one warm pool (the goal: at most 3x), with
+the serial rollouts run before the ranks' (``OVERLAP = False``, as before) and while the
+ranks run (``OVERLAP = True``, the default), interleaved.
 
 Ensemble size: the ranks' rollout is run once, the reference nudged ``max(--members)``
 times; for each size ``m`` the envelope from the first ``m`` members is compared with the
@@ -29,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.distributed.ring
 
+import harness.rollout as rollout
 from harness import PoolRegistry, Tolerance, Topology, check_equivalence
 from harness.rollout import (
     FACTOR,
@@ -44,27 +46,32 @@ RANKS = 4
 
 def _cost(case, pool, steps: int, repeats: int) -> None:
     check_equivalence(case, ranks=RANKS, pool=pool, rollout=2)  # warm: imports, groups
-    trains, rolls, serials = [], [], []
+    trains: list[float] = []
+    rolls: dict[bool, list[float]] = {True: [], False: []}
+    serials: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(repeats):
         t0 = time.perf_counter()
         report = check_equivalence(case, ranks=RANKS, pool=pool)
         trains.append(time.perf_counter() - t0)
         assert report.ok, report
-        rolled = check_equivalence(case, ranks=RANKS, pool=pool, rollout=steps)
-        assert rolled.ok and rolled.rollout is not None, rolled
-        rolls.append(rolled.rollout.seconds)
-        serials.append(rolled.rollout.serial_seconds)
-    train, roll = statistics.median(trains), statistics.median(rolls)
-    serial = statistics.median(serials)
+        for overlap in (False, True):  # interleaved: the machine's load hits both alike
+            rollout.OVERLAP = overlap
+            try:
+                rolled = check_equivalence(case, ranks=RANKS, pool=pool, rollout=steps)
+            finally:
+                rollout.OVERLAP = True
+            assert rolled.ok and rolled.rollout is not None, rolled
+            rolls[overlap].append(rolled.rollout.seconds)
+            serials[overlap].append(rolled.rollout.serial_seconds)
+    train = statistics.median(trains)
     print(f"  training check (2 steps):        {train:6.2f} s")
-    print(
-        f"  {steps}-step rollout ({MEMBERS} members):   {roll:6.2f} s  -> {roll / train:.1f}x the "
-        f"training check ({(roll + train) / train:.1f}x for the check with both)"
-    )
-    print(
-        f"    of which serial (ref + members): {serial:6.2f} s; the ranks' partitioned "
-        f"rollout and the judgement: {roll - serial:.2f} s"
-    )
+    for overlap, how in ((False, "serial, then ranks"), (True, "serial while ranks run")):
+        roll, serial = statistics.median(rolls[overlap]), statistics.median(serials[overlap])
+        print(
+            f"  {steps}-step rollout ({MEMBERS} members, {how}): {roll:6.2f} s -> "
+            f"{roll / train:.1f}x the training check ({(roll + train) / train:.1f}x for the "
+            f"check with both); serial part (ref + members) {serial:.2f} s"
+        )
 
 
 def _members(case, pool, steps: int, sizes: list[int]) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,26 +42,36 @@ if TYPE_CHECKING:
 #: each member's nudge: every floating value times (1 +- NUDGE_ULPS * eps), as ``harness.locate``
 NUDGE_ULPS = 4.0
 #: Ensemble members (nudged reruns of the reference) that measure the rounding spread. Fewer
-#: members see less of it: over 150 steps (benchmarks/rollout_cost.py) the spread of one
-#: member dipped at some step to 0.1x that of eight, of two to 0.34x, of four to 0.58x (SFNO
-#: and the Lorenz-96 ring alike). With four, FACTOR x the spread stays above 5x what eight
-#: members would measure, and a member costs one serial rollout (0.2-1.3 s for 150 SFNO
-#: steps here, a fraction of the partitioned rollout's own time).
+#: members see less of it: over 150 steps (benchmarks/rollout_cost.py, remeasured 2026-12-05)
+#: the spread of one member dipped at some step to 0.11x that of eight, of two to 0.34x, of
+#: four to 0.58x on the SFNO stepper (0.10x, 0.36x, 0.60x on the Lorenz-96 ring). With four,
+#: FACTOR x the spread stays above 5x what eight members would measure, and a member costs
+#: one serial rollout (0.3-0.9 s for 150 SFNO steps on the loaded 2-core machine), run while
+#: the ranks roll out (OVERLAP).
 MEMBERS = 4
 #: A step fails when the partitioned run is further from the reference than FACTOR times the
 #: furthest member. The partitioned run is one more draw of the same rounding process (sums
 #: in another order instead of nudged inputs), usually a smaller one: measured (float32, 4
-#: ranks, every step and field of 150-step rollouts, 4 members) the ratio error/spread was
-#: at most 1.0 on the Lorenz-96 ring (its replicated 'energy' sum, seeds 0-2;
-#: tests/distributed/ring.py) and 0.64 on the SFNO stepper (benchmarks/rollout_cost.py).
-#: 10 leaves a margin of 10x over the worst seen; the inference bugs measured enter at
-#: 700x..3e5x the spread (ring and SFNO faults), so the margin costs them no detection.
+#: ranks, every step and field of 150-step rollouts) the ratio error/spread was at most 1.0
+#: on the Lorenz-96 ring (its replicated 'energy' sum, seeds 0-2; tests/distributed/ring.py;
+#: 0.67 with 4 members in benchmarks/rollout_cost.py) and 0.18 on the SFNO stepper with 4
+#: members (0.64 with one). 10 leaves a margin of 10x over the worst seen; the inference
+#: bugs measured enter at 700x..3e5x the spread (ring and SFNO faults), so the margin costs
+#: them no detection.
 FACTOR = 10.0
 #: torch threads for the serial rollouts (reference and members) in the calling process, as
 #: every rank runs. A rollout is many small steps, where intra-op threads cost more than
 #: they give: measured, one 150-step float32 rollout of the 16x32 SFNO stepper took 4.6 s
 #: with torch's default threads and 0.55 s with one, on a loaded 2-core machine.
 SERIAL_THREADS = 1
+#: Run the ranks' partitioned rollout (a ``RankPool``'s other processes) while this process
+#: computes the serial ones, instead of one after the other. The ranks spend their rollout
+#: waiting in gloo (18 collectives per SFNO step), so the serial rollouts fit in beside them
+#: where a core is free. On the loaded 2-core machine the gain is within the noise
+#: (benchmarks/rollout_cost.py, interleaved: 4.2x vs 5.2x and 4.7x vs 3.3x the training check,
+#: sequential vs overlapped), and at load 7 it saved ~1 s of 9.4 (the serial part);
+#: docs/rollouts.md, "Cost".
+OVERLAP = True
 
 
 # ---------------------------------------------------------------------- records
@@ -457,6 +468,13 @@ def check_rollout(
     makes it the report's mismatches)."""
     t0 = time.perf_counter()
     _has_predict(case)
+    given = None if spatial_size == pool.world_size else spatial_size
+    call = (_rollout_entry, case, given, steps, seed, autocast)
+    # The ranks' rollout and the serial ones (reference, members) are independent: a
+    # RankPool's ranks are other processes, so they run while this process computes the
+    # serial rollouts instead of after them (the ranks mostly wait on gloo; see OVERLAP).
+    # A runner that runs the function in this very process (torchrun, srun) goes after.
+    ranks_run = _Background(pool, call, timeout) if _overlaps(pool) else None
     threads = torch.get_num_threads()
     torch.set_num_threads(SERIAL_THREADS)
     t_serial = time.perf_counter()
@@ -466,11 +484,17 @@ def check_rollout(
             run_prediction(case, Topology.single(), steps, seed, member=j, autocast=autocast)
             for j in range(members)
         ]
+    except BaseException:
+        if ranks_run is not None:
+            ranks_run.join()  # never leave the ranks running behind a verdict
+        raise
     finally:
         torch.set_num_threads(threads)
     serial = time.perf_counter() - t_serial
-    given = None if spatial_size == pool.world_size else spatial_size
-    ranks = pool.run(_rollout_entry, case, given, steps, seed, autocast, timeout=timeout)
+    if ranks_run is not None:
+        ranks = ranks_run.result()
+    else:
+        ranks = pool.run(*call, timeout=timeout)
     record = judge_rollout(
         reference, ensemble, ranks, bound, spatial_size=spatial_size, factor=factor
     )
@@ -481,6 +505,40 @@ def check_rollout(
     record.seconds = time.perf_counter() - t0
     record.serial_seconds = serial
     return record
+
+
+def _overlaps(pool: Runner) -> bool:
+    """Whether ``pool`` runs its ranks in other processes (a ``RankPool``), so that its run
+    can overlap the serial rollouts of this process."""
+    from harness.pool import RankPool
+
+    return OVERLAP and isinstance(pool, RankPool)
+
+
+class _Background:
+    """``pool.run(*call)`` in a thread: its results, or what it raised, from ``result()``."""
+
+    def __init__(self, pool: Runner, call: tuple[Any, ...], timeout: float | None) -> None:
+        self._out: list[Any] = []
+        self._error: BaseException | None = None
+
+        def target() -> None:
+            try:
+                self._out = pool.run(*call, timeout=timeout)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=target, name="harness-rollout-ranks", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> list[Any]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out
 
 
 def _has_predict(case: SpatialCase) -> None:

@@ -32,6 +32,23 @@ def test_a_correct_chaotic_float32_rollout_passes_at_150_steps_where_a_fixed_tol
     assert "Rollout: 150 steps within 10x the rounding spread" in str(report)
 
 
+def test_serial_rollouts_run_beside_the_ranks_judge_exactly_what_they_judged_run_before_them(
+    spatial, monkeypatch
+):
+    import harness.rollout as rollout
+
+    case, pool = RingCase("stale-halo"), spatial.pool(4)
+    beside = check_equivalence(case, ranks=4, pool=pool, rollout=20).rollout
+    monkeypatch.setattr(rollout, "OVERLAP", False)
+    before = check_equivalence(case, ranks=4, pool=pool, rollout=20).rollout
+    assert beside is not None and before is not None
+    # every run is deterministic (seeded, one thread): the same numbers, whatever the order
+    assert [(p.step, p.name, p.error, p.spread) for p in beside.curve] == [
+        (p.step, p.name, p.error, p.spread) for p in before.curve
+    ]
+    assert beside.first is not None and beside.first.step == 1
+
+
 @pytest.mark.parametrize(("fault", "enters"), [("stale-halo", 1), ("local-mean", 0)])
 def test_an_inference_only_bug_fails_at_the_step_where_it_enters_naming_the_field(
     spatial, fault, enters
