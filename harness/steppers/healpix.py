@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterable
 from dataclasses import replace
 from itertools import pairwise
 from typing import Any
@@ -125,7 +126,7 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
 _DEPTH = 4
 
 
-def check_faults(faults: Any) -> frozenset[str]:
+def check_faults(faults: str | Iterable[str]) -> frozenset[str]:
     """``faults`` as a frozenset of known HEALPix fault ids, or a ``ConfigError``."""
     known = HEALPIX_FAULTS | frozenset(INFERENCE_CHECKS)  # training faults, then inference's
     return _faults.check_faults(faults, known, "HEALPix")
@@ -492,7 +493,7 @@ class HealpixCase(SpatialCase):
         empty_ranks: tuple[int, ...] = (),
         target_density: float = 0.7,
         dtype: torch.dtype = torch.float64,
-        faults: Any = (),
+        faults: str | Iterable[str] = (),
         tokens: int = 0,
         token_order: str = "packed",
     ) -> None:
