@@ -51,12 +51,17 @@ from harness.partition import LatLonPartition, sht_split_rule
 from harness.steppers import faults as _faults
 from harness.topology import ProcessGroup, Topology
 
-_UNEVEN_LAT = {"nlat": 30, "nlon": 16, "h": 4, "w": 1}  # bands [8, 8, 8, 6], unequal areas
-_H2W2 = {"h": 2, "w": 2}
+_UNEVEN_LAT: dict[str, object] = {
+    "nlat": 30,
+    "nlon": 16,
+    "h": 4,
+    "w": 1,
+}  # bands [8, 8, 8, 6], unequal areas
+_H2W2: dict[str, object] = {"h": 2, "w": 2}
 
 #: fault id -> (quantities FAULTS.md says catch it, ``SFNOCase`` kwargs of the smallest layout
 #: on 4 ranks that shows it, spatial_size). Measured with check_equivalence, float64, 2 steps.
-FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
+FAULT_CHECKS: dict[str, tuple[set[str], dict[str, object], int | None]] = {
     "reduce-not-differentiable": ({"grad"}, _H2W2, None),
     "reduce-double-count": ({"grad"}, _H2W2, None),
     "coupling-identity-backward": ({"grad"}, _H2W2, None),
@@ -95,7 +100,7 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
 #: faults that live only in inference (``predict`` in eval mode, under no_grad): fault id ->
 #: (the rollout step where the bug enters, ``SFNOCase`` kwargs on 4 ranks). A training check
 #: cannot see them; a rollout check (``check_equivalence(..., rollout=N)``) names that step.
-INFERENCE_CHECKS: dict[str, tuple[int, dict[str, Any]]] = {
+INFERENCE_CHECKS: dict[str, tuple[int, dict[str, object]]] = {
     "inference-cached-mean": (1, _H2W2),
     "eval-local-mean": (0, _H2W2),
     "inference-noise-per-rank": (0, {"noise": 1, **_H2W2}),
