@@ -66,7 +66,7 @@ class Injector:
 
     mode: MutantMode = OFF  # OFF between runs: nothing recorded, nothing injected
     sites: dict[str, SiteStats] = field(default_factory=dict)  # a recording run's sites
-    after: dict[int, tuple[Any, Callable[[], None]]] = field(default_factory=dict)  # id(work)
+    after: dict[int, tuple[object, Callable[[], None]]] = field(default_factory=dict)  # id(work)
     stale: dict[str, list[Any]] = field(default_factory=dict)  # site -> the last received data
 
     def begin(self, mode: MutantMode) -> None:
@@ -115,7 +115,7 @@ class Injector:
                 self.after[id(work)] = (work, effect)
         return work, pg
 
-    def run_after(self, work: Any) -> None:
+    def run_after(self, work: object) -> None:
         """The mutant's effect on an operation whose work has now been waited on."""
         entry = self.after.pop(id(work), None)
         if entry is not None:
