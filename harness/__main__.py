@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from harness.adapters import ModelAdapter, adapter_names, find_adapter
 from harness.equivalence import SpatialCase, check_equivalence
@@ -53,10 +52,10 @@ class Config:
 
     label: str
     make: Callable[..., SpatialCase]
-    kwargs: dict[str, Any]
+    kwargs: dict[str, object]
     spatial_size: int | None = None  # None: all ranks one spatial group
 
-    def case(self, **extra: Any) -> SpatialCase:
+    def case(self, **extra: object) -> SpatialCase:
         return self.make(**{**self.kwargs, **extra})
 
 
@@ -110,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
         "single-process references, then show that every fault of the catalogue is caught.",
         epilog="Exit codes: 0 all passed; 1 a check failed; 2 bad arguments.",
     )
+    _add_what_arguments(parser)
+    _add_mode_arguments(parser)
+    return parser
+
+
+def _add_what_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to check and how: ranks, model, selection, goldens."""
     parser.add_argument("--ranks", type=int, default=4, help="rank processes (default 4)")
     parser.add_argument(
         "--model",
@@ -146,6 +152,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--oversubscribe", action="store_true", help="allow many more ranks than CPU cores"
     )
+
+
+def _add_mode_arguments(parser: argparse.ArgumentParser) -> None:
+    """The other modes: the layout sweep and the mutants."""
     parser.add_argument(
         "--layouts",
         type=int,
@@ -167,7 +177,6 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PERCENT",
         help="with --mutants: exit 1 when fewer than PERCENT %% of the mutants are killed",
     )
-    return parser
 
 
 def _selected(label: str, select: str) -> bool:
@@ -178,6 +187,38 @@ def _selected(label: str, select: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    _check_arguments(parser, args)
+    try:
+        source = _source(args.model)
+    except ConfigError as exc:
+        # one line, the problem and its fix (the usage would only push it out of sight)
+        print(f"{parser.prog}: error: --model {args.model}: {exc}", file=sys.stderr)
+        return 2
+    registry = PoolRegistry(
+        default_ranks=args.ranks,
+        timeout=args.timeout,
+        start_method="forkserver",
+        # a real model's imports (seconds) happen once in the fork server, not in every run
+        preload=source.preload,
+        **keep_limits(),  # --layouts: every world size's pool stays warm across steppers
+    )
+    t0 = time.perf_counter()
+    try:
+        failures = _run(args, registry, source)
+    finally:
+        registry.close()
+    took = time.perf_counter() - t0
+    if failures:
+        print(f"\n{len(failures)} CHECK(S) FAILED in {took:.0f}s:")
+        for reason in failures:
+            print(f"  {reason}")
+        return 1
+    print(f"\nALL CHECKS PASSED in {took:.0f}s")
+    return 0
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits through ``parser.error`` (code 2) on the first bad argument, naming it."""
     if args.ranks < 1:
         parser.error(f"--ranks must be an integer >= 1, got {args.ranks}")
     if not args.timeout > 0:  # also NaN
@@ -205,57 +246,34 @@ def main(argv: list[str] | None = None) -> int:
             )
         except ConfigError as exc:
             parser.error(f"--layouts {args.layouts}: {exc}")
-    only = "layouts" if args.no_faults else args.only
-    try:
-        source = _source(args.model)
-    except ConfigError as exc:
-        # one line, the problem and its fix (the usage would only push it out of sight)
-        print(f"{parser.prog}: error: --model {args.model}: {exc}", file=sys.stderr)
-        return 2
-    registry = PoolRegistry(
-        default_ranks=args.ranks,
-        timeout=args.timeout,
-        start_method="forkserver",
-        # a real model's imports (seconds) happen once in the fork server, not in every run
-        preload=source.preload,
-        **keep_limits(),  # --layouts: every world size's pool stays warm across steppers
-    )
-    failures: list[str] = []
-    t0 = time.perf_counter()
-    try:
-        what = "the built-in steppers" if args.model == "builtin" else f"{args.model}"
-        print(
-            f"harness: checking {what} on {args.ranks} ranks (gloo, CPU) "
-            "against the single-process reference",
-            flush=True,
-        )
-        if args.layouts:
-            from harness.layouts import sweep_cases
 
-            firsts: dict[Any, Config] = {}  # each stepper's first (plain) layout
-            for c in configs(args.ranks, args.model):
-                firsts.setdefault(c.make, c)
-            cases = [
-                (c.label, c.case()) for c in firsts.values() if _selected(c.label, args.select)
-            ]
-            failures += sweep_cases(cases, args.layouts, registry.get, timeout=args.timeout)
-        elif args.mutants:
-            failures += _mutants(args, registry, source)
-        else:
-            if only != "faults":
-                failures += _layouts(args, registry)
-            if only != "layouts":
-                failures += _fault_matrix(args, registry)
-    finally:
-        registry.close()
-    took = time.perf_counter() - t0
-    if failures:
-        print(f"\n{len(failures)} CHECK(S) FAILED in {took:.0f}s:")
-        for reason in failures:
-            print(f"  {reason}")
-        return 1
-    print(f"\nALL CHECKS PASSED in {took:.0f}s")
-    return 0
+
+def _run(args: argparse.Namespace, registry: PoolRegistry, source: ModelAdapter) -> list[str]:
+    """The chosen mode's failures: the layout sweep, the mutants, or layouts then faults."""
+    only = "layouts" if args.no_faults else args.only
+    failures: list[str] = []
+    what = "the built-in steppers" if args.model == "builtin" else f"{args.model}"
+    print(
+        f"harness: checking {what} on {args.ranks} ranks (gloo, CPU) "
+        "against the single-process reference",
+        flush=True,
+    )
+    if args.layouts:
+        from harness.layouts import sweep_cases
+
+        firsts: dict[Callable[..., SpatialCase], Config] = {}  # each stepper's first layout
+        for c in configs(args.ranks, args.model):
+            firsts.setdefault(c.make, c)
+        cases = [(c.label, c.case()) for c in firsts.values() if _selected(c.label, args.select)]
+        failures += sweep_cases(cases, args.layouts, registry.get, timeout=args.timeout)
+    elif args.mutants:
+        failures += _mutants(args, registry, source)
+    else:
+        if only != "faults":
+            failures += _layouts(args, registry)
+        if only != "layouts":
+            failures += _fault_matrix(args, registry)
+    return failures
 
 
 # ---------------------------------------------------------------------- layouts

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -37,7 +36,7 @@ __all__ = [
 ]
 
 
-def _int(name: str, value: Any, minimum: int) -> int:
+def _int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidArgument(
             f"{name}={value!r} must be an int (got {type(value).__name__}); strategies here "
@@ -48,7 +47,7 @@ def _int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-def _nside(nside: Any) -> int:
+def _nside(nside: object) -> int:
     n = _int("nside", nside, 1)
     if n & (n - 1):
         raise InvalidArgument(
@@ -101,7 +100,7 @@ def layouts(
     # that passes: the grids and blocks of one size interleave, so that is rarely the end)
 
     @st.composite
-    def draw(draw: Any) -> Layout:
+    def draw(draw: st.DrawFn) -> Layout:
         for i, layout in enumerate(found[:-1]):
             if draw(st.sampled_from(range(len(found) - i))) == 0:
                 return layout
@@ -130,20 +129,43 @@ def latlon_partitions(
     ``process_grids``) and the fewest latitudes and longitudes it allows.
     """
     ranks = _int("ranks", ranks, 1)
-    bounds = {}
-    for name, value in (
-        ("min_nlat", min_nlat),
-        ("max_nlat", max_nlat),
-        ("min_nlon", min_nlon),
-        ("max_nlon", max_nlon),
-    ):
-        bounds[name] = _int(name, value, 1)
+    bounds = _size_bounds(
+        min_nlat=min_nlat, max_nlat=max_nlat, min_nlon=min_nlon, max_nlon=max_nlon
+    )
+    candidates = _grid_candidates(ranks, grid)
+    fits = [(h, w) for h, w in candidates if h <= bounds["max_nlat"] and w <= bounds["max_nlon"]]
+    if not fits:
+        h, w = candidates[-1] if grid is None else grid
+        raise InvalidArgument(
+            f"no process grid of {ranks} ranks fits max_nlat={bounds['max_nlat']}, "
+            f"max_nlon={bounds['max_nlon']}: grid {h}x{w} needs nlat >= {h} and nlon >= {w} "
+            "(every rank owns at least one latitude and longitude); raise max_nlat/max_nlon"
+        )
+
+    @st.composite
+    def draw_partition(draw: st.DrawFn) -> LatLonPartition:
+        h, w = draw(st.sampled_from(fits))
+        nlat = draw(st.integers(max(bounds["min_nlat"], h), bounds["max_nlat"]))
+        nlon = draw(st.integers(max(bounds["min_nlon"], w), bounds["max_nlon"]))
+        return LatLonPartition(nlat=nlat, nlon=nlon, h=h, w=w)
+
+    return draw_partition()
+
+
+def _size_bounds(**given: object) -> dict[str, int]:
+    """``latlon_partitions``' size bounds, each an int >= 1 and each min <= its max."""
+    bounds = {name: _int(name, value, 1) for name, value in given.items()}
     for dim in ("nlat", "nlon"):
         if bounds[f"min_{dim}"] > bounds[f"max_{dim}"]:
             raise InvalidArgument(
                 f"min_{dim}={bounds[f'min_{dim}']} > max_{dim}={bounds[f'max_{dim}']}; "
                 "did you swap them?"
             )
+    return bounds
+
+
+def _grid_candidates(ranks: int, grid: tuple[int, int] | None) -> list[tuple[int, int]]:
+    """The given ``grid`` (checked), or every process grid of ``ranks``."""
     if grid is not None:
         if (
             not isinstance(grid, tuple)
@@ -155,26 +177,8 @@ def latlon_partitions(
                 f"grid={grid!r} must be an (h, w) tuple of ints with h * w == ranks={ranks}; "
                 f"choose one of {_grids(ranks)} or leave grid=None to draw one"
             )
-        candidates = [grid]
-    else:
-        candidates = _grids(ranks)
-    fits = [(h, w) for h, w in candidates if h <= bounds["max_nlat"] and w <= bounds["max_nlon"]]
-    if not fits:
-        h, w = candidates[-1] if grid is None else grid
-        raise InvalidArgument(
-            f"no process grid of {ranks} ranks fits max_nlat={bounds['max_nlat']}, "
-            f"max_nlon={bounds['max_nlon']}: grid {h}x{w} needs nlat >= {h} and nlon >= {w} "
-            "(every rank owns at least one latitude and longitude); raise max_nlat/max_nlon"
-        )
-
-    @st.composite
-    def draw_partition(draw: Any) -> LatLonPartition:
-        h, w = draw(st.sampled_from(fits))
-        nlat = draw(st.integers(max(bounds["min_nlat"], h), bounds["max_nlat"]))
-        nlon = draw(st.integers(max(bounds["min_nlon"], w), bounds["max_nlon"]))
-        return LatLonPartition(nlat=nlat, nlon=nlon, h=h, w=w)
-
-    return draw_partition()
+        return [grid]
+    return _grids(ranks)
 
 
 # ---------------------------------------------------------------------- HEALPix cells
@@ -219,7 +223,7 @@ def cell_partitions(
     even = CellPartition.even(nside, ranks).bounds
 
     @st.composite
-    def draw_partition(draw: Any) -> CellPartition:
+    def draw_partition(draw: st.DrawFn) -> CellPartition:
         shifts = draw(st.lists(st.integers(-npix, npix), min_size=ranks - 1, max_size=ranks - 1))
         inner = sorted(min(max(b + d, 0), npix) for b, d in zip(even[1:-1], shifts, strict=True))
         bounds = [0, *inner, npix]
@@ -271,6 +275,8 @@ class ObservationSet:
 # Sub-cells at this depth below nside give points strictly inside their cell: a child
 # pixel's centre lies inside the child, hence inside its nested parent.
 _DEPTH = 6
+#: a drawn point: its cell, its sub-cell at ``_DEPTH`` and its channel values
+_Point = tuple[int, int, list[float]]
 
 
 def observation_sets(
@@ -301,7 +307,7 @@ def observation_sets(
     children = 4**depth
     value = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False)
 
-    def points(pool: Any, n_min: int, n_max: int) -> st.SearchStrategy[list[Any]]:
+    def points(pool: Sequence[int], n_min: int, n_max: int) -> st.SearchStrategy[list[_Point]]:
         point = st.tuples(
             st.integers(0, len(pool) - 1),
             st.integers(0, children - 1),
@@ -312,31 +318,35 @@ def observation_sets(
         )
 
     @st.composite
-    def draw_set(draw: Any) -> ObservationSet:
-        drawn: list[Any] = []
+    def draw_set(draw: st.DrawFn) -> ObservationSet:
+        drawn: list[_Point] = []
         if not allow_empty_ranks:
             assert partition is not None
             for r in owning:
                 drawn += draw(points(partition.cells(r), 1, 1))
-            pool: Any = range(npix)
+            pool: Sequence[int] = range(npix)
         else:
-            kind = draw(
-                st.sampled_from(["all", "region", "ranks"] if owning else ["all", "region"])
-            )
-            if kind == "all":
-                pool = range(npix)
-            elif kind == "region":
-                lo = draw(st.integers(0, npix - 1))
-                pool = range(lo, draw(st.integers(lo + 1, npix)))
-            else:
-                assert partition is not None
-                chosen = draw(st.lists(st.sampled_from(owning), min_size=1, unique=True))
-                pool = [c for r in sorted(chosen) for c in partition.cells(r)]
+            pool = _draw_pool(draw, npix, owning, partition)
         n_min = max(min_points - len(drawn), 0)
         drawn += draw(points(pool, n_min, max_points - len(drawn)))
         return _observations(nside, depth, drawn, channels)
 
     return draw_set()
+
+
+def _draw_pool(
+    draw: st.DrawFn, npix: int, owning: list[int], partition: CellPartition | None
+) -> Sequence[int]:
+    """The cells the points fall in: all, a contiguous nested range, or some ranks' cells."""
+    kind = draw(st.sampled_from(["all", "region", "ranks"] if owning else ["all", "region"]))
+    if kind == "all":
+        return range(npix)
+    if kind == "region":
+        lo = draw(st.integers(0, npix - 1))
+        return range(lo, draw(st.integers(lo + 1, npix)))
+    assert partition is not None
+    chosen = draw(st.lists(st.sampled_from(owning), min_size=1, unique=True))
+    return [c for r in sorted(chosen) for c in partition.cells(r)]
 
 
 def _owning_ranks(
@@ -375,7 +385,7 @@ def _owning_ranks(
     return owning
 
 
-def _observations(nside: int, depth: int, drawn: list[Any], channels: int) -> ObservationSet:
+def _observations(nside: int, depth: int, drawn: list[_Point], channels: int) -> ObservationSet:
     import healpy as hp
 
     if not drawn:

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from harness.mutation.catalogue import REDUCING, Mutant, SiteStats
 from harness.mutation.mode import OFF, MutantMode
@@ -31,7 +34,7 @@ class DoneWork:
     """The work of an operation that was not performed: complete, successful, waited at
     once. Quacks like ``torch.distributed.Work`` for every caller that only waits."""
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: object = None) -> bool:
         return True
 
     def is_completed(self) -> bool:
@@ -43,16 +46,16 @@ class DoneWork:
     def exception(self) -> None:
         return None
 
-    def result(self) -> list[Any]:
+    def result(self) -> list[object]:
         return []
 
     def synchronize(self) -> None:
         return None
 
-    def get_future(self) -> Any:
+    def get_future(self) -> torch.futures.Future[list[object]]:
         import torch
 
-        future: Any = torch.futures.Future()
+        future: torch.futures.Future[list[object]] = torch.futures.Future()
         future.set_result([])
         return future
 
@@ -63,7 +66,7 @@ class Injector:
 
     mode: MutantMode = OFF  # OFF between runs: nothing recorded, nothing injected
     sites: dict[str, SiteStats] = field(default_factory=dict)  # a recording run's sites
-    after: dict[int, tuple[Any, Callable[[], None]]] = field(default_factory=dict)  # id(work)
+    after: dict[int, tuple[object, Callable[[], None]]] = field(default_factory=dict)  # id(work)
     stale: dict[str, list[Any]] = field(default_factory=dict)  # site -> the last received data
 
     def begin(self, mode: MutantMode) -> None:
@@ -112,7 +115,7 @@ class Injector:
                 self.after[id(work)] = (work, effect)
         return work, pg
 
-    def run_after(self, work: Any) -> None:
+    def run_after(self, work: object) -> None:
         """The mutant's effect on an operation whose work has now been waited on."""
         entry = self.after.pop(id(work), None)
         if entry is not None:
@@ -157,7 +160,7 @@ class Injector:
         original = DistributedDataParallel.__init__
         injector = self
 
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        def __init__(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
             mode = injector.mode
             if not mode.record and mode.mutant is None:
@@ -175,13 +178,13 @@ class Injector:
 
     # ------------------------------------------------------------------ case mutants
 
-    def case_kinds(self, case: Any) -> dict[str, str]:
+    def case_kinds(self, case: object) -> dict[str, str]:
         """The case-level mutant kind to apply at ``case.build`` or ``case.batch`` this run
         (``{}`` outside a mutant's run); records their sites during a recording run."""
         kinds = {m: self._case_kind(case, m) for m in ("build", "batch")}
         return {m: k for m, k in kinds.items() if k}
 
-    def _case_kind(self, case: Any, method: str) -> str:
+    def _case_kind(self, case: object, method: str) -> str:
         mode = self.mode
         if not mode.record and mode.mutant is None:
             return ""
@@ -194,7 +197,7 @@ class Injector:
         m = mode.mutant
         return m.kind if m is not None and m.site == site and m.kind in CASE_KINDS else ""
 
-    def note_buffers(self, case: Any, has_buffers: Callable[[], bool]) -> None:
+    def note_buffers(self, case: object, has_buffers: Callable[[], bool]) -> None:
         """A recording run: whether the model ``case.build`` built has buffers (only then
         has it a ``buffers-broadcast`` mutant)."""
         if self.mode.record:
@@ -207,7 +210,7 @@ class Injector:
 INJECTOR = Injector()
 
 
-def case_site(case: Any, method: str) -> str:
+def case_site(case: object, method: str) -> str:
     """The site of a case's ``build`` or ``batch``: its ``def`` line."""
     fn = getattr(type(case), method)
     code = fn.__code__
@@ -226,11 +229,11 @@ def _reduction(method: str, args: tuple[Any, ...]) -> str:
     return next((n.lower() for n in names if op == getattr(dist.ReduceOp, n)), "other")
 
 
-def _keep_local(state: Any, bucket: Any) -> Any:
+def _keep_local(state: object, bucket: Any) -> torch.futures.Future[torch.Tensor]:
     """A DDP comm hook that communicates nothing: each rank keeps its own gradients."""
     import torch
 
-    future: Any = torch.futures.Future()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
 

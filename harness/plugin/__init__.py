@@ -15,9 +15,14 @@ that work without pytest. One job per module:
 from __future__ import annotations
 
 import signal
-from typing import Any
+from collections.abc import Generator
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from pluggy import Result
 
 from harness.goldens import GoldenStore
 from harness.launcher import LauncherRegistry, launcher_env
@@ -113,8 +118,10 @@ def _register_mutants(config: pytest.Config, settings: Settings) -> None:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    outcome: Any = yield
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Result[pytest.TestReport], None]:
+    outcome = yield
     if call.when == "call" and outcome.get_result().skipped:
         item.stash[_skipped_key] = True
 
@@ -135,7 +142,7 @@ def _default_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _sigterm(signum: int, frame: Any) -> None:
+def _sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 

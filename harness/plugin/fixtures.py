@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 from harness.compare import Bound, Tolerance
@@ -20,7 +21,7 @@ from harness.goldens import (
     check_report,
     golden_stem,
 )
-from harness.launcher import LauncherRegistry, WorldSizeMismatch
+from harness.launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch
 from harness.layouts import LayoutsReport, check_layouts
 from harness.mutation.mode import current as mutant_mode
 from harness.plugin._keys import (
@@ -39,7 +40,10 @@ from harness.pool import (
     check_oversubscription,
     check_seconds,
 )
-from harness.report import EquivalenceReport
+from harness.records import FieldError
+from harness.report import EquivalenceReport, SummaryRow
+
+R = TypeVar("R")  # what a function run on the ranks returns
 
 
 class SpatialFixture:
@@ -61,23 +65,23 @@ class SpatialFixture:
         self.ranks = ranks
         self.timeout = timeout
         self.fresh = fresh
-        self._used: dict[int, Any] = {}  # world size -> pool, for fresh tests
+        self._used: dict[int, RankPool] = {}  # world size -> pool, for fresh tests
         self.used = False  # did the test run anything on the ranks?
         self._tmp: pytest.TempPathFactory | None = None
 
     def run(
         self,
-        fn: Callable[..., Any],
-        *args: Any,
+        fn: Callable[..., R],
+        *args: object,
         ranks: int | None = None,
         timeout: float | None = None,
-        **kwargs: Any,
-    ) -> list[Any]:
+        **kwargs: object,
+    ) -> list[R]:
         """Run module-level ``fn(*args, **kwargs)`` on every rank; results in rank order."""
         __tracebackhide__ = True
         pool = self._pool(ranks)
         try:
-            results: list[Any] = pool.run(fn, *args, timeout=self._timeout(timeout), **kwargs)
+            results: list[R] = pool.run(fn, *args, timeout=self._timeout(timeout), **kwargs)
             return results
         finally:
             self._attach_output(pool.last_outputs)
@@ -127,42 +131,56 @@ class SpatialFixture:
         if settings.calibrate and report.location is not None and report.tolerance is not None:
             rtols = {q: report.tolerance.bound(q).rtol for q in ("loss", "grad", "field")}
             row["calibration"] = report.location.calibration_lines(rtols)
-        golden_failure = ""  # said with the report's own failure, so neither hides the other
-        if golden:
-            name = golden if isinstance(golden, str) else None
-            try:
-                result = self._golden.check_report(
-                    report,
-                    name=name,
-                    allow_nonfinite=kwargs.get("allow_nonfinite") or case.expect_nonfinite,
-                    provenance={"seed": kwargs.get("seed", 0)},
-                )
-            except pytest.fail.Exception as exc:  # a corrupt or foreign golden
-                golden_failure = str(exc.msg)
-            else:
-                row["golden"] = str(result.status)  # plain text: rows travel to the controller
-                golden_failure = "" if result.ok else str(result)
+        # said with the report's own failure, so neither hides the other
+        golden_failure = self._golden_failure(report, golden, row, case, kwargs) if golden else ""
         self._node.user_properties.append((_EQUIV_PROP, row))
-        failures = []
-        if not report.ok:
-            text = str(report)
-            plots = self._node.config.getoption("spatial_plots")
-            if plots and report.field_errors:
-                maps = write_error_maps(report, plots, self._node.nodeid)
-                text += "\n\nError maps:\n" + "\n".join(f"  {p}" for p in maps)
-            if plots and report.rollout is not None and report.rollout.curve:
-                curve = _drawn(
-                    "the rollout error curve",
-                    lambda: write_rollout_curve(report, plots, self._node.nodeid),
-                )
-                text += f"\n\nRollout error curve: {curve}"
-            failures.append(text)
+        failures = [] if report.ok else [self._report_failure(report)]
         if golden_failure:
             lead = "The golden check failed too:\n" if failures else ""
             failures.append(lead + golden_failure)
         if failures:
             pytest.fail("\n\n".join(failures), pytrace=False)
         return report
+
+    def _golden_failure(
+        self,
+        report: EquivalenceReport,
+        golden: bool | str,
+        row: SummaryRow,
+        case: SpatialCase,
+        kwargs: dict[str, Any],
+    ) -> str:
+        """The golden check of ``check``: its failure text ("" when it passed); its status
+        goes on ``row``."""
+        __tracebackhide__ = True
+        name = golden if isinstance(golden, str) else None
+        try:
+            result = self._golden.check_report(
+                report,
+                name=name,
+                allow_nonfinite=kwargs.get("allow_nonfinite") or case.expect_nonfinite,
+                provenance={"seed": kwargs.get("seed", 0)},
+            )
+        except pytest.fail.Exception as exc:  # a corrupt or foreign golden
+            return str(exc.msg)
+        row["golden"] = str(result.status)  # plain text: rows travel to the controller
+        return "" if result.ok else str(result)
+
+    def _report_failure(self, report: EquivalenceReport) -> str:
+        """A failing report's text, with the paths of its error maps and rollout curve under
+        ``--spatial-plots``."""
+        text = str(report)
+        plots = self._node.config.getoption("spatial_plots")
+        if plots and report.field_errors:
+            maps = write_error_maps(report, plots, self._node.nodeid)
+            text += "\n\nError maps:\n" + "\n".join(f"  {p}" for p in maps)
+        if plots and report.rollout is not None and report.rollout.curve:
+            curve = _drawn(
+                "the rollout error curve",
+                lambda: write_rollout_curve(report, plots, self._node.nodeid),
+            )
+            text += f"\n\nRollout error curve: {curve}"
+        return text
 
     def check_layouts(
         self,
@@ -180,14 +198,7 @@ class SpatialFixture:
         __tracebackhide__ = True
         settings = self._node.config.stash[_settings_key]
         top = max_ranks or settings.layouts or self.ranks
-        try:
-            check_oversubscription(
-                top,
-                allow=self._node.config.getoption("spatial_oversubscribe"),
-                how="pass --spatial-oversubscribe",
-            )
-        except ConfigError as exc:
-            pytest.fail(f"check_layouts(max_ranks={top}): {exc}", pytrace=False)
+        self._check_layout_ranks(top)
         if self.launcher:  # only the launcher's world size can run here: say so, never hide it
             if self.ranks > top:
                 pytest.skip(
@@ -195,9 +206,9 @@ class SpatialFixture:
                     f"more than any layout it may use; run it on the pool, or launch {top}"
                 )
             kwargs.setdefault("world_sizes", [self.ranks])
-        used: list[Any] = []
+        used: list[RankPool | LauncherRunner] = []
 
-        def pools(size: int) -> Any:
+        def pools(size: int) -> RankPool | LauncherRunner:
             pool = self._pool(size)
             used.append(pool)
             return pool
@@ -226,12 +237,25 @@ class SpatialFixture:
             pytest.fail(text, pytrace=False)
         return report
 
+    def _check_layout_ranks(self, top: int) -> None:
+        """Fail the test when this machine cannot run ``top`` ranks (without
+        ``--spatial-oversubscribe``)."""
+        __tracebackhide__ = True
+        try:
+            check_oversubscription(
+                top,
+                allow=self._node.config.getoption("spatial_oversubscribe"),
+                how="pass --spatial-oversubscribe",
+            )
+        except ConfigError as exc:
+            pytest.fail(f"check_layouts(max_ranks={top}): {exc}", pytrace=False)
+
     def _timeout(self, timeout: float | None) -> float:
         seconds = timeout or self.timeout
         cap = mutant_mode().timeout  # a mutant's rerun: a shorter limit
         return min(seconds, cap) if cap else seconds
 
-    def pool(self, ranks: int | None = None) -> Any:
+    def pool(self, ranks: int | None = None) -> RankPool | LauncherRunner:
         """The warm ``RankPool`` (or, under torchrun/srun, the in-place runner) for ``ranks``.
 
         Pass it as ``pool=`` to ``check_equivalence`` to get the report without failing.
@@ -243,7 +267,7 @@ class SpatialFixture:
         """True when pytest runs under torchrun or srun (functions run in place)."""
         return isinstance(self._registry, LauncherRegistry)
 
-    def _pool(self, ranks: int | None) -> Any:
+    def _pool(self, ranks: int | None) -> RankPool | LauncherRunner:
         self.used = True
         size = ranks or self.ranks
         try:
@@ -416,7 +440,7 @@ class GoldenFixture:
         *,
         name: str | None,
         bound: Bound,
-        provenance: dict[str, Any] | None = None,
+        provenance: dict[str, object] | None = None,
         refuse_update: str | None = None,
         allow_nonfinite: bool = False,
     ) -> GoldenResult:
@@ -444,7 +468,7 @@ class GoldenFixture:
         *,
         name: str | None,
         allow_nonfinite: bool,
-        provenance: dict[str, Any],
+        provenance: dict[str, object],
     ) -> GoldenResult:
         """``report``'s reference against this test's golden, by the one golden policy
         (``harness.goldens.check_report``)."""
@@ -495,7 +519,7 @@ def _drawn(what: str, draw: Callable[[], str]) -> str:
         return f"Not plotted: {what} ({exception_summary(exc)})"
 
 
-def _error_map(report: EquivalenceReport, fe: Any, path: Path) -> str | None:
+def _error_map(report: EquivalenceReport, fe: FieldError, path: Path) -> str | None:
     """Draw the error map of one failing field at ``path``; ``None`` where it has none (a
     field neither on a lat x lon grid nor in HEALPix cells)."""
     import numpy as np
@@ -537,7 +561,7 @@ def write_rollout_curve(report: EquivalenceReport, directory: str, nodeid: str) 
     return str(plot_rollout(report.rollout, path, title=title))
 
 
-def _run_lengths(values: Any) -> list[int]:
+def _run_lengths(values: np.ndarray) -> list[int]:
     """Lengths of the runs of equal values: ``[0, 0, 1, 1, 1] -> [2, 3]``."""
     lengths: list[int] = []
     for i, v in enumerate(values):

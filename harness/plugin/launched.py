@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from collections.abc import Generator
+from typing import TYPE_CHECKING, TextIO
 
 import pytest
+
+if TYPE_CHECKING:
+    from pluggy import Result
 
 from harness.errors import ConfigError
 from harness.launcher import LauncherRegistry, LauncherRunner
@@ -19,7 +23,9 @@ def _runner(config: pytest.Config) -> LauncherRunner | None:
     return registry.runner if isinstance(registry, LauncherRegistry) else None
 
 
-def launcher_registry(config: pytest.Config, env: dict[str, int], timeout: float) -> Any:
+def launcher_registry(
+    config: pytest.Config, env: dict[str, int], timeout: float
+) -> LauncherRegistry:
     """torchrun/srun started this pytest on every rank: run in place, report from rank 0.
     Registers ``LauncherMode``, the hooks this mode needs, and only in this mode."""
     if getattr(config.option, "numprocesses", None):
@@ -52,7 +58,7 @@ class LauncherMode:
     """The hooks of torchrun/srun mode: every rank collects the same tests, skips the
     pool's own tests, agrees on each verdict and draws the same Hypothesis examples."""
 
-    def __init__(self, runner: LauncherRunner, real_stdout: Any) -> None:
+    def __init__(self, runner: LauncherRunner, real_stdout: TextIO | None) -> None:
         self.runner = runner
         self.real_stdout = real_stdout
 
@@ -84,8 +90,10 @@ class LauncherMode:
                 item.add_marker(skip)
 
     @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-        outcome: Any = yield
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, Result[pytest.TestReport], None]:
+        outcome = yield
         rep = outcome.get_result()
         runner = self.runner
         # Every rank decides the same verdict: a rank that failed fails the test everywhere,

@@ -16,6 +16,7 @@ under P %.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ class MutantSession:
             self.durations[report.nodeid] = report.duration
 
     @pytest.hookimpl(wrapper=True)
-    def pytest_runtestloop(self, session: pytest.Session) -> Any:
+    def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, object, object]:
         with running(RECORD):  # the first run: every rank records the call sites it reaches
             result = yield
         if getattr(self.config.option, "numprocesses", None) and not hasattr(
@@ -106,7 +107,7 @@ class MutantSession:
     # ------------------------------------------------------------------ adding up
 
     @pytest.hookimpl(optionalhook=True)
-    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+    def pytest_testnodedown(self, node: object, error: object) -> None:
         out = getattr(node, "workeroutput", {}).get(_OUTPUT)
         if not out:
             return
@@ -128,7 +129,7 @@ class MutantSession:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     @pytest.hookimpl
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if hasattr(self.config, "workerinput"):
             return
         tr = terminalreporter
@@ -152,7 +153,7 @@ class MutantSession:
         tr.write_line(line)
 
 
-def collect_sites(node: pytest.Item, pool: Any) -> None:
+def collect_sites(node: pytest.Item, pool: object) -> None:
     """After a run of the ``spatial`` fixture: keep the call sites its ranks recorded."""
     sites = getattr(pool, "last_sites", None)
     if sites:
@@ -202,7 +203,7 @@ def _fresh_request(item: pytest.Item) -> None:
         init()
 
 
-def _plain(o: Outcome) -> dict[str, Any]:
+def _plain(o: Outcome) -> dict[str, object]:
     return dataclasses.asdict(o)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,8 +22,16 @@ DEFAULT_RANKS = 4
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    # Long on purpose: declarations only, one per option, in the order --help shows them.
+    # Declarations only, in the order --help shows them: runs, mutants, diagnosis, goldens, ini.
     group = parser.getgroup("harness", "spatial equivalence (harness)")
+    _add_run_options(group)
+    _add_mutant_options(group)
+    _add_diagnosis_options(group)
+    _add_golden_options(group)
+    _add_ini(parser)
+
+
+def _add_run_options(group: pytest.OptionGroup) -> None:
     group.addoption(
         "--spatial-ranks",
         dest="spatial_ranks",
@@ -76,6 +83,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="spatial_oversubscribe",
         help=f"allow more than {OVERSUBSCRIBE_LIMIT} rank processes per CPU core",
     )
+
+
+def _add_mutant_options(group: pytest.OptionGroup) -> None:
     group.addoption(
         "--spatial-mutants",
         action="store_true",
@@ -91,6 +101,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="with --spatial-mutants: fail the session when fewer than PERCENT %% of the "
         "mutants are killed",
     )
+
+
+def _add_diagnosis_options(group: pytest.OptionGroup) -> None:
     group.addoption(
         "--spatial-locate",
         action="store_true",
@@ -114,6 +127,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "sizes, spatial x data splits, process grids); a failure names the smallest failing "
         "layout",
     )
+
+
+def _add_golden_options(group: pytest.OptionGroup) -> None:
     group.addoption(
         "--goldens-unused",
         action="store_true",
@@ -128,6 +144,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="remove the golden files no test of this run used, only after a run in which "
         "every test ran and passed (never after -k, -m, node ids, -x or a failure)",
     )
+
+
+def _add_ini(parser: pytest.Parser) -> None:
     parser.addini(
         "golden_dir", "directory of .pt golden files (default: goldens)", default="goldens"
     )
@@ -150,14 +169,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def _setting(config: pytest.Config, name: str) -> Any:
-    value = config.getoption(name)
+def _setting(config: pytest.Config, name: str) -> str | None:
+    value: str | None = config.getoption(name)
     if value is None:
         value = config.getini(name) or None
     return value
 
 
-def _parse_ranks(raw: Any) -> int:
+def _parse_ranks(raw: object) -> int:
     if raw is None:
         return DEFAULT_RANKS
     text = str(raw).strip()
@@ -175,7 +194,7 @@ _SECONDS = {
 }
 
 
-def parse_seconds(raw: Any, option: str) -> float:
+def parse_seconds(raw: str | float | None, option: str) -> float:
     """``--spatial-timeout`` and ``--spatial-deadlock-window``: finite seconds, one clear
     line otherwise."""
     default, low, allow_zero = _SECONDS[option]
@@ -291,7 +310,7 @@ class Settings:
         )
 
 
-def _parse_layouts(raw: Any, oversubscribe: bool) -> int | None:
+def _parse_layouts(raw: object, oversubscribe: bool) -> int | None:
     """``--spatial-layouts N``: an integer >= 1 that the machine can run, or one clear line."""
     if raw is None:
         return None
@@ -308,7 +327,7 @@ def _parse_layouts(raw: Any, oversubscribe: bool) -> int | None:
     return int(text)
 
 
-def _parse_min_score(raw: Any, mutants: bool) -> float | None:
+def _parse_min_score(raw: str | float | None, mutants: bool) -> float | None:
     if raw is None:
         return None
     if not mutants:

@@ -50,7 +50,7 @@ class HarnessSession:
         self.collected.update(item.nodeid for item in session.items)
 
     @pytest.hookimpl(optionalhook=True)
-    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+    def pytest_xdist_node_collection_finished(self, node: object, ids: list[str]) -> None:
         # under xdist the controller collects nothing: each worker says what it collected
         self.collected.update(ids)
 
@@ -70,7 +70,7 @@ class HarnessSession:
             self.failed.add(report.nodeid)
         if report.when != "call":  # setup and teardown reports repeat the same properties
             return
-        value: Any
+        value: Any  # plain data from the test (or an xdist worker)
         for key, value in report.user_properties:
             if key == _GOLDEN_PROP:
                 path, status, *rest = value  # (path, status[, change]): plain, for xdist
@@ -81,7 +81,9 @@ class HarnessSession:
                 self.equivalences.append(value)
 
     @pytest.hookimpl
-    def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int) -> None:
+    def pytest_terminal_summary(
+        self, terminalreporter: pytest.TerminalReporter, exitstatus: int
+    ) -> None:
         tr = terminalreporter
         if self.equivalences:
             tr.write_sep("=", "spatial equivalence")
@@ -118,7 +120,9 @@ class HarnessSession:
             tr.write_line(line)
         self._unused_summary(tr, tr.config, exitstatus)
 
-    def _unused_summary(self, tr: Any, config: pytest.Config, exitstatus: int) -> None:
+    def _unused_summary(
+        self, tr: pytest.TerminalReporter, config: pytest.Config, exitstatus: int
+    ) -> None:
         """Unused goldens: listed after a whole, passing run (and removed with
         ``--goldens-prune``); after any other run, one line saying why not, if they were
         asked for."""

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.case import SpatialCase
 from harness.steppers.faults import check_faults
+
+if TYPE_CHECKING:
+    from harness.pool import Runner
 
 __all__ = ["check_faults"]  # kept here too: it lived here before the steppers' own module
 
@@ -41,8 +44,8 @@ def _sfno(**kw: Any) -> SpatialCase:
     return SFNOCase(**kw)
 
 
-Config = tuple[str, Maker, dict[str, Any], int | None]
-Fault = tuple[str, Maker, dict[str, Any], int | None, str, set[str]]
+Config = tuple[str, Maker, dict[str, object], int | None]
+Fault = tuple[str, Maker, dict[str, object], int | None, str, set[str]]
 
 
 def _healpix(**kw: Any) -> SpatialCase:
@@ -115,7 +118,7 @@ def fault_matrix(ranks: int) -> Iterator[Fault]:
 
 #: One inference fault of the catalogue: (stepper, factory, kwargs, spatial_size, fault id,
 #: the rollout step where it enters).
-InferenceFault = tuple[str, Maker, dict[str, Any], int | None, str, int]
+InferenceFault = tuple[str, Maker, dict[str, object], int | None, str, int]
 #: the rollout a check of an inference fault runs: long enough to see the bugs that enter
 #: after the first step, short enough to keep the catalogue quick
 INFERENCE_ROLLOUT = 4
@@ -410,7 +413,7 @@ SMALLEST_LAYOUT: dict[tuple[str, str], tuple[int, tuple[int, ...], str]] = {
 PINNING = {"healpix": ("bounds", "empty_ranks")}
 
 
-def sweep_case(stepper: str, make: Maker, kwargs: dict[str, Any], fault: str) -> SpatialCase:
+def sweep_case(stepper: str, make: Maker, kwargs: dict[str, object], fault: str) -> SpatialCase:
     """The case whose layouts a sweep checks for ``fault``: its 4-rank case without the
     arguments that pin its partition to 4 ranks (``PINNING``)."""
     kept = {k: v for k, v in kwargs.items() if k not in PINNING.get(stepper, ())}
@@ -421,7 +424,7 @@ def smallest_layouts(
     max_ranks: int = 4,
     *,
     select: str = "",
-    pools: Callable[[int], Any] | None = None,
+    pools: Callable[[int], Runner] | None = None,
     out: Callable[[str], None] = print,
 ) -> dict[tuple[str, str], tuple[int, tuple[int, ...], str] | None]:
     """Sweep every layout up to ``max_ranks`` of each fault (whose ``stepper:fault`` label

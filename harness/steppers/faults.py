@@ -6,13 +6,14 @@ imports the steppers), so the steppers and the catalogue do not import each othe
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from typing import Any, cast
+from collections.abc import Collection, Iterable
 
 from harness.errors import ConfigError
 
 
-def check_faults(faults: Any, known: Collection[str], stepper: str) -> frozenset[str]:
+def check_faults(
+    faults: str | Iterable[str], known: Collection[str], stepper: str
+) -> frozenset[str]:
     """``faults`` (one id or several) as a frozenset of ``stepper``'s fault ids, or a
     ``ConfigError`` listing the valid ones.
 
@@ -23,7 +24,7 @@ def check_faults(faults: Any, known: Collection[str], stepper: str) -> frozenset
     ...
     harness.errors.ConfigError: unknown toy fault(s) ['c']; valid ids: a, b
     """
-    ids = cast(frozenset[str], frozenset((faults,) if isinstance(faults, str) else faults))
+    ids = frozenset((faults,) if isinstance(faults, str) else faults)
     unknown = ids - frozenset(known)
     if unknown:
         raise ConfigError(

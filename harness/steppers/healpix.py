@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from itertools import pairwise
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -65,7 +66,7 @@ from harness.topology import Topology, cached_groups
 
 #: faults that live only in inference (``predict`` in eval mode, under no_grad): fault id ->
 #: (the rollout step where the bug enters, ``HealpixCase`` kwargs on 4 ranks)
-INFERENCE_CHECKS: dict[str, tuple[int, dict[str, Any]]] = {
+INFERENCE_CHECKS: dict[str, tuple[int, dict[str, object]]] = {
     "inference-cached-latent": (1, {"nside": 2}),
     "inference-noise-per-rank": (1, {"nside": 2}),  # perturbs the next step's latent
 }
@@ -92,15 +93,15 @@ HEALPIX_FAULTS = frozenset(
 # needs batch >= 2), an uneven partition whose first rank is short (padding moves the later
 # ranks' rows), two data groups (the world is not the spatial group), and a rank that owns
 # cells but sees no observation and no target (empty-domain bugs).
-EVEN: dict[str, Any] = {"nside": 2}
-UNEVEN: dict[str, Any] = {"nside": 2, "bounds": (0, 8, 20, 34, 48)}
-DATA2: dict[str, Any] = {"nside": 2, "batch_size": 4}
-QUIET: dict[str, Any] = {"nside": 2, "bounds": (0, 12, 24, 36, 48), "empty_ranks": (1,)}
-TOKENS2: dict[str, Any] = {**DATA2, "tokens": 3}
-NO_CELLS: dict[str, Any] = {"nside": 2, "bounds": (0, 20, 20, 30, 48)}  # rank 1 owns no cell
+EVEN: dict[str, object] = {"nside": 2}
+UNEVEN: dict[str, object] = {"nside": 2, "bounds": (0, 8, 20, 34, 48)}
+DATA2: dict[str, object] = {"nside": 2, "batch_size": 4}
+QUIET: dict[str, object] = {"nside": 2, "bounds": (0, 12, 24, 36, 48), "empty_ranks": (1,)}
+TOKENS2: dict[str, object] = {**DATA2, "tokens": 3}
+NO_CELLS: dict[str, object] = {"nside": 2, "bounds": (0, 20, 20, 30, 48)}  # rank 1 owns no cell
 
 #: fault id -> (quantities that catch it, ``HealpixCase`` kwargs, spatial_size) on 4 ranks.
-FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
+FAULT_CHECKS: dict[str, tuple[set[str], dict[str, object], int | None]] = {
     "rank-major-gather": ({"field"}, EVEN, None),
     "padding-kept": ({"field", "error"}, UNEVEN, None),
     "gather-over-world": ({"field"}, DATA2, 2),
@@ -125,7 +126,7 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
 _DEPTH = 4
 
 
-def check_faults(faults: Any) -> frozenset[str]:
+def check_faults(faults: str | Iterable[str]) -> frozenset[str]:
     """``faults`` as a frozenset of known HEALPix fault ids, or a ``ConfigError``."""
     known = HEALPIX_FAULTS | frozenset(INFERENCE_CHECKS)  # training faults, then inference's
     return _faults.check_faults(faults, known, "HEALPix")
@@ -193,7 +194,7 @@ def _gather_keeping_padding(x: torch.Tensor, topo: Topology, sizes: list[int]) -
 def _parameters_in_graph(root: torch.Tensor) -> set[int]:
     """ids of the leaf tensors ``root``'s autograd graph accumulates gradients into."""
     found: set[int] = set()
-    seen: set[Any] = set()
+    seen: set[object] = set()  # autograd nodes
     stack = [root.grad_fn]
     while stack:
         fn = stack.pop()
@@ -430,7 +431,9 @@ class HealpixStepper(nn.Module):
 # ---------------------------------------------------------------------- data
 
 
-def _points_in(nside: int, cells: np.ndarray, rng: np.random.Generator) -> tuple[Any, Any]:
+def _points_in(
+    nside: int, cells: np.ndarray, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """(lat, lon) in degrees of one random sub-cell centre inside each of ``cells``."""
     import healpy as hp
 
@@ -445,6 +448,18 @@ def _features(lat: np.ndarray, lon: np.ndarray, values: np.ndarray) -> np.ndarra
     la, lo = np.radians(lat), np.radians(lon)
     xyz = np.stack([np.cos(la) * np.cos(lo), np.cos(la) * np.sin(lo), np.sin(la)], axis=-1)
     return np.concatenate([values, xyz], axis=-1)
+
+
+class PointSet(Protocol):
+    """Explicit observations (``HealpixCase(observations=...)``), e.g. a
+    ``harness.strategies.ObservationSet``: degrees and values, one row per point."""
+
+    @property
+    def lat(self) -> np.ndarray: ...
+    @property
+    def lon(self) -> np.ndarray: ...
+    @property
+    def values(self) -> np.ndarray: ...
 
 
 class HealpixCase(SpatialCase):
@@ -488,11 +503,11 @@ class HealpixCase(SpatialCase):
         n_obs: int = 40,
         channels: int = 2,
         hidden: int = 8,
-        observations: Any = None,
+        observations: Sequence[PointSet] | None = None,
         empty_ranks: tuple[int, ...] = (),
         target_density: float = 0.7,
         dtype: torch.dtype = torch.float64,
-        faults: Any = (),
+        faults: str | Iterable[str] = (),
         tokens: int = 0,
         token_order: str = "packed",
     ) -> None:
@@ -519,8 +534,9 @@ class HealpixCase(SpatialCase):
                 f"empty_ranks={self.empty_ranks} names ranks outside the "
                 f"{len(self.bounds or ()) - 1} ranks of bounds={self.bounds}"
             )
+        self.observations: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         if observations is not None:
-            observations = [
+            self.observations = [
                 (
                     np.asarray(o.lat, np.float64),
                     np.asarray(o.lon, np.float64),
@@ -528,9 +544,8 @@ class HealpixCase(SpatialCase):
                 )
                 for o in observations
             ]
-            if not observations:
+            if not self.observations:
                 raise ConfigError("observations=[] has no set; give at least one, or None")
-        self.observations = observations
         self.batch_size, self.n_obs, self.channels, self.hidden = (
             batch_size,
             n_obs,

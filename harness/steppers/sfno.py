@@ -33,6 +33,7 @@ generator); ``FAULT_CHECKS`` says which quantity catches each, on which layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -40,6 +41,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import FunctionCtx
+from torch.distributed import ProcessGroup
 
 from harness._compat import restore_transposes, use_uneven_transposes
 from harness.case import Outputs, Shard, SpatialCase, data_share
@@ -49,12 +52,17 @@ from harness.partition import LatLonPartition, sht_split_rule
 from harness.steppers import faults as _faults
 from harness.topology import Topology
 
-_UNEVEN_LAT = {"nlat": 30, "nlon": 16, "h": 4, "w": 1}  # bands [8, 8, 8, 6], unequal areas
-_H2W2 = {"h": 2, "w": 2}
+_UNEVEN_LAT: dict[str, object] = {
+    "nlat": 30,
+    "nlon": 16,
+    "h": 4,
+    "w": 1,
+}  # bands [8, 8, 8, 6], unequal areas
+_H2W2: dict[str, object] = {"h": 2, "w": 2}
 
 #: fault id -> (quantities FAULTS.md says catch it, ``SFNOCase`` kwargs of the smallest layout
 #: on 4 ranks that shows it, spatial_size). Measured with check_equivalence, float64, 2 steps.
-FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
+FAULT_CHECKS: dict[str, tuple[set[str], dict[str, object], int | None]] = {
     "reduce-not-differentiable": ({"grad"}, _H2W2, None),
     "reduce-double-count": ({"grad"}, _H2W2, None),
     "coupling-identity-backward": ({"grad"}, _H2W2, None),
@@ -93,7 +101,7 @@ FAULT_CHECKS: dict[str, tuple[set[str], dict[str, Any], int | None]] = {
 #: faults that live only in inference (``predict`` in eval mode, under no_grad): fault id ->
 #: (the rollout step where the bug enters, ``SFNOCase`` kwargs on 4 ranks). A training check
 #: cannot see them; a rollout check (``check_equivalence(..., rollout=N)``) names that step.
-INFERENCE_CHECKS: dict[str, tuple[int, dict[str, Any]]] = {
+INFERENCE_CHECKS: dict[str, tuple[int, dict[str, object]]] = {
     "inference-cached-mean": (1, _H2W2),
     "eval-local-mean": (0, _H2W2),
     "inference-noise-per-rank": (0, {"noise": 1, **_H2W2}),
@@ -106,7 +114,7 @@ SFNO_FAULTS = frozenset(FAULT_CHECKS)
 GRIDS = ("equiangular", "legendre-gauss")
 
 
-def check_faults(faults: Any) -> frozenset[str]:
+def check_faults(faults: str | Iterable[str]) -> frozenset[str]:
     """``faults`` as a frozenset of known SFNO fault ids, or a ``ConfigError``."""
     known = SFNO_FAULTS | frozenset(INFERENCE_CHECKS)  # training faults, then inference's
     return _faults.check_faults(faults, known, "SFNO")
@@ -282,13 +290,15 @@ class _MeanOverGroup(torch.autograd.Function):
     """Forward: all-reduce SUM over ``group``, divided by ``n``. Backward: identity."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, group: ProcessGroup | None, n: int
+    ) -> torch.Tensor:
         out = x.clone()
         dist.all_reduce(out, group=group)
         return out / n  # replicated over the group
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # each data group back-propagates its own loss; the gradient hooks average over the
         # data group, which is the derivative of this mean
         return grad, None, None
@@ -329,16 +339,7 @@ class SFNOStepper(nn.Module):
 
         self.sht, self.isht = _make_transforms(cfg, topo, h, w)
         lmax, mmax = self.sht.lmax, self.sht.mmax
-        if topo.spatial_size > 1:  # the SHT's own split of the modes (polar: l, azimuth: m)
-            l_slice = _offset_slice(self.sht.l_shapes, p)
-            m_slice = _offset_slice(self.sht.m_shapes, a)
-        else:
-            l_slice, m_slice = slice(0, lmax), slice(0, mmax)
-        if "m-slice-from-end" in self.faults and a > 0:
-            # the bug: every azimuth rank after the first takes its orders counted back from
-            # the last, as the second of a 2-way split may; a middle rank filters its modes
-            # with other orders' weights
-            m_slice = slice(mmax - (m_slice.stop - m_slice.start), mmax)
+        l_slice, m_slice = self._mode_slices(p, a)
 
         # global and replicated: the same buffer (name, shape, values) on every rank
         self.register_buffer(
@@ -376,15 +377,33 @@ class SFNOStepper(nn.Module):
         self.noise_generator = torch.Generator().manual_seed(seed)
         self.step_count = 0  # the rollout's step, which picks each step's forcing
         self._others: dict[int, torch.Tensor] = {}  # inference-cached-mean: per block
+        self._sync_gradients(h, w)
 
+    def _mode_slices(self, p: int, a: int) -> tuple[slice, slice]:
+        """The l and m modes this rank owns at polar position ``p``, azimuth position ``a``."""
+        lmax, mmax = self.sht.lmax, self.sht.mmax
+        if self.topo.spatial_size > 1:  # the SHT's own split of the modes (polar: l, azimuth: m)
+            l_slice = _offset_slice(self.sht.l_shapes, p)
+            m_slice = _offset_slice(self.sht.m_shapes, a)
+        else:
+            l_slice, m_slice = slice(0, lmax), slice(0, mmax)
+        if "m-slice-from-end" in self.faults and a > 0:
+            # the bug: every azimuth rank after the first takes its orders counted back from
+            # the last, as the second of a 2-way split may; a middle rank filters its modes
+            # with other orders' weights
+            m_slice = slice(mmax - (m_slice.stop - m_slice.start), mmax)
+        return l_slice, m_slice
+
+    def _sync_gradients(self, h: int, w: int) -> None:
+        """Hook the gradient sync of this topology (or a fault's wrong one) on the parameters."""
         if "grad-sync-mean" in self.faults:
-            _sync_gradients_mean(self, topo)
+            _sync_gradients_mean(self, self.topo)
         elif "no-grad-sync" in self.faults:
             pass
-        elif cfg.shard_weights:
-            _sync_sharded_gradients(self, topo, h, w)
+        elif self.config.shard_weights:
+            _sync_sharded_gradients(self, self.topo, h, w)
         else:
-            sync_gradients(self, topo)
+            sync_gradients(self, self.topo)
 
     # ------------------------------------------------------------ model step
 
@@ -575,7 +594,7 @@ def _make_transforms(cfg: SFNOConfig, topo: Topology, h: int, w: int) -> tuple[A
     )
 
 
-def _truncation(cfg: SFNOConfig) -> dict[str, Any]:
+def _truncation(cfg: SFNOConfig) -> dict[str, int | str]:
     """Explicit ``lmax``/``mmax``, the same on every torch-harmonics: 0.9 changed the default
     truncation (triangular, lmax capped at nlat - 1), and the stepper must be one model on
     both, so that one set of goldens serves both."""
@@ -605,7 +624,9 @@ def _sync_sharded_gradients(stepper: SFNOStepper, topo: Topology, h: int, w: int
         param.register_hook(_reduce_over(group, size, topo))
 
 
-def _reduce_over(group: Any, size: int, topo: Topology) -> Any:
+def _reduce_over(
+    group: ProcessGroup | None, size: int, topo: Topology
+) -> Callable[[torch.Tensor], torch.Tensor]:
     def reduce(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone(memory_format=torch.contiguous_format)  # own it (may be a view)
         if group is not None and size > 1:
@@ -677,7 +698,7 @@ class SFNOCase(SpatialCase):
         noise: int = 0,
         rollout: int = 2,
         dtype: torch.dtype = torch.float64,
-        faults: Any = (),
+        faults: str | Iterable[str] = (),
         shard_weights: bool = False,
         shard_init: str = "sliced",
         load_reference_shards: bool = False,
