@@ -57,7 +57,7 @@ def exit_fast_at_exit() -> None:
 
 def inside_forkserver_start() -> bool:
     """True while multiprocessing's fork server runs its preload (its ``main`` is on the
-    stack): what tells ``harness._preload`` it is in the server, not in a user's process.
+    stack): what tells ``harness._rank.preload`` it is in the server, not in a user's process.
     Public API only (the stack and the module's file name)."""
     target = os.path.join("multiprocessing", "forkserver.py")
     frame = sys._getframe(1)

@@ -1,7 +1,7 @@
 """Which frames of a stack are the harness's own plumbing, and which are the code under test.
 
 One definition, read from the package's layout, for everything that walks a stack: the
-interceptor's call sites and dtype watch (``harness._intercept``), a rank's traceback
+interceptor's call sites and dtype watch (``harness._rank.intercept``), a rank's traceback
 (``harness.errors.user_traceback``) and the stacks of a hang (``harness.pool``).
 
 - **model code**: every file outside the package, and the package's subpackages of models

@@ -40,8 +40,8 @@ from harness._events import (
     receive,
     send,
 )
-from harness._rank import THREAD_ERROR_END
-from harness._rank import VERIFY_TIMEOUT as _VERIFY_TIMEOUT
+from harness._rank.loop import THREAD_ERROR_END
+from harness._rank.loop import VERIFY_TIMEOUT as _VERIFY_TIMEOUT
 from harness.board import Board, Slot, State
 from harness.deadlock import Counts, Op, RankView, Status, Verdict
 from harness.errors import RankProblem, failure_from

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from harness._dtypes import OutputDtypes, collective_dtypes
-from harness._state import CallerState
+from harness._rank.dtypes import OutputDtypes, collective_dtypes
+from harness._rank.state import CallerState
 from harness._values import block, describe, is_distributed, placed, plain
 from harness.compare import Tolerance
 from harness.errors import ConfigError
@@ -1025,7 +1025,7 @@ def _rank_entry(
 def _operations_issued() -> int | None:
     """How many torch.distributed operations this rank issued in the run (collectives from
     Python or C++, sends and receives), as the pool's watcher counted them."""
-    from harness._intercept import TRACKER
+    from harness._rank.intercept import TRACKER
 
     if not TRACKER.active:  # outside a run of a pool's rank or a launched rank: not watched
         return None

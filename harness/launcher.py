@@ -13,7 +13,7 @@ same ones from the step (``harness.slurm``). The ranks meet within the timeout o
 task stops with one error saying why (a taken port, a rank that never came): a task that
 cannot join never runs the suite on a pool of its own, and never waits for good.
 
-Each run is watched as on a pool's rank (``harness._intercept``: installed once, noting only
+Each run is watched as on a pool's rank (``harness._rank.intercept``: installed once, noting only
 during ``run``), so the verdicts resting on it (the dtype watch, vacuity, the group checks'
 own count) are the pool's; the deadlock proofs, which need the pool's notice board, are not.
 """
@@ -361,7 +361,7 @@ class LauncherRunner:
         # ("communicated nothing") and the group checks' own count rest on. It wraps
         # ProcessGroup's methods once per process and notes only during a run (see ``run``);
         # outside one, and for this runner's own gathers, it calls straight through.
-        from harness import _intercept
+        from harness._rank import intercept as _intercept
 
         self._tracker = _intercept.install()
 

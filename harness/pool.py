@@ -42,7 +42,7 @@ from typing import Any, NoReturn, Protocol, TypedDict, runtime_checkable
 from harness._compat import stop_forkserver
 from harness._events import Ready, RunCall, Stop, receive, send
 from harness._frames import plumbing
-from harness._rank import _worker_main, report_progress
+from harness._rank.loop import _worker_main, report_progress
 from harness._run import DiedIdle, Run
 from harness.board import Board
 from harness.errors import (
@@ -219,7 +219,7 @@ class RankPool:
             # cheap fork of it. The server is one per process: a second preload list only
             # applies to a server started later, so ranks import the list again (cheap when
             # the server has it already).
-            ctx.set_forkserver_preload(["harness._preload", *self.preload])
+            ctx.set_forkserver_preload(["harness._rank.preload", *self.preload])
         workdir = tempfile.mkdtemp(prefix=f"harness-pool{self.world_size}-")
         self._ranks = _Processes(self.world_size, workdir)
         with _no_main_module():

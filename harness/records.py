@@ -118,7 +118,7 @@ class RunRecord:
     loaded_shards: list[str] = field(default_factory=list)
     #: floating dtypes other than the run's default seen on the path: dtype -> where first
     #: ("an all_reduce at model.py:42 ran in float32", "the output of 'mixer' (Linear) was
-    #: float32"); what a precision hint needs as evidence (``harness._dtypes``)
+    #: float32"); what a precision hint needs as evidence (``harness._rank.dtypes``)
     dtypes: dict[str, str] = field(default_factory=dict)
 
     def flat(self) -> dict[str, torch.Tensor]:

@@ -36,8 +36,8 @@ from harness.topology import Topology
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
-    from harness.goldens import RolloutSamples
     from harness.pool import Runner
+    from harness.samples import RolloutSamples
 
 #: each member's nudge: every floating value times (1 +- NUDGE_ULPS * eps), as ``harness.locate``
 NUDGE_ULPS = 4.0
@@ -114,7 +114,7 @@ class RolloutRecord:
     not_compared: list[str] = field(default_factory=list)
     seconds: float = 0.0
     serial_seconds: float = 0.0  # of ``seconds``: the reference and its nudged reruns
-    #: the reference's rollout as a golden stores it (``harness.goldens.RolloutSamples``)
+    #: the reference's rollout as a golden stores it (``harness.samples.RolloutSamples``)
     samples: RolloutSamples | None = None
 
     @property
@@ -206,7 +206,7 @@ def run_prediction(
     ``steps`` steps with ``case.predict`` in eval mode under ``torch.no_grad()`` (and
     ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge.
     Leaves the caller's RNG states, default dtype and grad mode as it found them."""
-    from harness._state import CallerState
+    from harness._rank.state import CallerState
     from harness.case import _check_batch, _check_model, _mark_phase, _seed, _step_seed
 
     saved = CallerState.save()
@@ -499,7 +499,7 @@ def check_rollout(
         reference, ensemble, ranks, bound, spatial_size=spatial_size, factor=factor
     )
     record.autocast = "" if autocast is None else str(autocast).replace("torch.", "")
-    from harness.goldens import RolloutSamples
+    from harness.samples import RolloutSamples
 
     record.samples = RolloutSamples.of(reference)  # a few steps, strided: the rest is freed
     record.seconds = time.perf_counter() - t0

@@ -8,7 +8,7 @@ One wing:
   by the campaign in a context variable, carried to the ranks on ``RunCall.mutation``; the
   one place that says a mutant's rerun locates nothing (``MutantMode.verdict_only``);
 - ``inject``: the rank side, recording the call sites a run reaches and injecting one mutant
-  at its site; it owns that state (``harness._intercept``'s watchers only call it);
+  at its site; it owns that state (``harness._rank.intercept``'s watchers only call it);
 - ``campaign``: the one loop over sites and mutants, given a ``rerun`` by its callers:
   ``equivalence`` (a set of equivalence checks, without pytest: ``harness-check --mutants``)
   and the pytest hooks, ``harness.plugin.mutants`` (``pytest --spatial-mutants``).

@@ -2,7 +2,7 @@
 
 One ``Injector`` per rank process (``INJECTOR``), holding all of a run's mutation state: the
 run's mode (``MutantMode``, from its ``RunCall``), the sites recorded, the post-wait effects
-pending, a stale receive's last data. ``harness._intercept``'s watchers of ``ProcessGroup``
+pending, a stale receive's last data. ``harness._rank.intercept``'s watchers of ``ProcessGroup``
 only call it: ``record`` after noting an operation of a recording run, ``perform`` instead of
 the operation at the mutant's call site (it does the wrong thing on purpose, see
 ``harness.mutation.catalogue.KINDS``, and returns the work), ``run_after`` once a work is
@@ -206,7 +206,7 @@ class Injector:
                 stats.buffers |= has_buffers()
 
 
-#: this rank process's injector (``harness._intercept`` calls it; rank side only)
+#: this rank process's injector (``harness._rank.intercept`` calls it; rank side only)
 INJECTOR = Injector()
 
 

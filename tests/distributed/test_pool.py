@@ -571,7 +571,7 @@ def test_the_processes_of_a_fresh_test_do_not_outlive_it(pytester):
 
 def fence_with_own_run_id(run_id: int) -> tuple[bool, str]:
     """The pool's fence collective, as if each rank were in a different run."""
-    from harness._rank import _verify_group
+    from harness._rank.loop import _verify_group
 
     return _verify_group(run_id + dist.get_rank(), dist.get_world_size())
 

@@ -82,7 +82,7 @@ def test_a_base_exception_in_a_rank_function_is_agreed_on(spatial, how):
 #: dtype watch, "communicated nothing" (vacuity) and the phase a rank raised in.
 WATCHED_IN_PLACE = """
 from harness import RankError, check_equivalence
-from harness._dtypes import collective_dtypes
+from harness._rank.dtypes import collective_dtypes
 from harness.steppers.mlp import CoupledMLPCase
 from harness.topology import Topology
 

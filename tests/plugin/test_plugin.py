@@ -770,7 +770,7 @@ def test_a_rank_failure_is_reported_without_the_harness_own_frames(pytester):
     out = result.stdout.str()
     assert "rank 2/4 raised ValueError: halo of the wrong width" in out
     assert 'raise ValueError("halo of the wrong width")' in out  # the rank's own line
-    for plumbing in ("_run.py", "_rank.py", "pool.py", "_intercept.py", "plugin.py"):
+    for plumbing in ("_run.py", "_rank/", "pool.py", "plugin/"):
         assert f"harness/{plumbing}" not in out, plumbing
 
 

@@ -41,7 +41,7 @@ HANG_S = 1800
 INNER = """
 import json, os
 import torch, torch.distributed as dist
-from harness._dtypes import collective_dtypes
+from harness._rank.dtypes import collective_dtypes
 from harness.steppers.mlp import CoupledMLPCase
 
 def where():

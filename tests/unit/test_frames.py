@@ -15,14 +15,15 @@ from types import FrameType
 from typing import Any
 
 import harness
-from harness import _frames, _intercept
+from harness import _frames
+from harness._rank import intercept as _intercept
 
 PACKAGE = os.path.dirname(os.path.abspath(harness.__file__))
 STEPPER = os.path.join(PACKAGE, "steppers", "mlp.py")
 CONTRIB = os.path.join(PACKAGE, "contrib", "fme.py")
 COLLECTIVES = os.path.join(PACKAGE, "collectives.py")
 RUN_CASE = os.path.join(PACKAGE, "case.py")
-RANK = os.path.join(PACKAGE, "_rank.py")
+RANK = os.path.join(PACKAGE, "_rank", "loop.py")
 START = os.path.abspath(multiprocessing.process.__file__)
 USER = "/home/someone/model.py"
 
@@ -46,7 +47,7 @@ def _stack(files: list[str]) -> FrameType:
 
 def test_plumbing_is_the_harnesss_internals_but_not_its_models_or_library():
     assert _frames.plumbing(RUN_CASE) and _frames.plumbing(RANK)
-    assert _frames.plumbing(os.path.join(PACKAGE, "_intercept.py"))
+    assert _frames.plumbing(os.path.join(PACKAGE, "_rank", "intercept.py"))
     assert _frames.plumbing(os.path.join(PACKAGE, "a_module_added_later.py"))
     assert not _frames.plumbing(STEPPER) and not _frames.plumbing(CONTRIB)
     assert not _frames.plumbing(COLLECTIVES)
@@ -69,8 +70,8 @@ def test_the_walk_ends_where_the_harness_started_the_users_code():
 
 
 def test_the_dtype_watch_names_the_stepper_line_of_a_collective():
-    # as on a rank: the interceptor's watcher (a frame of _intercept.py) asks for the site
-    watcher = os.path.join(PACKAGE, "_intercept.py")
+    # as on a rank: the interceptor's watcher (a frame of _rank/intercept.py) asks for the site
+    watcher = os.path.join(PACKAGE, "_rank", "intercept.py")
     chain = _chain([START, RANK, RUN_CASE, STEPPER, COLLECTIVES, watcher], _intercept._user_site)
     assert chain() == "mlp.py:4"
 

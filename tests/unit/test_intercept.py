@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from harness import _intercept
+from harness._rank import intercept as _intercept
 from harness.deadlock import ANY_SOURCE, Kind, Op
 
 

@@ -2,7 +2,7 @@
 dtype watch, on the torch installed.
 
 The harness sees a rank's operations by watching ``ProcessGroup``'s methods
-(``harness._intercept._METHODS``), and torch renames them between releases (2.13 routes
+(``harness._rank.intercept._METHODS``), and torch renames them between releases (2.13 routes
 ``all_to_all_single``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` through new
 ``*_single`` methods). So nothing here is written from a list of methods: the public
 functions are read from ``torch.distributed.distributed_c10d.__all__``, each is called on a
@@ -96,7 +96,7 @@ GLOO_CANNOT = {
 
 
 def test_what_gloo_cannot_run_is_watched_all_the_same():
-    from harness._intercept import _METHODS
+    from harness._rank.intercept import _METHODS
 
     assert set(GLOO_CANNOT.values()) <= set(_METHODS)
 
@@ -193,7 +193,7 @@ def _rank_main(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     from torch.distributed import ProcessGroup
 
-    from harness import _intercept
+    from harness._rank import intercept as _intercept
     from harness.mutation.catalogue import _BY_METHOD
     from harness.mutation.inject import INJECTOR
     from harness.mutation.mode import RECORD
@@ -261,14 +261,14 @@ def reached(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
 
 @pytest.mark.parametrize("fn", sorted(CALLED))
 def test_every_process_group_method_a_public_function_reaches_is_watched(reached, fn):
-    from harness._intercept import _METHODS
+    from harness._rank.intercept import _METHODS
 
     got = reached[fn]
     assert got["methods"], f"dist.{fn} reached no ProcessGroup method: {got}"
     unwatched = [m for m in got["methods"] if m not in _METHODS]
     assert not unwatched, (
         f"dist.{fn} reaches ProcessGroup.{unwatched} on torch {torch.__version__}, which "
-        "harness._intercept._METHODS does not watch: a rank that skips it is no proven "
+        "harness._rank.intercept._METHODS does not watch: a rank that skips it is no proven "
         "deadlock, no mutant reaches it, the dtype watch misses its data"
     )
     assert got["noted"] >= 1, f"the interceptor noted nothing for dist.{fn}: {got}"

@@ -15,20 +15,22 @@ import torch
 from harness import GoldenStore, Topology
 from harness.compare import Bound, Tolerance
 from harness.goldens import (
-    ROLLOUT_ELEMENTS,
     GoldenChange,
     GoldenStatus,
-    RolloutSamples,
     check_report,
     diff_tensors,
-    parse_rollout_name,
     rollout_bounds,
+)
+from harness.records import FieldRecord
+from harness.rollout import FACTOR, MEMBERS, judge_rollout, run_prediction
+from harness.samples import (
+    ROLLOUT_ELEMENTS,
+    RolloutSamples,
+    parse_rollout_name,
     rollout_golden_steps,
     rollout_name,
     sample_stride,
 )
-from harness.records import FieldRecord
-from harness.rollout import FACTOR, MEMBERS, judge_rollout, run_prediction
 from tests.distributed.ring import RingCase
 
 STEPS = 150  # where float32 rounding of the ring has grown ~1000x (ring.py)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness._compat import group_name, group_sequence_numbers, sequence_number
-from harness._frames import plumbing, standard_library, user_site
+from harness._frames import PACKAGE, plumbing, standard_library, user_site
 from harness.board import State, Writer, members_bits
 from harness.deadlock import ANY_SOURCE, Counts, Kind, Op
 from harness.mutation.inject import INJECTOR
@@ -119,8 +119,8 @@ _C10D = "\0"
 _TORCH = "\0"
 #: the watchers' own files: never a call site, not even of the harness's own operations
 _OWN = frozenset(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), *name)
-    for name in (("_intercept.py",), ("mutation", "inject.py"), ("_compat.py",))
+    os.path.join(PACKAGE, *name)
+    for name in (("_rank", "intercept.py"), ("mutation", "inject.py"), ("_compat.py",))
 )
 
 

@@ -5,7 +5,7 @@ logic bug that moves values a little looks the same. ``OutputDtypes`` watches th
 of every module during a run (a forward hook per call: one ``isinstance`` and a dtype
 compare) and remembers where a floating dtype other than the run's default first came out;
 the rank's interceptor does the same for the tensors of every torch.distributed operation
-(``harness._intercept``). ``run_case`` puts both in ``RunRecord.dtypes``.
+(``harness._rank.intercept``). ``run_case`` puts both in ``RunRecord.dtypes``.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def collective_dtypes(default: torch.dtype) -> dict[str, str]:
     """What this rank's interceptor saw go through torch.distributed in floating dtypes
     other than ``default``'s precision (``{}`` where nothing watches: the reference, or
     under torchrun)."""
-    from harness._intercept import TRACKER
+    from harness._rank.intercept import TRACKER
 
     if not TRACKER.active:
         return {}

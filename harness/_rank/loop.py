@@ -49,7 +49,7 @@ from harness._events import (
     send,
 )
 from harness._pids import pid_alive as _pid_alive
-from harness._state import RankState
+from harness._rank.state import RankState
 from harness.board import Board, State, Writer
 from harness.errors import exception_summary, user_traceback
 
@@ -178,7 +178,7 @@ def _worker_main(
     for module in preload:  # at start, not inside the first run's timeout
         importlib.import_module(module)
     _warm_up(torch, os.path.join(workdir, f"warmup{rank}"), backend)
-    from harness import _intercept
+    from harness._rank import intercept as _intercept
 
     tracker = _intercept.install()
     board = Writer(Board(os.path.join(workdir, "board"), world), rank)
@@ -250,7 +250,7 @@ def _serve_probes(conn: Connection, main: int, tracker: Any, board: Writer) -> N
     on something unseen, or waiting long); the main thread waiting has released the GIL, so
     the answer does not wait for it."""
     from harness._compat import current_frame, group_sequence_numbers
-    from harness._intercept import torch_dir
+    from harness._rank.intercept import torch_dir
 
     while True:
         try:
