@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from harness import RankPool, SpatialCase, check_equivalence
-from harness.case import _rank_entry
+from harness._rank.run import _rank_entry
 
 RANKS = 4
 

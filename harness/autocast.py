@@ -59,7 +59,7 @@ def check_dtype(dtype: Any) -> torch.dtype:
 
 def _autocast_entry(dtype: torch.dtype, *args: Any, **kwargs: Any) -> RunRecord:
     """A rank's run under autocast (module level: the pool pickles it)."""
-    from harness.case import _rank_entry
+    from harness._rank.run import _rank_entry
 
     with autocast_context(dtype):
         return _rank_entry(*args, **kwargs)
@@ -184,7 +184,7 @@ def serial_run(
     tolerance for that check (unbounded: with it a loss, gradient, field or parameter
     mismatches only on its shape, dtype or a NaN; values are the ratio rule's), and the
     ranks' entry."""
-    from harness.case import run_case
+    from harness._rank.run import run_case
     from harness.topology import Topology
 
     with autocast_context(dtype):

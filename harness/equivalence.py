@@ -16,19 +16,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from harness._rank.run import Progress, Watch, _rank_entry, run_case
 from harness.case import (
     KEYED_FORM,
     Outputs,
-    Progress,
     Shard,
     SpatialCase,
-    Watch,
-    _rank_entry,
     data_share,
     load_init,
     load_shards,
     parameter_shards,
-    run_case,
 )
 from harness.checks import compare_runs
 from harness.compare import FAILURES, Mismatch, Quantity, Tolerance

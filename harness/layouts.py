@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.case import SpatialCase, run_case
+from harness._rank.run import run_case
+from harness.case import SpatialCase
 from harness.compare import FAILURES
 from harness.errors import ConfigError
 from harness.records import RunRecord

@@ -375,7 +375,8 @@ def _traced(
     backward: bool,
     reference_init: dict[str, torch.Tensor] | None = None,
 ) -> Trace:
-    from harness.case import _strip, run_case
+    from harness._rank.run import run_case
+    from harness.case import _strip
 
     recorder = Recorder(case, topo, step, nudge=nudge, backward=backward)
     record = run_case(case, topo, step + 1, lr, seed, watch=recorder, reference_init=reference_init)

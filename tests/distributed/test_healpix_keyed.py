@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import ConfigError, Shard, Topology, check_equivalence
-from harness.case import _step_seed
+from harness._rank.run import _step_seed
 from harness.checks import key_text
 from harness.steppers.healpix import TOKENS2, HealpixCase, token_keys
 

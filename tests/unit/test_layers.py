@@ -123,3 +123,41 @@ def test_names_moved_out_of_compare_are_still_importable_from_it():
     assert harness.EquivalenceReport is report.EquivalenceReport
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         compare.nothing  # noqa: B018
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def test_the_contract_reaches_nothing_of_the_pool_the_rank_side_or_the_mutants():
+    """``harness.case`` (what a downstream repo writes against) and all it imports, deferred
+    and type-only imports included, stay clear of the running machinery: the pool, a run's
+    events, the rank side (``harness._rank``: the run of a case, the watchers and the rank
+    globals) and the mutation wing."""
+    graph = import_graph()
+    machinery = {"harness.pool", "harness._run", "harness._rank", "harness.mutation"}
+    reached = _reachable(graph, "harness.case") | {"harness.case"}
+    assert sorted(m for m in reached if m.rsplit(".", 1)[0] in machinery or m in machinery) == []
+
+
+def test_no_module_of_the_rank_side_imports_pytest():
+    """Code that runs in a rank process never imports pytest (a rank must run under
+    torchrun or srun without it, and pytest's import hooks have no business there)."""
+    offenders = []
+    for path in sorted((HARNESS / "_rank").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "pytest"]
+    assert offenders == []

@@ -503,7 +503,7 @@ def test_run_case_loads_the_reference_init_before_recording_it():
 def test_a_sharded_parameters_gradient_that_comes_whole_is_cut_to_the_shards_positions():
     from torch.distributed.tensor import Partial
 
-    from harness.case import _value
+    from harness._rank.run import _value
     from tests.unit.test_compare import Distributed, Mesh
 
     whole = torch.arange(8, dtype=F64).reshape(4, 2)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import ConfigError, Outputs, Shard, SpatialCase, Topology
-from harness.case import _step_seed, run_case
+from harness._rank.run import _step_seed, run_case
 from harness.steppers.mlp import CoupledMLPCase
 
 SINGLE = Topology.single()
