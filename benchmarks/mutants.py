@@ -4,7 +4,7 @@
 
 The built-in layouts (those whose label contains ``-k``) run once as they are, recording
 their call sites; then every mutant reruns the checks that reached its site until one
-fails (``harness.mutation.equivalence.run_mutants``, what ``harness-check --mutants``
+fails (``harness._mutation.equivalence.run_mutants``, what ``harness-check --mutants``
 does). Printed: the checks' own time, the mutant phase's, their ratio per mutant, and how
 often the pool had to start again (only after a mutant that hung or crashed a rank).
 Nothing asserts on timings.
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import harness
 from harness import check_equivalence
 from harness.__main__ import configs
-from harness.mutation.equivalence import Check, run_mutants
+from harness._mutation.equivalence import Check, run_mutants
 from harness.pool import RankPool
 
 

@@ -367,8 +367,8 @@ def _mutants(args: argparse.Namespace, registry: PoolRegistry, source: ModelAdap
     """The layouts' mutants: a bug at each call site they reach in the harness's code and
     the model's package (``source.preload``), each rerun until a layout's check fails."""
     import harness
-    from harness.mutation.catalogue import score, score_line, table_rows
-    from harness.mutation.equivalence import Check, run_mutants
+    from harness._mutation.catalogue import score, score_line, table_rows
+    from harness._mutation.equivalence import Check, run_mutants
 
     chosen = [c for c in configs(args.ranks, args.model) if _selected(c.label, args.select)]
     include = [os.path.dirname(harness.__file__)]

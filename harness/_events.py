@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from harness.deadlock import Counts, Op
-from harness.mutation.catalogue import SiteStats
-from harness.mutation.mode import OFF, MutantMode
+from harness._deadlock import Counts, Op
+from harness._mutation.catalogue import SiteStats
+from harness._mutation.mode import OFF, MutantMode
 
 
 @dataclass(frozen=True)

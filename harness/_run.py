@@ -3,7 +3,7 @@
 A ``Run`` sends the function to every rank, handles each rank's events (``on_done``,
 ``on_fenced``, ``on_released``, ``on_probed``: one handler per event of ``harness._events``),
 notices deaths through the process sentinels, watches the ranks' notice board for a
-deadlock (``DeadlockWatch``, which feeds the pure rule of ``harness.deadlock``), and ends in
+deadlock (``DeadlockWatch``, which feeds the pure rule of ``harness._deadlock``), and ends in
 one of:
 
 - every rank returned and the groups are proven clean: the results, in rank order;
@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn, Protocol
 
-from harness import deadlock
+from harness import _deadlock as deadlock
+from harness._board import Board, Slot, State
+from harness._deadlock import Counts, Op, RankView, Status, Verdict
 from harness._events import (
     Done,
     Fence,
@@ -42,8 +44,6 @@ from harness._events import (
 )
 from harness._rank.loop import THREAD_ERROR_END
 from harness._rank.loop import VERIFY_TIMEOUT as _VERIFY_TIMEOUT
-from harness.board import Board, Slot, State
-from harness.deadlock import Counts, Op, RankView, Status, Verdict
 from harness.errors import RankProblem, failure_from
 
 #: How long the parent waits for the fence and release answers beyond the ranks' own
@@ -107,7 +107,7 @@ def _same_place(a: Probed, b: Probed) -> bool:
 
 
 class DeadlockWatch:
-    """Gathers the evidence for ``harness.deadlock.decide`` while a run is under way.
+    """Gathers the evidence for ``harness._deadlock.decide`` while a run is under way.
 
     From the board: which operation each running rank waits on, since when. From the ranks
     that returned: what they did (their reports). From probes, asked only where the board

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from harness._records import FieldRecord, ParamShard, detached
 from harness._values import block, describe, is_distributed, placed, plain
 from harness.compare import Tolerance
 from harness.errors import ConfigError
-from harness.records import FieldRecord, ParamShard, detached
 from harness.topology import Topology
 
 # ---------------------------------------------------------------------- contract
@@ -158,7 +158,7 @@ class SpatialCase:
     #: ``check_equivalence(..., rollout=N)`` does (``harness.rollout``). ``None``: no rollout.
     rollout_steps: int | None = None
     #: Run the check under ``torch.autocast`` at this dtype (``torch.bfloat16``), as
-    #: ``check_equivalence(..., autocast=...)`` does (``harness.autocast``). ``None``: off.
+    #: ``check_equivalence(..., autocast=...)`` does (``harness._autocast``). ``None``: off.
     autocast: torch.dtype | None = None
 
     def build(self, topo: Topology) -> torch.nn.Module:

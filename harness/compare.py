@@ -386,7 +386,7 @@ class QuantityStats:
 
 
 # Moved, and still importable from here for older code: the report and its tables are in
-# harness.report, the scale hint in harness.hints. Forwarded on first use, so this module
+# harness.report, the scale hint in harness._hints. Forwarded on first use, so this module
 # (the diff engine, which those import) imports neither of them.
 _MOVED = {
     "REMEDIES": "harness.report",
@@ -395,7 +395,7 @@ _MOVED = {
     "format_table": "harness.report",
     "mismatch_table": "harness.report",
     "equivalence_table": "harness.report",
-    "scale_hint": "harness.hints",
+    "scale_hint": "harness._hints",
 }
 
 

@@ -1,6 +1,6 @@
 """Where a partitioned run first departs from its reference: the pure rule.
 
-``harness.locate`` reruns one step of the reference (twice: once as is, once nudged at its
+``harness._locate`` reruns one step of the reference (twice: once as is, once nudged at its
 dtype's rounding level) and of every rank with hooks on every module, and hands the three
 kinds of ``Trace`` to ``first_divergence``. Nothing here runs on a rank or touches a process
 group, so the rule is tested on hand-made traces.

@@ -1,7 +1,7 @@
 """``check_equivalence``: a case run once as the single-process reference and once on every
 rank of a warm rank pool, then compared (loss, every gradient, every output field reassembled
 from the shards, the parameters after each SGD step) into an ``EquivalenceReport``; where it
-fails, located (``harness.locate``).
+fails, located (``harness._locate``).
 
 The contract itself (``SpatialCase``, ``Outputs``, ``Shard``) and ``run_case`` live in
 ``harness.case``; they are re-exported here, where downstream code has always imported them.
@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from harness._checks import compare_runs
+from harness._hints import culprit_hint
+from harness._mutation.mode import current as mutant_mode
 from harness._rank.run import Progress, Watch, _rank_entry, run_case
+from harness._records import RunRecord
+from harness._vacuous import check_vacuous
 from harness.case import (
     KEYED_FORM,
     Outputs,
@@ -27,15 +32,10 @@ from harness.case import (
     load_shards,
     parameter_shards,
 )
-from harness.checks import compare_runs
 from harness.compare import FAILURES, Mismatch, Quantity, Tolerance
 from harness.errors import ConfigError, ProblemKind, RankFailure, exception_summary
-from harness.hints import culprit_hint
-from harness.mutation.mode import current as mutant_mode
-from harness.records import RunRecord
 from harness.report import EquivalenceReport
 from harness.topology import Topology, check_mesh, validate_sizes
-from harness.vacuous import check_vacuous
 
 if TYPE_CHECKING:
     from harness.pool import Runner
@@ -87,7 +87,7 @@ def check_equivalence(
 
     When the check fails (or always, with ``locate=True``; never with ``locate=False``) the
     first failing step is rerun with hooks on every module to find where the partitioned
-    run first departs (``report.first_divergence``, ``harness.locate``). A run that raised,
+    run first departs (``report.first_divergence``, ``harness._locate``). A run that raised,
     crashed or hung is not rerun: its traceback says where. Locating is a diagnosis: if it
     fails, a ``Not located:`` line says so and the verdict stands.
 
@@ -101,7 +101,7 @@ def check_equivalence(
     steps with ``predict`` and judge each step by its own rounding spread
     (``harness.rollout``). ``autocast`` (default: the case's): run the reference and the
     ranks under ``torch.autocast`` at that dtype, judged by the ratio rule
-    (``harness.autocast``).
+    (``harness._autocast``).
     """
     s, grid = _validate(case, ranks, spatial_size, steps, mesh)
     allow = case.expect_nonfinite if allow_nonfinite is None else allow_nonfinite
@@ -200,7 +200,7 @@ def _production_modes(
         _has_predict(case)
     amp = case.autocast if autocast is None else autocast
     if amp is not None:
-        from harness.autocast import check_dtype
+        from harness._autocast import check_dtype
 
         amp = check_dtype(amp)
     return n_rollout, amp
@@ -235,7 +235,7 @@ def _train(
     case, ranks = run.case, report.ranks
     judged, judge_tol, entry = reference, tol, (_rank_entry,)
     if amp is not None:  # the ranks under autocast, judged against the serial run under it
-        from harness.autocast import serial_run
+        from harness._autocast import serial_run
 
         try:
             judged, judge_tol, entry = serial_run(case, amp, run.steps, run.lr, run.seed)
@@ -272,7 +272,7 @@ def _train(
     report.field_errors, report.likely = found.field_errors, found.likely
     report.diagnoses += found.diagnoses
     if amp is not None:
-        from harness.autocast import ratio_rule
+        from harness._autocast import ratio_rule
 
         ratio_rule(case, report, reference, judged, records, amp)
 
@@ -314,8 +314,8 @@ def _roll_out(
 
 def _locate(run: _Run, report: EquivalenceReport, step: int) -> None:
     """Locate the first divergence of training step ``step`` into ``report``
-    (``harness.locate``)."""
-    from harness.locate import locate as locate_run
+    (``harness._locate``)."""
+    from harness._locate import locate as locate_run
 
     report.location = locate_run(
         run.case,

@@ -47,6 +47,11 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 import torch
 
 from harness._pids import pid_alive as _pid_alive
+from harness._samples import (  # the rollout's samples: their home is beside the rollout record
+    ROLLOUT_PREFIX,
+    parse_rollout_name,
+    rollout_name,
+)
 from harness.compare import (
     Bound,
     Tolerance,
@@ -56,11 +61,6 @@ from harness.compare import (
 )
 from harness.errors import GoldenError, exception_summary
 from harness.report import EquivalenceReport
-from harness.samples import (  # the rollout's samples: their home is beside the rollout record
-    ROLLOUT_PREFIX,
-    parse_rollout_name,
-    rollout_name,
-)
 
 if TYPE_CHECKING:
     from harness.rollout import RolloutRecord

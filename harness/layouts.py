@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness._rank.run import run_case
+from harness._records import RunRecord
 from harness.case import SpatialCase
 from harness.compare import FAILURES
 from harness.errors import ConfigError
-from harness.records import RunRecord
 from harness.report import EquivalenceReport
 from harness.topology import Topology
 

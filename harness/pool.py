@@ -39,12 +39,14 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn, Protocol, TypedDict, runtime_checkable
 
+from harness._board import Board
 from harness._compat import stop_forkserver
 from harness._events import Ready, RunCall, Stop, receive, send
 from harness._frames import plumbing
+from harness._mutation.catalogue import SiteStats
+from harness._mutation.mode import current as mutant_mode
 from harness._rank.loop import _worker_main, report_progress
 from harness._run import DiedIdle, Run
-from harness.board import Board
 from harness.errors import (
     ConfigError,
     HarnessWarning,
@@ -53,8 +55,6 @@ from harness.errors import (
     RankProblem,
     UnwaitedWork,
 )
-from harness.mutation.catalogue import SiteStats
-from harness.mutation.mode import current as mutant_mode
 
 __all__ = [
     "PoolRegistry",
@@ -79,7 +79,7 @@ ERROR_GRACE = 3.0
 START_STALL = 60.0
 #: Where the OS does not say whether a process makes progress (no /proc): a fixed deadline.
 START_TIMEOUT = 600.0
-#: A deadlock proven from the ranks' evidence (``harness.deadlock``: a rank waits for a peer
+#: A deadlock proven from the ranks' evidence (``harness._deadlock``: a rank waits for a peer
 #: that returned without its part, ranks entered different collectives, or wait on each
 #: other in a cycle) fails the run once the proof has held this long, instead of at the
 #: timeout. 0 turns detection off.
@@ -173,7 +173,7 @@ class RankPool:
         self._group_ok = False
         self._verifying: Run | None = None  # a kept run whose fence answers are not read yet
         #: --spatial-mutants: the call sites the last run's ranks recorded, in a recording
-        #: run (its ``MutantMode``, ``harness.mutation.mode``, comes from the caller's context)
+        #: run (its ``MutantMode``, ``harness._mutation.mode``, comes from the caller's context)
         self.last_sites: list[dict[str, SiteStats]] = []
         self._lock = threading.Lock()
         _LIVE_POOLS.add(self)
@@ -361,7 +361,7 @@ class RankPool:
 
     @property
     def board(self) -> Board:
-        """What each rank is doing now (``harness.board``), while started."""
+        """What each rank is doing now (``harness._board``), while started."""
         assert self._ranks is not None, "the pool is not started"
         return self._ranks.board
 

@@ -1,7 +1,7 @@
 """What a check found, as a person reads it: ``EquivalenceReport``, its tables, the remedies.
 
 The comparison itself (``Tolerance``, ``Bound``, ``Mismatch``, ``compare_tensors``) is in
-``harness.compare``; the hints that name a likely cause are in ``harness.hints``. This module
+``harness.compare``; the hints that name a likely cause are in ``harness._hints``. This module
 renders: a report's text, the mismatch table, the session's equivalence table, and what to do
 about each ``Quantity`` (``REMEDIES``).
 """
@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
+from harness._records import FieldError  # its home before records.py: still importable here
 from harness.compare import NUMERIC, Mismatch, Quantity, QuantityStats, Tolerance
 from harness.errors import EquivalenceFailure
-from harness.records import FieldError  # its home before records.py: still importable here
 
 if TYPE_CHECKING:
     from harness.divergence import Divergence, Location
@@ -151,7 +151,7 @@ class EquivalenceReport:
     #: what the run did that a reader must know to trust the verdict, one line each (e.g.
     #: shards loaded from the reference); shown under the report's first line
     notes: list[str] = field(default_factory=list)
-    #: where the partitioned run first departs from the reference (``harness.locate``):
+    #: where the partitioned run first departs from the reference (``harness._locate``):
     #: ``None`` when nothing was located, or locating did not run
     first_divergence: Divergence | None = None
     location: Location | None = None  # what locating found (and could not compare)

@@ -29,17 +29,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harness._records import FieldRecord, StepRecord, map_tensors
 from harness.compare import Bound, Mismatch, Quantity
 from harness.errors import ConfigError
-from harness.records import FieldRecord, StepRecord, map_tensors
 from harness.topology import Topology
 
 if TYPE_CHECKING:
+    from harness._samples import RolloutSamples
     from harness.case import SpatialCase
     from harness.pool import Runner
-    from harness.samples import RolloutSamples
 
-#: each member's nudge: every floating value times (1 +- NUDGE_ULPS * eps), as ``harness.locate``
+#: each member's nudge: every floating value times (1 +- NUDGE_ULPS * eps), as ``harness._locate``
 NUDGE_ULPS = 4.0
 #: Ensemble members (nudged reruns of the reference) that measure the rounding spread. Fewer
 #: members see less of it: over 150 steps (benchmarks/rollout_cost.py, remeasured 2026-12-05)
@@ -114,7 +114,7 @@ class RolloutRecord:
     not_compared: list[str] = field(default_factory=list)
     seconds: float = 0.0
     serial_seconds: float = 0.0  # of ``seconds``: the reference and its nudged reruns
-    #: the reference's rollout as a golden stores it (``harness.samples.RolloutSamples``)
+    #: the reference's rollout as a golden stores it (``harness._samples.RolloutSamples``)
     samples: RolloutSamples | None = None
 
     @property
@@ -309,7 +309,7 @@ def _assemble(
             continue
         dim = (shards[0].dim or 0) % max(ref.dim(), 1)
         n = ref.shape[dim] if ref.dim() else 1
-        from harness.checks import data_part
+        from harness._checks import data_part
 
         out = torch.zeros_like(data_part(ref, g, groups))
         for f in shards:
@@ -352,7 +352,7 @@ def judge_rollout(
 ) -> RolloutRecord:
     """Judge every step and field of the ranks' rollout against the reference's, within
     ``factor`` times the members' spread (and at least the fixed ``bound``)."""
-    from harness.checks import Judge, Layout, check_fields
+    from harness._checks import Judge, Layout, check_fields
     from harness.compare import NUMERIC, QuantityStats, Tolerance
 
     record = RolloutRecord(len(reference), len(members), factor)
@@ -500,7 +500,7 @@ def check_rollout(
         reference, ensemble, ranks, bound, spatial_size=spatial_size, factor=factor
     )
     record.autocast = "" if autocast is None else str(autocast).replace("torch.", "")
-    from harness.samples import RolloutSamples
+    from harness._samples import RolloutSamples
 
     record.samples = RolloutSamples.of(reference)  # a few steps, strided: the rest is freed
     record.seconds = time.perf_counter() - t0
@@ -568,8 +568,8 @@ def rollout_steps(case: SpatialCase, rollout: int | None) -> int:
 def plot_rollout(record: RolloutRecord, path: Any, *, title: str = "") -> Any:
     """The error curve of each field (the partitioned run's distance from the reference,
     the rounding spread and the bound, per step, log scale) as a PNG at ``path``; the first
-    divergent step marked. Needs matplotlib (``harness.plots``)."""
-    from harness.plots import _figure, _save
+    divergent step marked. Needs matplotlib (``harness._plots``)."""
+    from harness._plots import _figure, _save
 
     names = list(dict.fromkeys(p.name for p in record.curve))
     fig = _figure(7.0, 2.4 * max(len(names), 1))

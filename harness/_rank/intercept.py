@@ -15,7 +15,7 @@ What it notes, during a run only:
 - for each operation: what it is (collective, send, receive), its group, its number in the
   run's order on that group, its size, and the line of user code that issued it; the
   ``Work`` it returned, until someone waits on it;
-- on the rank's slot of the pool's notice board (``harness.board``): which operation the
+- on the rank's slot of the pool's notice board (``harness._board``): which operation the
   main thread waits on, from when; so the pool can prove a deadlock without asking the rank;
 - per group: collectives issued (torch's sequence number, which also counts what C++ issues,
   such as DDP's reducer, less the point-to-point operations seen here), sends and receives
@@ -37,12 +37,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness._board import State, Writer, members_bits
 from harness._compat import group_name, group_sequence_numbers, sequence_number
+from harness._deadlock import ANY_SOURCE, Counts, Kind, Op
 from harness._frames import PACKAGE, plumbing, standard_library, user_site
-from harness.board import State, Writer, members_bits
-from harness.deadlock import ANY_SOURCE, Counts, Kind, Op
-from harness.mutation.inject import INJECTOR
-from harness.mutation.mode import OFF, MutantMode
+from harness._mutation.inject import INJECTOR
+from harness._mutation.mode import OFF, MutantMode
 
 #: ProcessGroup method -> (the torch.distributed name users know, kind, which argument holds
 #: the tensors whose size must match across ranks: an index into the positional arguments).
@@ -157,7 +157,7 @@ class Tracker:
     # ------------------------------------------------------------------ a run
 
     def begin(self, mutation: MutantMode = OFF) -> None:
-        """A run starts (in ``mutation``'s mode: the injector's, ``harness.mutation.inject``)."""
+        """A run starts (in ``mutation``'s mode: the injector's, ``harness._mutation.inject``)."""
         self.p2p.clear()
         self.seen.clear()
         self.sends.clear()

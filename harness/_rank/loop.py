@@ -4,7 +4,7 @@ The pool's parent side (``harness.pool``) starts ``_worker_main`` in each rank p
 talks to it in the events of ``harness._events`` (``RunCall`` -> ``Done``, ``Fence`` ->
 ``Fenced``, ``Release`` -> ``Released``), one handler each. What the rank is doing right now
 (its run, its phase, the operation its main thread waits on) it writes on its slot of the
-pool's notice board (``harness.board``) instead of sending it: the pool reads that whenever it
+pool's notice board (``harness._board``) instead of sending it: the pool reads that whenever it
 likes, with no message and no help from the rank. A thread of the rank answers the pool's
 probes (``Probe`` -> ``Probed``) for what the board cannot show: where the main thread is
 when it is inside torch on something the harness does not see (DDP's reducer), and the
@@ -32,6 +32,7 @@ import types
 from multiprocessing.connection import Connection
 from typing import Any
 
+from harness._board import Board, State, Writer
 from harness._events import (
     Done,
     Fence,
@@ -50,7 +51,6 @@ from harness._events import (
 )
 from harness._pids import pid_alive as _pid_alive
 from harness._rank.state import RankState
-from harness.board import Board, State, Writer
 from harness.errors import exception_summary, user_traceback
 
 #: Deadline of the fence collective that proves a kept group still pairs every rank.
@@ -378,7 +378,7 @@ def _run_one(
     import torch.distributed as dist
 
     from harness._compat import group_sequence_numbers
-    from harness.mutation.inject import INJECTOR
+    from harness._mutation.inject import INJECTOR
 
     try:
         where, payload = pickle.loads(call.payload)

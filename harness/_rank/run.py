@@ -20,6 +20,7 @@ import torch
 
 from harness._rank.dtypes import OutputDtypes, collective_dtypes
 from harness._rank.state import CallerState
+from harness._records import ParamShard, RunRecord, StepRecord, detached
 from harness._values import is_distributed, placed, plain
 from harness.case import (
     ActivationCheck,
@@ -34,14 +35,13 @@ from harness.case import (
     load_shards,
     parameter_shards,
 )
-from harness.records import ParamShard, RunRecord, StepRecord, detached
 from harness.topology import Topology
 
 Progress = Callable[[str, "int | None"], None]
 
 
 class Watch(Protocol):
-    """What ``run_case`` tells an observer (``harness.locate.Recorder``)."""
+    """What ``run_case`` tells an observer (``harness._locate.Recorder``)."""
 
     def attach(self, model: torch.nn.Module) -> None: ...
 
@@ -230,13 +230,13 @@ def _load_reference(
 def _case_mutation(case: SpatialCase) -> dict[str, str]:
     """On a rank of a ``--spatial-mutants`` run: the case-level mutant to inject at
     ``build`` or ``batch`` (``{}`` for the reference and every other run)."""
-    from harness.mutation.inject import INJECTOR
+    from harness._mutation.inject import INJECTOR
 
     return INJECTOR.case_kinds(case)
 
 
 def _note_buffers(case: SpatialCase, model: torch.nn.Module) -> None:
-    from harness.mutation.inject import INJECTOR
+    from harness._mutation.inject import INJECTOR
 
     INJECTOR.note_buffers(case, lambda: any(True for _ in model.buffers()))
 

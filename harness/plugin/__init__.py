@@ -24,8 +24,8 @@ import pytest
 if TYPE_CHECKING:
     from pluggy import Result
 
+from harness._launcher import LauncherRegistry, launcher_env
 from harness.goldens import GoldenStore
-from harness.launcher import LauncherRegistry, launcher_env
 from harness.plugin._keys import _registry_key, _settings_key, _skipped_key
 from harness.plugin.fixtures import (
     OUTPUT_LIMIT,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:  # the stash keys' types, named in strings
-    from harness.launcher import LauncherRegistry  # noqa: F401
+    from harness._launcher import LauncherRegistry  # noqa: F401
     from harness.plugin.options import Settings  # noqa: F401
     from harness.pool import PoolRegistry  # noqa: F401
 

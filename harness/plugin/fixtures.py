@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+from harness._launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch
+from harness._mutation.mode import current as mutant_mode
+from harness._records import FieldError
 from harness.compare import Bound, Tolerance
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError, GoldenError, exception_summary
@@ -21,9 +24,7 @@ from harness.goldens import (
     check_report,
     golden_stem,
 )
-from harness.launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch
 from harness.layouts import LayoutsReport, check_layouts
-from harness.mutation.mode import current as mutant_mode
 from harness.plugin._keys import (
     _EQUIV_PROP,
     _GOLDEN_PROP,
@@ -40,7 +41,6 @@ from harness.pool import (
     check_oversubscription,
     check_seconds,
 )
-from harness.records import FieldError
 from harness.report import EquivalenceReport, SummaryRow
 
 R = TypeVar("R")  # what a function run on the ranks returns
@@ -524,7 +524,7 @@ def _error_map(report: EquivalenceReport, fe: FieldError, path: Path) -> str | N
     field neither on a lat x lon grid nor in HEALPix cells)."""
     import numpy as np
 
-    from harness import plots
+    from harness import _plots as plots
 
     owners = fe.owners.numpy()
     title = f"{report.case}: |partitioned - reference| of {fe.name!r}, step {fe.step}"

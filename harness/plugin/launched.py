@@ -12,8 +12,8 @@ import pytest
 if TYPE_CHECKING:
     from pluggy import Result
 
+from harness._launcher import LauncherRegistry, LauncherRunner
 from harness.errors import ConfigError
-from harness.launcher import LauncherRegistry, LauncherRunner
 from harness.plugin._keys import _registry_key
 from harness.plugin.options import _parse_ranks, _setting
 

@@ -2,7 +2,7 @@
 
 A plugin object of ``harness.plugin``, registered only with ``--spatial-mutants``. The
 session first runs the selected tests as they are, with every rank recording the call sites
-its code reaches (``harness.mutation.catalogue``); they must all pass. Then, still on the
+its code reaches (``harness._mutation.catalogue``); they must all pass. Then, still on the
 warm pools, each mutant of each site reached inside the project (the rootdir, not installed
 packages) reruns the tests that reached it, fastest first, until one fails: killed by that
 test, with how it failed; or every one passes: SURVIVED, with the reason where one is known.
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from harness.mutation.campaign import Killed, Reached, campaign
-from harness.mutation.catalogue import (
+from harness._mutation.campaign import Killed, Reached, campaign
+from harness._mutation.catalogue import (
     Mutant,
     Outcome,
     SiteStats,
@@ -32,7 +32,7 @@ from harness.mutation.catalogue import (
     score_line,
     table_rows,
 )
-from harness.mutation.mode import RECORD, MutantMode, running
+from harness._mutation.mode import RECORD, MutantMode, running
 from harness.report import format_table
 
 SITES_KEY = pytest.StashKey[list[dict[str, SiteStats]]]()

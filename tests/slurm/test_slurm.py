@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.slurm import slurm_hostnames
+from harness._slurm import slurm_hostnames
 
 # Each test starts pytest on four tasks itself; under torchrun/srun it would run once per rank.
 pytestmark = pytest.mark.spatial_pool

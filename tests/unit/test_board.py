@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
-from harness.board import Board, Slot, State, Writer, members_bits
+from harness._board import Board, Slot, State, Writer, members_bits
 
 
 def test_a_slot_reads_back_what_its_rank_wrote(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.deadlock import (
+from harness._deadlock import (
     ANY_SOURCE,
     Counts,
     Kind,
@@ -523,7 +523,7 @@ def test_groups_nobody_described_and_ranks_nobody_saw_are_passed_over():
 
 
 def test_two_quantities_show_as_the_first_and_one_more():
-    from harness.mutation.catalogue import Mutant, Outcome, table_rows
+    from harness._mutation.catalogue import Mutant, Outcome, table_rows
 
     o = Outcome(Mutant("s", "skip"), "m.py:1", "t::a", "grad, loss")
     assert table_rows([o])[0][2] == "killed by t::a (grad +1)"

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from harness._deadlock import ANY_SOURCE, Kind, Op
 from harness._rank import intercept as _intercept
-from harness.deadlock import ANY_SOURCE, Kind, Op
 
 
 class Group:

@@ -193,10 +193,10 @@ def _rank_main(rank: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     from torch.distributed import ProcessGroup
 
+    from harness._mutation.catalogue import _BY_METHOD
+    from harness._mutation.inject import INJECTOR
+    from harness._mutation.mode import RECORD
     from harness._rank import intercept as _intercept
-    from harness.mutation.catalogue import _BY_METHOD
-    from harness.mutation.inject import INJECTOR
-    from harness.mutation.mode import RECORD
 
     reached: list[str] = []
 
@@ -276,7 +276,7 @@ def test_every_process_group_method_a_public_function_reaches_is_watched(reached
 
 @pytest.mark.parametrize("fn", sorted(CALLED))
 def test_every_public_function_is_mutated_and_named_as_the_user_wrote_it(reached, fn):
-    from harness.deadlock import SAME_OP
+    from harness._deadlock import SAME_OP
 
     got = reached[fn]
     unknown = sorted(set(got["sites"]) - set(got["mutable"]))
@@ -304,7 +304,7 @@ def test_the_transposes_of_torch_2_13_reach_the_methods_it_routes_them_through(r
 
 
 def test_the_transposes_get_the_rotation_and_the_swapped_split_sizes(reached):
-    from harness.mutation.catalogue import _BY_METHOD
+    from harness._mutation.catalogue import _BY_METHOD
 
     for method in reached["all_to_all_single"]["methods"]:
         assert {"skip", "rotate", "swap-splits"} <= set(_BY_METHOD[method])

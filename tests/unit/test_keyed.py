@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import ConfigError, Shard, Topology
-from harness.checks import (
+from harness._checks import (
     GLOBAL_SAMPLE_HINT,
     KEY_WIDTH_HINT,
     KEYED_HINT,
@@ -23,10 +23,10 @@ from harness.checks import (
     compare_runs,
     key_text,
 )
+from harness._records import FieldRecord, RunRecord
+from harness._vacuous import check_vacuous
 from harness.compare import Mismatch
 from harness.equivalence import KEYED_FORM, run_case
-from harness.records import FieldRecord, RunRecord
-from harness.vacuous import check_vacuous
 from tests.unit.test_checks import F64, TOL, judge, same, step
 from tests.unit.test_run_case import Configurable
 

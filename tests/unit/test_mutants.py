@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.mutation.catalogue import (
+from harness._mutation.catalogue import (
     Mutant,
     Outcome,
     Site,

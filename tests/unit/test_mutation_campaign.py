@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from harness.mutation.campaign import Killed, Reached, campaign
-from harness.mutation.catalogue import Mutant, Outcome, SiteStats
-from harness.mutation.mode import OFF, MutantMode, current, running
+from harness._mutation.campaign import Killed, Reached, campaign
+from harness._mutation.catalogue import Mutant, Outcome, SiteStats
+from harness._mutation.mode import OFF, MutantMode, current, running
 from harness.report import EquivalenceReport
 
 WHERE = "/repo/model.py:41 in halo"

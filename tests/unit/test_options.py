@@ -21,8 +21,8 @@ def test_one_parser_gives_each_duration_its_default_floor_and_off_switch():
 
 
 def test_flatten_record_still_works_and_says_it_is_deprecated():
+    from harness._records import RunRecord
     from harness.equivalence import flatten_record
-    from harness.records import RunRecord
 
     record = RunRecord()
     with pytest.deprecated_call(match="RunRecord.flat"):

@@ -7,17 +7,17 @@ import pytest
 import torch
 
 from harness import ConfigError, Outputs, Shard, SpatialCase, Topology
-from harness.case import load_init, parameter_shards
-from harness.checks import (
+from harness._checks import (
     PARAM_SHARD_HINT,
     SHARD_INIT_HINT,
     Layout,
     check_param_shards,
     compare_runs,
 )
+from harness._records import ParamShard, RunRecord, StepRecord
+from harness.case import load_init, parameter_shards
 from harness.compare import Mismatch, Tolerance
 from harness.equivalence import run_case
-from harness.records import ParamShard, RunRecord, StepRecord
 from tests.unit.test_checks import recs
 
 F64 = torch.float64

@@ -13,6 +13,15 @@ import pytest
 import torch
 
 from harness import GoldenStore, Topology
+from harness._records import FieldRecord
+from harness._samples import (
+    ROLLOUT_ELEMENTS,
+    RolloutSamples,
+    parse_rollout_name,
+    rollout_golden_steps,
+    rollout_name,
+    sample_stride,
+)
 from harness.compare import Bound, Tolerance
 from harness.goldens import (
     GoldenChange,
@@ -21,16 +30,7 @@ from harness.goldens import (
     diff_tensors,
     rollout_bounds,
 )
-from harness.records import FieldRecord
 from harness.rollout import FACTOR, MEMBERS, judge_rollout, run_prediction
-from harness.samples import (
-    ROLLOUT_ELEMENTS,
-    RolloutSamples,
-    parse_rollout_name,
-    rollout_golden_steps,
-    rollout_name,
-    sample_stride,
-)
 from tests.distributed.ring import RingCase
 
 STEPS = 150  # where float32 rounding of the ring has grown ~1000x (ring.py)

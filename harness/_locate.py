@@ -29,6 +29,7 @@ import torch
 from torch.autograd.function import FunctionCtx
 from torch.utils.hooks import RemovableHandle
 
+from harness._records import FieldRecord, detached, map_tensors
 from harness._values import block, is_distributed, plain
 from harness.collectives import apply
 from harness.divergence import (
@@ -41,7 +42,6 @@ from harness.divergence import (
     shard_placement,
 )
 from harness.errors import ConfigError, RankFailure
-from harness.records import FieldRecord, detached, map_tensors
 from harness.topology import Topology
 
 if TYPE_CHECKING:

@@ -8,15 +8,16 @@ from collections.abc import Callable
 
 import torch
 
-from harness.checks.fields import _shard_position
-from harness.checks.judge import Judge, index_text
-from harness.checks.shards import (
+from harness._checks.fields import _shard_position
+from harness._checks.judge import Judge, index_text
+from harness._checks.shards import (
     NO_SHARDS,
     PARAM_SHARD_HINT,
     SHARD_INIT_HINT,
     ParamShards,
     part,
 )
+from harness._records import RunRecord, StepRecord
 from harness.compare import (
     Difference,
     Mismatch,
@@ -28,7 +29,6 @@ from harness.compare import (
     nonfinite_counts,
     nonfinite_text,
 )
-from harness.records import RunRecord, StepRecord
 
 # ---------------------------------------------------------------------- non-finite values
 

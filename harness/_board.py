@@ -6,7 +6,7 @@ its main thread enters and leaves a wait on a torch.distributed operation, and w
 function returns; the pool reads every slot whenever it likes. Reading takes no message, no
 thread and no CPU time of the rank: a rank that waits, a rank starved of CPU by a loaded
 machine and a rank holding the GIL in a long C call are all read the same way, at once.
-That is what lets the deadlock rule (``harness.deadlock``) decide from evidence in a few
+That is what lets the deadlock rule (``harness._deadlock``) decide from evidence in a few
 hundred milliseconds, and lets a crashed rank's last phase be read after it died.
 
 A slot is guarded by a sequence lock: the writer makes the version odd, writes, makes it even
@@ -76,7 +76,7 @@ class Slot:
     step: int | None = None
     started: float = 0.0  # when the rank began the run
     since: float = 0.0  # when the state last changed (the current wait began)
-    kind: int = 0  # 0 none, else a harness.deadlock.Kind (of the last wait, once it ended)
+    kind: int = 0  # 0 none, else a harness._deadlock.Kind (of the last wait, once it ended)
     index: int = 0  # the collective's number on its group this run, or the n-th send/recv
     peer: int | None = None  # global rank of a send's or receive's peer (deadlock.ANY_SOURCE)
     tag: int = 0

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harness.checks.judge import Layout
+from harness._checks.judge import Layout
+from harness._records import ParamShard, RunRecord
 from harness.compare import Mismatch, Quantity
 from harness.partition import ownership
-from harness.records import ParamShard, RunRecord
 
 PARAM_SHARD_HINT = (
     "name it in SpatialCase.parameter_shards as Shard(param, index, dim): the global "

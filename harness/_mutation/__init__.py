@@ -13,7 +13,7 @@ One wing:
   ``equivalence`` (a set of equivalence checks, without pytest: ``harness-check --mutants``)
   and the pytest hooks, ``harness.plugin.mutants`` (``pytest --spatial-mutants``).
 
-``Check`` and ``run_mutants`` (once ``harness.mutation``'s own) are imported from here on
+``Check`` and ``run_mutants`` (once ``harness._mutation``'s own) are imported from here on
 first use, so that the pure rooms load without torch.
 """
 
@@ -26,7 +26,7 @@ __all__ = ["Check", "run_mutants"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from harness.mutation import equivalence
+        from harness._mutation import equivalence
 
         return getattr(equivalence, name)
-    raise AttributeError(f"module 'harness.mutation' has no attribute {name!r}")
+    raise AttributeError(f"module 'harness._mutation' has no attribute {name!r}")

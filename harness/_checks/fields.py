@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harness.checks.judge import Judge, Layout, data_part, position_text
-from harness.checks.keyed import _keyed_position, check_keyed_field
+from harness._checks.judge import Judge, Layout, data_part, position_text
+from harness._checks.keyed import _keyed_position, check_keyed_field
+from harness._hints import boundary_hint, shard_shape_hint
+from harness._records import FieldError, FieldRecord, StepRecord
 from harness.compare import Mismatch, Quantity
-from harness.hints import boundary_hint, shard_shape_hint
 from harness.partition import ownership
-from harness.records import FieldError, FieldRecord, StepRecord
 
 SHARD_HINT = (
     "return this rank's part of a field as a Shard: Shard.grid(values, rows, cols, nlat, "

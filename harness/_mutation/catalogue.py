@@ -12,8 +12,8 @@ seeded per rank before ``build`` or ``batch``, buffers broadcast in place. The t
 once per mutant, with the mutant injected on every rank at that site only; a mutant that
 makes a test fail is killed (a hang counts, as the deadlock detection ends it).
 
-Pure data and rules here: the injection itself is ``harness.mutation.inject`` (rank side),
-the loop over sites and mutants ``harness.mutation.campaign``.
+Pure data and rules here: the injection itself is ``harness._mutation.inject`` (rank side),
+the loop over sites and mutants ``harness._mutation.campaign``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ run's mode (``MutantMode``, from its ``RunCall``), the sites recorded, the post-
 pending, a stale receive's last data. ``harness._rank.intercept``'s watchers of ``ProcessGroup``
 only call it: ``record`` after noting an operation of a recording run, ``perform`` instead of
 the operation at the mutant's call site (it does the wrong thing on purpose, see
-``harness.mutation.catalogue.KINDS``, and returns the work), ``run_after`` once a work is
+``harness._mutation.catalogue.KINDS``, and returns the work), ``run_after`` once a work is
 waited on: the post-wait effects (the AVG division, a rotation, a zeroed or stale receive,
 the extra all-reduce) run then, as the data would arrive. ``run_case`` asks it for the
 case-level mutants (``case_kinds``).
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-from harness.mutation.catalogue import REDUCING, Mutant, SiteStats
-from harness.mutation.mode import OFF, MutantMode
+from harness._mutation.catalogue import REDUCING, Mutant, SiteStats
+from harness._mutation.mode import OFF, MutantMode
 
 #: the mutant kinds that act on a case (in ``run_case``), not on an operation
 CASE_KINDS = ("rng-per-rank", "buffers-broadcast")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from harness.records import FieldRecord
+from harness._records import FieldRecord
 
 ROLLOUT_PREFIX = "rollout/"
 #: At most this many values of each field at each stored step. A rollout golden pins the

@@ -11,9 +11,9 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from harness._hints import precision_hint, scale_hint
 from harness.compare import Mismatch, Quantity, QuantityStats, Tolerance, compare_tensors
 from harness.errors import exception_summary
-from harness.hints import precision_hint, scale_hint
 
 T = TypeVar("T")
 

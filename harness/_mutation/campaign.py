@@ -8,7 +8,7 @@ reason; any other reruns the checks that reached the site, fastest first, in the
 mode, until one fails (killed by it) or none does (SURVIVED).
 
 What a check is and how it reruns is the caller's: ``harness-check --mutants`` reruns an
-equivalence check (``harness.mutation.equivalence``), ``pytest --spatial-mutants`` a test
+equivalence check (``harness._mutation.equivalence``), ``pytest --spatial-mutants`` a test
 item (``harness.plugin.mutants``); each passes its ``rerun``.
 
 No torch, no pytest.
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from harness.mutation.catalogue import (
+from harness._mutation.catalogue import (
     Mutant,
     Outcome,
     Site,
@@ -29,7 +29,7 @@ from harness.mutation.catalogue import (
     merge_sites,
     mutants_for,
 )
-from harness.mutation.mode import MutantMode, running
+from harness._mutation.mode import MutantMode, running
 
 T = TypeVar("T")
 

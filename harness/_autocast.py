@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harness._records import FieldRecord, RunRecord
 from harness.compare import Mismatch, Quantity, Tolerance
 from harness.errors import ConfigError
-from harness.records import FieldRecord, RunRecord
 from harness.rollout import _assemble, _flat, autocast_context
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """What a run does about mutants: nothing, record the call sites it reaches, or inject one.
 
-One frozen ``MutantMode`` per run, set by the campaign (``harness.mutation.campaign``) around
+One frozen ``MutantMode`` per run, set by the campaign (``harness._mutation.campaign``) around
 what it runs, read by the pool when it sends a run (``RunCall.mutation``) and by the checks
 that decide whether to diagnose a failure. Carried in a context variable, not on the pools:
 every pool of the process runs in the mode its caller is in.
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from harness.mutation.catalogue import Mutant
+from harness._mutation.catalogue import Mutant
 
 
 @dataclass(frozen=True)

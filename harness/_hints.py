@@ -28,9 +28,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from harness._records import RunRecord
 from harness.compare import _REAL_OF, Mismatch, Quantity, Tolerance, as_float64
 from harness.errors import RankFailure
-from harness.records import RunRecord
 
 #: float32's unit roundoff; a float64 run whose errors are a few of these came through
 #: float32 somewhere (float64's is 1.1e-16: reordered sums stay far below 1e-12).

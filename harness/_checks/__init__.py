@@ -1,6 +1,6 @@
 """How a partitioned run is judged against its reference: one function per quantity.
 
-Each ``check_*`` function reads ``RunRecord``s (``harness.records``) and returns the
+Each ``check_*`` function reads ``RunRecord``s (``harness._records``) and returns the
 ``Mismatch``es it found; ``compare_runs`` calls them in run order (parameters after build,
 then per step: non-finite values, loss, gradients, fields with their coverage, parameters
 with their co-rank sync, buffers). Nothing here runs on a rank or touches a process group,
@@ -10,7 +10,7 @@ By subject: ``judge`` (the layout, one pair of tensors judged, how positions are
 ``values`` (loss, gradients, parameters whole or sharded, buffers, non-finite values),
 ``fields`` (full and sharded fields), ``keyed`` (fields matched by key) and ``shards``
 (sharded parameters' fit and coverage, and the part of the reference a shard is judged by).
-Every name is importable from ``harness.checks`` itself.
+Every name is importable from ``harness._checks`` itself.
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from typing import Any
 
 import torch
 
-from harness._values import plain
-from harness.checks.fields import (
+from harness._checks.fields import (
     BATCH_HINT,
     SHARD_HINT,
     assemble_field,
     check_fields,
 )
-from harness.checks.judge import (
+from harness._checks.judge import (
     Judge,
     Layout,
     data_part,
@@ -37,20 +36,20 @@ from harness.checks.judge import (
     position_text,
     two_values,
 )
-from harness.checks.keyed import (
+from harness._checks.keyed import (
     GLOBAL_SAMPLE_HINT,
     KEY_WIDTH_HINT,
     KEYED_HINT,
     check_keyed_field,
     key_text,
 )
-from harness.checks.shards import (
+from harness._checks.shards import (
     PARAM_SHARD_HINT,
     SHARD_INIT_HINT,
     ParamShards,
     check_param_shards,
 )
-from harness.checks.values import (
+from harness._checks.values import (
     SEED_HINT,
     check_buffers,
     check_grads,
@@ -60,9 +59,10 @@ from harness.checks.values import (
     check_nonfinite_step,
     check_params,
 )
+from harness._hints import float32_evidence, likely_cause
+from harness._records import FieldError, RunRecord
+from harness._values import plain
 from harness.compare import NUMERIC, Mismatch, QuantityStats, Tolerance
-from harness.hints import float32_evidence, likely_cause
-from harness.records import FieldError, RunRecord
 
 __all__ = [
     "BATCH_HINT",

@@ -4,7 +4,7 @@ What ``harness-check --mutants`` runs for the built-in steppers and the real-mod
 (``pytest --spatial-mutants`` does the same for a test suite, ``harness.plugin.mutants``):
 each check runs once as it is, its ranks recording the call sites they reach; then each
 mutant of each site inside the chosen code (``include``: directories) reruns the checks that
-reached it, fastest first, until one fails (``harness.mutation.campaign``). Same warm pool
+reached it, fastest first, until one fails (``harness._mutation.campaign``). Same warm pool
 throughout: no pool start per mutant, unless a mutant's hang or crash ended the processes.
 """
 
@@ -14,10 +14,10 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from harness._mutation.campaign import Killed, Reached, campaign, verdict
+from harness._mutation.catalogue import Outcome
+from harness._mutation.mode import RECORD, MutantMode, running
 from harness.equivalence import SpatialCase, check_equivalence
-from harness.mutation.campaign import Killed, Reached, campaign, verdict
-from harness.mutation.catalogue import Outcome
-from harness.mutation.mode import RECORD, MutantMode, running
 from harness.pool import RankPool
 
 #: a mutant's rerun of a check gets at most this many seconds (or the whole timeout, if less)

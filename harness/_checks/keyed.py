@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harness.checks.judge import Judge, Layout, position_text
+from harness._checks.judge import Judge, Layout, position_text
+from harness._hints import boundary_hint
+from harness._records import FieldError, FieldRecord
 from harness.compare import Mismatch, Quantity
-from harness.hints import boundary_hint
-from harness.records import FieldError, FieldRecord
 
 KEYED_HINT = (
     "return a keyed field as Shard.keyed(values, keys) on every rank and in the reference "

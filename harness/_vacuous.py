@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from harness._records import RunRecord
 from harness.compare import Mismatch
-from harness.records import RunRecord
 
 REMEDY = (
     "The check proves nothing about the parallel code: give each rank only its part of the "

@@ -9,7 +9,7 @@ assert. This is how the same tests run across nodes and on NCCL.
 torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
 Under srun, ``SLURM_PROCID``, ``SLURM_NTASKS`` and ``SLURM_LOCALID`` stand in for the first
 three, and where ``MASTER_ADDR`` / ``MASTER_PORT`` are not exported every task derives the
-same ones from the step (``harness.slurm``). The ranks meet within the timeout or every
+same ones from the step (``harness._slurm``). The ranks meet within the timeout or every
 task stops with one error saying why (a taken port, a rank that never came): a task that
 cannot join never runs the suite on a pool of its own, and never waits for good.
 
@@ -31,8 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar
 
+from harness._slurm import SlurmStep, slurm_step
 from harness.errors import ConfigError, RankProblem, exception_summary, failure_from
-from harness.slurm import SlurmStep, slurm_step
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store, TCPStore
@@ -161,9 +161,9 @@ def _rendezvous_port(
     return port
 
 
-_ARRIVED = "harness/launcher/arrived/{}"
-_GAVE_UP = "harness/launcher/gave-up"  # rank 0's list of the ranks that never came
-_TOLD = "harness/launcher/told/{}"  # a rank read it: rank 0 (the store) may go
+_ARRIVED = "harness/_launcher/arrived/{}"
+_GAVE_UP = "harness/_launcher/gave-up"  # rank 0's list of the ranks that never came
+_TOLD = "harness/_launcher/told/{}"  # a rank read it: rank 0 (the store) may go
 
 
 def meet(rendezvous: Rendezvous, rank: int, world_size: int, timeout: float) -> TCPStore:
