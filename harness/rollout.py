@@ -35,6 +35,7 @@ from harness.errors import ConfigError
 from harness.topology import Topology
 
 if TYPE_CHECKING:
+    from harness._checks import Judge
     from harness._samples import RolloutSamples
     from harness.case import SpatialCase
     from harness.pool import Runner
@@ -352,99 +353,145 @@ def judge_rollout(
 ) -> RolloutRecord:
     """Judge every step and field of the ranks' rollout against the reference's, within
     ``factor`` times the members' spread (and at least the fixed ``bound``)."""
-    from harness._checks import Judge, Layout, check_fields
+    from harness._checks import Judge, Layout
     from harness.compare import NUMERIC, QuantityStats, Tolerance
 
     record = RolloutRecord(len(reference), len(members), factor)
-    layout = Layout(len(ranks), spatial_size)
     # structure only (missing fields, coverage, shard shapes): values are judged below
     loose = Judge(
-        Tolerance.uniform(math.inf, math.inf), layout, {q: QuantityStats() for q in NUMERIC}
+        Tolerance.uniform(math.inf, math.inf),
+        Layout(len(ranks), spatial_size),
+        {q: QuantityStats() for q in NUMERIC},
     )
-    skipped: set[str] = set()
+    skipped: set[str] = set()  # keyed fields, said once
     stopped: set[str] = set()  # fields whose reference or spread stopped being finite
-    zero = torch.zeros(())
     for k, ref_fields in enumerate(reference):
         rank_fields = [r[k] for r in ranks]
-        keyed = {n for n, f in ref_fields.items() if f.keyed}
-        keyed |= {n for fs in rank_fields for n, f in fs.items() if f.keyed}
-        for n in sorted(keyed - skipped):
-            record.not_compared.append(
-                f"field '{n}' of the rollout is keyed (Shard.keyed): rollouts compare "
-                "positional shards and whole tensors"
-            )
-        skipped |= keyed
-        plain = {n: f for n, f in ref_fields.items() if n not in keyed}
-        found, _ = check_fields(
-            loose,
-            k,
-            StepRecord(zero, fields=plain),
-            [
-                StepRecord(zero, fields={n: f for n, f in fs.items() if n in plain})
-                for fs in rank_fields
-            ],
-        )
-        # a NaN or inf against a number: judged below as an infinite error at its step
-        found = [m for m in found if not (m.quantity == "field" and m.max_abs == math.inf)]
-        for m in found:
-            m.where = f"rollout step {k} of {record.steps}: {m.where}"
-        record.mismatches += found
-        broken = {m.name for m in found}
+        plain = _positional(record, ref_fields, rank_fields, skipped)
+        broken = _structure(record, loose, k, plain, rank_fields)
         for n, ref_field in plain.items():
-            if n in broken:
+            if n in broken or n in stopped:
                 continue
             shards = [fs[n] for fs in rank_fields]
-            ref_values = _flat(ref_field, shards)
-            if n in stopped:
-                continue
-            if not bool(torch.isfinite(ref_values).all()):
-                record.mismatches.append(
-                    Mismatch(
-                        Quantity.NONFINITE,
-                        n,
-                        k,
-                        None,
-                        where=f"rollout step {k} of {record.steps}: the reference's rollout is "
-                        "not finite, so nothing after it can be judged",
-                        run="reference",
-                        of="rollout",
-                    )
-                )
+            others = [m[k][n] for m in members]
+            point = _point(record, k, n, ref_field, shards, others, bound, factor, spatial_size)
+            if point is None:
                 stopped.add(n)
-                continue
-            got = _assemble(n, ref_field.values, shards, spatial_size)
-            spread = max(
-                (_max_abs(_flat(m[k][n], shards), ref_values) for m in members), default=0.0
-            )
-            if math.isinf(spread):
-                record.not_compared.append(
-                    f"field '{n}' from step {k} on: a nudged rerun of the reference was not "
-                    "finite there, so the rounding spread is unknown"
-                )
-                stopped.add(n)
-                continue
-            scale = float(ref_values.abs().max()) if ref_values.numel() else 0.0
-            floor = bound.atol + bound.rtol * scale
-            point = RolloutPoint(
-                k, n, _max_abs(got, ref_values), spread, max(factor * spread, floor), scale
-            )
-            record.curve.append(point)
-    first = record.first
-    if first is not None:
-        ratio = "inf" if math.isinf(first.ratio) else f"{first.ratio:.3g}"
+            else:
+                record.curve.append(point)
+    _first_divergent(record, factor)
+    return record
+
+
+def _positional(
+    record: RolloutRecord,
+    ref_fields: dict[str, FieldRecord],
+    rank_fields: list[dict[str, FieldRecord]],
+    skipped: set[str],
+) -> dict[str, FieldRecord]:
+    """The reference's fields of one step that a rollout compares: keyed ones are named
+    once on a ``Not compared`` line and left out."""
+    keyed = {n for n, f in ref_fields.items() if f.keyed}
+    keyed |= {n for fs in rank_fields for n, f in fs.items() if f.keyed}
+    for n in sorted(keyed - skipped):
+        record.not_compared.append(
+            f"field '{n}' of the rollout is keyed (Shard.keyed): rollouts compare "
+            "positional shards and whole tensors"
+        )
+    skipped |= keyed
+    return {n: f for n, f in ref_fields.items() if n not in keyed}
+
+
+def _structure(
+    record: RolloutRecord,
+    loose: Judge,
+    k: int,
+    plain: dict[str, FieldRecord],
+    rank_fields: list[dict[str, FieldRecord]],
+) -> set[str]:
+    """Step ``k``'s missing fields, coverage and shard shapes, as the training check judges
+    them (values are the envelope's): the mismatches go on the record, the names of the
+    fields they broke come back."""
+    from harness._checks import check_fields
+
+    zero = torch.zeros(())
+    found, _ = check_fields(
+        loose,
+        k,
+        StepRecord(zero, fields=plain),
+        [
+            StepRecord(zero, fields={n: f for n, f in fs.items() if n in plain})
+            for fs in rank_fields
+        ],
+    )
+    # a NaN or inf against a number: judged by the envelope as an infinite error at its step
+    found = [m for m in found if not (m.quantity == "field" and m.max_abs == math.inf)]
+    for m in found:
+        m.where = f"rollout step {k} of {record.steps}: {m.where}"
+    record.mismatches += found
+    return {m.name for m in found}
+
+
+def _point(
+    record: RolloutRecord,
+    k: int,
+    n: str,
+    ref_field: FieldRecord,
+    shards: list[FieldRecord],
+    members: list[FieldRecord],
+    bound: Bound,
+    factor: float,
+    spatial_size: int,
+) -> RolloutPoint | None:
+    """Field ``n`` at step ``k``: its error, spread and envelope; ``None`` (said on the
+    record) where the reference or a member stopped being finite, so nothing after it can be
+    judged."""
+    ref_values = _flat(ref_field, shards)
+    if not bool(torch.isfinite(ref_values).all()):
         record.mismatches.append(
             Mismatch(
-                Quantity.ROLLOUT,
-                first.name,
-                first.step,
+                Quantity.NONFINITE,
+                n,
+                k,
                 None,
-                max_abs=first.error,
-                max_rel=first.error / first.scale if first.scale else math.inf,
-                where=f"step {first.step} of {record.steps}: {ratio}x the rounding spread "
-                f"{first.spread:.3g} (bound {factor:g}x)",
+                where=f"rollout step {k} of {record.steps}: the reference's rollout is "
+                "not finite, so nothing after it can be judged",
+                run="reference",
+                of="rollout",
             )
         )
-    return record
+        return None
+    got = _assemble(n, ref_field.values, shards, spatial_size)
+    spread = max((_max_abs(_flat(m, shards), ref_values) for m in members), default=0.0)
+    if math.isinf(spread):
+        record.not_compared.append(
+            f"field '{n}' from step {k} on: a nudged rerun of the reference was not "
+            "finite there, so the rounding spread is unknown"
+        )
+        return None
+    scale = float(ref_values.abs().max()) if ref_values.numel() else 0.0
+    floor = bound.atol + bound.rtol * scale
+    return RolloutPoint(k, n, _max_abs(got, ref_values), spread, max(factor * spread, floor), scale)
+
+
+def _first_divergent(record: RolloutRecord, factor: float) -> None:
+    """The rollout's one mismatch: its first divergent step and field, if any."""
+    first = record.first
+    if first is None:
+        return
+    ratio = "inf" if math.isinf(first.ratio) else f"{first.ratio:.3g}"
+    record.mismatches.append(
+        Mismatch(
+            Quantity.ROLLOUT,
+            first.name,
+            first.step,
+            None,
+            max_abs=first.error,
+            max_rel=first.error / first.scale if first.scale else math.inf,
+            where=f"step {first.step} of {record.steps}: {ratio}x the rounding spread "
+            f"{first.spread:.3g} (bound {factor:g}x)",
+        )
+    )
 
 
 # ---------------------------------------------------------------------- the check
