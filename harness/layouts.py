@@ -392,43 +392,17 @@ def check_layouts(
     """
     from harness.equivalence import check_equivalence
 
-    if not isinstance(case, SpatialCase):
-        raise ConfigError(
-            f"check_layouts needs a harness.SpatialCase, got {type(case).__name__}; "
-            "subclass SpatialCase and implement build, batch and forward"
-        )
-    for bad in ("ranks", "spatial_size", "mesh", "pool", "reference"):
-        if bad in kwargs:
-            raise ConfigError(
-                f"check_layouts chooses {bad}= itself for every layout; drop {bad}= "
-                "(restrict the sweep with max_ranks= or world_sizes=)"
-            )
-    dims = case.mesh_dims
-    _check_int(dims, f"{case.label}.mesh_dims", "1 for bands or cell ranges, 2 for lat x lon")
+    dims = _validate(case, kwargs)
     if pools is None:
         from harness.pool import shared_registry
 
         pools = shared_registry().get
     t0 = time.perf_counter()
     out = LayoutsReport(case=case.label, max_ranks=max_ranks, mesh_dims=dims)
-    todo = layouts(max_ranks, dims, world_sizes)
-    # the uneven and empty blocks the case allows on each grid, after its even layouts
-    variants = {m: block_cases(case, m) for m in {x.mesh for x in todo if x.spatial_size > 1}}
-    cases = {x: case for x in todo}
-    for x in list(todo):
-        for kind, variant in variants.get(x.mesh, {}).items():
-            cases[Layout(x.world_size, x.spatial_size, x.data_size, x.mesh, kind)] = variant
-    todo = list(cases)
-    # the reference does not depend on the layout: run it once for every layout
-    run = {k: kwargs[k] for k in ("steps", "lr", "seed") if k in kwargs}
-    try:
-        reference: RunRecord | None = run_case(
-            case, Topology.single(), run.get("steps", 2), run.get("lr", 0.1), run.get("seed", 0)
-        )
-    except Exception:  # noqa: BLE001 - each layout's check reports the reference's error
-        reference = None
+    cases = _cases(case, layouts(max_ranks, dims, world_sizes))
+    reference = _reference(case, kwargs)  # the same for every layout: run once
     given = kwargs.pop("timeout", None)
-    for layout in sorted(todo, key=lambda x: (x.world_size, x.order)):
+    for layout in sorted(cases, key=lambda x: (x.world_size, x.order)):
         runner = pools(layout.world_size)
         report = check_equivalence(
             cases[layout],
@@ -446,27 +420,88 @@ def check_layouts(
         out.results.append(result)
         if progress is not None:
             progress(result)
-    smallest = out.failing[0] if out.failing else None
-    if smallest is not None and locate is not False and smallest.report is not None:
-        layout = smallest.layout
-        if not smallest.report.quantities & set(FAILURES):  # a raise or a hang says where
-            runner = pools(layout.world_size)
-            located = check_equivalence(
-                cases[layout],
-                ranks=layout.world_size,
-                spatial_size=layout.spatial_size,
-                mesh=layout.mesh,
-                pool=runner,
-                locate=locate,
-                reference=reference,
-                timeout=layout_timeout(given, runner, layout.world_size),
-                **kwargs,
-            )
-            if not located.ok:  # the same verdict, now with where it first departs
-                smallest.report = located
+    if locate is not False and out.failing:
+        _locate_smallest(out.failing[0], cases, pools, reference, given, locate, kwargs)
     out.results.sort(key=lambda r: r.layout.order)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _validate(case: SpatialCase, kwargs: dict[str, Any]) -> int:
+    """One clear error for what a sweep cannot take; the case's ``mesh_dims``."""
+    if not isinstance(case, SpatialCase):
+        raise ConfigError(
+            f"check_layouts needs a harness.SpatialCase, got {type(case).__name__}; "
+            "subclass SpatialCase and implement build, batch and forward"
+        )
+    for bad in ("ranks", "spatial_size", "mesh", "pool", "reference"):
+        if bad in kwargs:
+            raise ConfigError(
+                f"check_layouts chooses {bad}= itself for every layout; drop {bad}= "
+                "(restrict the sweep with max_ranks= or world_sizes=)"
+            )
+    dims = case.mesh_dims
+    _check_int(dims, f"{case.label}.mesh_dims", "1 for bands or cell ranges, 2 for lat x lon")
+    return dims
+
+
+def _cases(case: SpatialCase, todo: list[Layout]) -> dict[Layout, SpatialCase]:
+    """Every layout of the sweep and the case that runs it: the even layouts, then the
+    uneven and empty blocks the case allows on each grid (``block_variants``)."""
+    variants = {m: block_cases(case, m) for m in {x.mesh for x in todo if x.spatial_size > 1}}
+    cases = {x: case for x in todo}
+    for x in todo:
+        for kind, variant in variants.get(x.mesh, {}).items():
+            cases[Layout(x.world_size, x.spatial_size, x.data_size, x.mesh, kind)] = variant
+    return cases
+
+
+def _reference(case: SpatialCase, kwargs: dict[str, Any]) -> RunRecord | None:
+    """The reference's run, which does not depend on the layout (``None`` where it raises:
+    each layout's check then reports the reference's error)."""
+    run = {k: kwargs[k] for k in ("steps", "lr", "seed") if k in kwargs}
+    try:
+        return run_case(
+            case, Topology.single(), run.get("steps", 2), run.get("lr", 0.1), run.get("seed", 0)
+        )
+    except Exception:  # noqa: BLE001 - each layout's check reports the reference's error
+        return None
+
+
+def _locate_smallest(
+    smallest: LayoutResult,
+    cases: dict[Layout, SpatialCase],
+    pools: Callable[[int], Runner],
+    reference: RunRecord | None,
+    given: float | None,
+    locate: bool | None,
+    kwargs: dict[str, Any],
+) -> None:
+    """Rerun the smallest failing layout with locating, and keep that report when it fails
+    the same way (now with where it first departs). Not for a raise or a hang, whose
+    traceback or stacks say where, nor for a mutant's rerun, which never locates."""
+    from harness._mutation.mode import current as mutant_mode
+    from harness.equivalence import check_equivalence
+
+    if smallest.report is None or smallest.report.quantities & set(FAILURES):
+        return
+    if mutant_mode().verdict_only:
+        return
+    layout = smallest.layout
+    runner = pools(layout.world_size)
+    located = check_equivalence(
+        cases[layout],
+        ranks=layout.world_size,
+        spatial_size=layout.spatial_size,
+        mesh=layout.mesh,
+        pool=runner,
+        locate=locate,
+        reference=reference,
+        timeout=layout_timeout(given, runner, layout.world_size),
+        **kwargs,
+    )
+    if not located.ok:
+        smallest.report = located
 
 
 def cores() -> int:
