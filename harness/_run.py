@@ -535,6 +535,7 @@ def _slot_op(slot: Slot) -> Op | None:
 def name_the_stuck(run: Run, verdict: Verdict | None) -> NoReturn:
     """A proven deadlock (``verdict``), or ranks still running at the deadline or after
     another rank failed: name everyone, with the evidence."""
+    # long: one message from the verdict, the board and each stack, in reading order
     __tracebackhide__ = True  # pytest: the failure is the rank's, not ours
     if verdict is None and not run.problems and run.watch.window:
         # at the deadline: is a deadlock proven now? Then say so (it is the better report)
@@ -683,6 +684,7 @@ def prove_clean(run: Run) -> list[Any]:
     whose members issued the same collectives and matched every send are kept, after one
     fence collective with the run id proves them in step; any others are torn down.
     """
+    # long: one pass over the end-of-run evidence, each leftover said where it is found
     __tracebackhide__ = True
     everyone = range(run.n)
     reports = [run.reports.get(r) for r in everyone]

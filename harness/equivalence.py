@@ -103,6 +103,7 @@ def check_equivalence(
     ranks under ``torch.autocast`` at that dtype, judged by the ratio rule
     (``harness._autocast``).
     """
+    # long: validate, reference, ranks, judge, report: one call each; the docstring is the API
     s, grid = _validate(case, ranks, spatial_size, steps, mesh)
     allow = case.expect_nonfinite if allow_nonfinite is None else allow_nonfinite
     n_rollout, amp = _production_modes(case, rollout, autocast)

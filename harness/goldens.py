@@ -284,6 +284,7 @@ class GoldenStore:
         refuses to write non-finite tensors (status ``refused``). ``steps``: the tensors of a
         rollout, judged by their step's bound instead of ``bound`` (``StepBound``).
         """
+        # long: load, refuse, compare, update atomically: each branch one outcome
         provenance = {**default_provenance(), **(provenance or {})}
         exists = path.exists()
         lines: list[str] = []
@@ -829,6 +830,7 @@ def diff_tensors(
     without a rollout where this run has one (or the other way round) is one line saying
     so, not a line per tensor.
     """
+    # long: one pass over the names: missing, extra, shape, dtype, values, a row each
     steps = steps or {}
     lines = []
     missing = _in_order(golden.keys() - actual.keys())

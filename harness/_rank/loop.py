@@ -375,6 +375,7 @@ def _verify_group(run_id: int, world: int) -> tuple[bool, str]:
 def _run_one(
     rank: int, world: int, call: RunCall, backend: str, tracker: Any
 ) -> tuple[bool, dict[str, Any]]:
+    # long: install the watchers, run, answer, uninstall: the order the protocol needs
     import torch.distributed as dist
 
     from harness._compat import group_sequence_numbers

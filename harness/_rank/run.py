@@ -80,6 +80,7 @@ def run_case(
     copied into the rank's parameter shards after build. ``watch`` (locating) is given
     the model after build and told each phase too.
     """
+    # long: the phases in order inside one try, so every failure carries its phase
     phase: list[Any] = ["build", None]
 
     def enter(name: str, step: int | None = None) -> None:
