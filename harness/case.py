@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from harness._records import FieldRecord, ParamShard, detached
 from harness._values import block, describe, is_distributed, placed, plain
@@ -275,7 +276,7 @@ def _strip(name: str) -> str:
     return name[len("module.") :] if name.startswith("module.") else name
 
 
-def _field_record(case: SpatialCase, name: str, value: Any) -> FieldRecord:
+def _field_record(case: SpatialCase, name: str, value: object) -> FieldRecord:
     if isinstance(value, Shard) and isinstance(value.values, torch.Tensor):
         # the case placed a DTensor's values itself: the ones this rank holds
         value = dataclasses.replace(value, values=plain(value.values))
@@ -354,7 +355,7 @@ def _keyed_record(case: SpatialCase, name: str, shard: Shard) -> FieldRecord:
     return FieldRecord(detached(values), None, 0, None, shard.unit, detached(keys.long()), column)
 
 
-def _integer_index(where: str, raw: Any) -> torch.Tensor:
+def _integer_index(where: str, raw: object) -> torch.Tensor:
     """``raw`` as a tensor of integer positions, or one clear error naming ``where``: a mask,
     a float index (which indexing would truncate) and a non-tensor are each refused. Shared
     by field shards and parameter shards."""
@@ -436,7 +437,7 @@ def check_partition(case: SpatialCase, topo: Topology) -> None:
         ) from None
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     """``'junk' (a str)``: a value as a message quotes it, cut to a line's share."""
     text = repr(value)
     text = text if len(text) <= 60 else text[:57] + "..."
@@ -479,7 +480,7 @@ class ActivationCheck:
 
     def __init__(self, case: SpatialCase, model: torch.nn.Module, topo: Topology) -> None:
         self.case, self.topo = case, topo
-        self.handles: list[Any] = []
+        self.handles: list[RemovableHandle] = []
         self.asked: set[str] = set()
         if type(case).activation_shard is SpatialCase.activation_shard:
             return
@@ -560,7 +561,7 @@ def _whose(topo: Topology) -> str:
     return "for the reference" if topo.is_reference else f"on rank {topo.rank}"
 
 
-def _param_shard(where: str, param: torch.Tensor, shard: Any) -> ParamShard:
+def _param_shard(where: str, param: torch.Tensor, shard: object) -> ParamShard:
     """One parameter's ``Shard`` as its positions along a non-negative dim, or an error."""
     if not isinstance(shard, Shard):
         raise ConfigError(
@@ -717,7 +718,7 @@ def _check_batch(case: SpatialCase, batch: Any, step: int) -> Any:
     return batch
 
 
-def _check_model(case: SpatialCase, model: Any) -> torch.nn.Module:
+def _check_model(case: SpatialCase, model: object) -> torch.nn.Module:
     if model is None:
         raise ConfigError(
             f"{case.label}.build returned None; it must return the torch.nn.Module under test "
@@ -731,7 +732,7 @@ def _check_model(case: SpatialCase, model: Any) -> torch.nn.Module:
     return model
 
 
-def _check_loss(case: SpatialCase, out: Any, trainable: bool) -> torch.Tensor:
+def _check_loss(case: SpatialCase, out: object, trainable: bool) -> torch.Tensor:
     if not isinstance(out, Outputs):
         raise ConfigError(
             f"{case.label}.forward must return harness.Outputs(loss, fields), got "

@@ -35,7 +35,8 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from harness._board import State, Writer, members_bits
 from harness._compat import group_name, group_sequence_numbers, sequence_number
@@ -43,6 +44,9 @@ from harness._deadlock import ANY_SOURCE, Counts, Kind, Op
 from harness._frames import PACKAGE, plumbing, standard_library, user_site
 from harness._mutation.inject import INJECTOR
 from harness._mutation.mode import OFF, MutantMode
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Work
 
 #: ProcessGroup method -> (the torch.distributed name users know, kind, which argument holds
 #: the tensors whose size must match across ranks: an index into the positional arguments).
@@ -128,7 +132,7 @@ _OWN = frozenset(
 class Issued:
     """An operation whose work nobody has waited on yet."""
 
-    work: Any
+    work: Work
     op: Op
     claimed: bool = False
 
@@ -234,11 +238,11 @@ class Tracker:
 
     def note(
         self,
-        pg: Any,
+        pg: ProcessGroup,
         method: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        work: Any,
+        work: Work | None,
         name: str = "",
     ) -> Op | None:
         try:
@@ -249,11 +253,11 @@ class Tracker:
 
     def _note(
         self,
-        pg: Any,
+        pg: ProcessGroup,
         method: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        work: Any,
+        work: Work | None,
         caller: str,
     ) -> Op:
         name, kind, sized = _METHODS[method]
@@ -297,13 +301,13 @@ class Tracker:
             self.live[id(work)] = Issued(work, op)
         return op
 
-    def blocking(self, pg: Any, op: Op, before: int) -> None:
+    def blocking(self, pg: ProcessGroup, op: Op, before: int) -> None:
         """A blocking method returned: it counts as one collective on its group, however
         many operations torch counted for it (gloo's ``monitored_barrier`` is a send and a
         receive per rank, from C++: two on a member, 2 (n - 1) on the group's first)."""
         self.p2p[op.group] += max(0, sequence_number(pg) - before - 1)
 
-    def _group(self, pg: Any) -> tuple[str, tuple[int, ...]]:
+    def _group(self, pg: ProcessGroup) -> tuple[str, tuple[int, ...]]:
         known = self.groups.get(id(pg))
         if known is None:
             import torch.distributed as dist
@@ -333,7 +337,7 @@ class Tracker:
             frame = frame.f_back  # type: ignore[assignment]
         return "" if first is None else self._text(first)
 
-    def _text(self, frame: Any) -> str:
+    def _text(self, frame: FrameType) -> str:
         key = (frame.f_code, frame.f_lineno)
         text = self._sites.get(key)
         if text is None:
@@ -343,7 +347,7 @@ class Tracker:
 
     # ------------------------------------------------------------------ waiting
 
-    def waiting(self, work: Any, bounded: bool) -> Issued | None:
+    def waiting(self, work: Work, bounded: bool) -> Issued | None:
         issued = self.live.get(id(work)) if self.active else None
         if issued is None:
             return None
@@ -378,7 +382,7 @@ class Tracker:
         if ok or _completed(issued.work):
             self.live.pop(id(issued.work), None)
 
-    def claim(self, work: Any) -> None:
+    def claim(self, work: Work) -> None:
         issued = self.live.get(id(work)) if self.active else None
         if issued is not None:
             issued.claimed = True
@@ -397,7 +401,7 @@ def _user_site() -> str:
     return model or library
 
 
-def _completed(work: Any) -> bool:
+def _completed(work: Work) -> bool:
     try:
         return bool(_ORIGINAL_IS_COMPLETED(work))
     except Exception:  # noqa: BLE001 - a failed work is not in flight
@@ -468,7 +472,7 @@ def _operation(method: str, original: Any) -> Any:
     if method in _BLOCKING:
         return _blocking(method, original)
 
-    def operation(pg: Any, *args: Any, **kwargs: Any) -> Any:
+    def operation(pg: ProcessGroup, *args: Any, **kwargs: Any) -> Any:
         mutant = INJECTOR.mode.mutant
         if mutant is not None and TRACKER.active and TRACKER._site() == mutant.site:
             work, used = INJECTOR.perform(mutant, method, original, pg, args, kwargs)
@@ -487,7 +491,7 @@ def _blocking(method: str, original: Any) -> Any:
     """A method that waits inside the call (``monitored_barrier``): noted before it, on the
     board while it runs, counted as one collective after. Its only mutant is ``skip``."""
 
-    def operation(pg: Any, *args: Any, **kwargs: Any) -> Any:
+    def operation(pg: ProcessGroup, *args: Any, **kwargs: Any) -> Any:
         if not TRACKER.active:
             return original(pg, *args, **kwargs)
         mutant = INJECTOR.mode.mutant
@@ -512,13 +516,13 @@ def _caller() -> str:
     """The torch.distributed function that called the watcher (two frames up), as the user
     wrote it: ``isend`` rather than ``send``, ``all_gather_into_tensor`` rather than the
     ``all_gather_single`` torch 2.13 forwards it to; ``""`` if not called from there."""
-    frame: Any = sys._getframe(2)
-    code = frame.f_code
+    here: FrameType = sys._getframe(2)
+    code = here.f_code
     if code.co_filename != _C10D:
         return ""
     name = str(code.co_name)
     outer = _FORWARDS.get(name, ())
-    frame = frame.f_back if outer else None
+    frame = here.f_back if outer else None
     for _ in range(4):  # through a deprecation wrapper or two
         if frame is None:
             break
@@ -529,7 +533,7 @@ def _caller() -> str:
 
 
 def _wait(original: Any) -> Any:
-    def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+    def wait(work: Work, *args: Any, **kwargs: Any) -> Any:
         timeout = args[0] if args else kwargs.get("timeout")
         issued = TRACKER.waiting(work, bounded=bool(timeout)) if TRACKER.active else None
         if issued is None:
@@ -549,7 +553,7 @@ def _wait(original: Any) -> Any:
 
 
 def _is_completed(original: Any) -> Any:
-    def is_completed(work: Any) -> bool:
+    def is_completed(work: Work) -> bool:
         done = bool(original(work))
         if done and TRACKER.active:
             TRACKER.claim(work)  # the caller saw it complete: that is a wait
@@ -561,7 +565,7 @@ def _is_completed(original: Any) -> Any:
 
 
 def _claim(original: Any) -> Any:
-    def claimed(work: Any, *args: Any, **kwargs: Any) -> Any:
+    def claimed(work: Work, *args: Any, **kwargs: Any) -> Any:
         if TRACKER.active:
             TRACKER.claim(work)
         return original(work, *args, **kwargs)
