@@ -390,8 +390,6 @@ def check_layouts(
     locates: the first failing layout is the one worth the cost); ``progress`` is told
     each layout's result as it comes.
     """
-    from harness.equivalence import check_equivalence
-
     dims = _validate(case, kwargs)
     if pools is None:
         from harness.pool import shared_registry
@@ -403,18 +401,7 @@ def check_layouts(
     reference = _reference(case, kwargs)  # the same for every layout: run once
     given = kwargs.pop("timeout", None)
     for layout in sorted(cases, key=lambda x: (x.world_size, x.order)):
-        runner = pools(layout.world_size)
-        report = check_equivalence(
-            cases[layout],
-            ranks=layout.world_size,
-            spatial_size=layout.spatial_size,
-            mesh=layout.mesh,
-            pool=runner,
-            locate=False,
-            reference=reference,
-            timeout=layout_timeout(given, runner, layout.world_size),
-            **kwargs,
-        )
+        report = _check(layout, cases[layout], pools, reference, given, False, kwargs)
         why = refusal(report) if not report.ok else ""
         result = LayoutResult(layout, None if why else report, why)
         out.results.append(result)
@@ -425,6 +412,33 @@ def check_layouts(
     out.results.sort(key=lambda r: r.layout.order)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _check(
+    layout: Layout,
+    case: SpatialCase,
+    pools: Callable[[int], Runner],
+    reference: RunRecord | None,
+    given: float | None,
+    locate: bool | None,
+    kwargs: dict[str, Any],
+) -> EquivalenceReport:
+    """``check_equivalence`` of one layout, on its world size's pool, with the sweep's
+    reference and the layout's timeout (``layout_timeout``)."""
+    from harness.equivalence import check_equivalence
+
+    runner = pools(layout.world_size)
+    return check_equivalence(
+        case,
+        ranks=layout.world_size,
+        spatial_size=layout.spatial_size,
+        mesh=layout.mesh,
+        pool=runner,
+        locate=locate,
+        reference=reference,
+        timeout=layout_timeout(given, runner, layout.world_size),
+        **kwargs,
+    )
 
 
 def _validate(case: SpatialCase, kwargs: dict[str, Any]) -> int:
@@ -481,25 +495,13 @@ def _locate_smallest(
     the same way (now with where it first departs). Not for a raise or a hang, whose
     traceback or stacks say where, nor for a mutant's rerun, which never locates."""
     from harness._mutation.mode import current as mutant_mode
-    from harness.equivalence import check_equivalence
 
     if smallest.report is None or smallest.report.quantities & set(FAILURES):
         return
     if mutant_mode().verdict_only:
         return
     layout = smallest.layout
-    runner = pools(layout.world_size)
-    located = check_equivalence(
-        cases[layout],
-        ranks=layout.world_size,
-        spatial_size=layout.spatial_size,
-        mesh=layout.mesh,
-        pool=runner,
-        locate=locate,
-        reference=reference,
-        timeout=layout_timeout(given, runner, layout.world_size),
-        **kwargs,
-    )
+    located = _check(layout, cases[layout], pools, reference, given, locate, kwargs)
     if not located.ok:
         smallest.report = located
 
