@@ -115,24 +115,25 @@ def check_equivalence(
     if pool.world_size != ranks:
         raise ConfigError(f"pool has {pool.world_size} ranks but ranks={ranks} was asked for")
 
-    if reference is None:
-        try:
-            reference = run_case(case, Topology.single(), steps, lr, seed)
-        except Exception as exc:  # noqa: BLE001 - the reference's failure is the check's verdict
-            return _reference_failed(case, exc, ranks, s, steps, tolerance, t0)
-    dtype = reference.steps[0].loss.dtype
-    tol = tolerance or case.tolerance or Tolerance.for_dtype(dtype)
     report = EquivalenceReport(
         case=case.label,
         ranks=ranks,
         spatial_size=s,
         partition="",
         steps=steps,
-        dtype=str(dtype).replace("torch.", ""),
-        tolerance=tol,
-        reference=reference.flat(),
+        dtype="",  # the reference's, once it ran
+        tolerance=None,
         latitudes=None if case.latitudes is None else [float(v) for v in case.latitudes],
     )
+    if reference is None:
+        try:
+            reference = run_case(case, Topology.single(), steps, lr, seed)
+        except Exception as exc:  # noqa: BLE001 - the reference's failure is the check's verdict
+            return _reference_failed(report, case, exc, tolerance, t0)
+    dtype = reference.steps[0].loss.dtype
+    tol = tolerance or case.tolerance or Tolerance.for_dtype(dtype)
+    report.dtype, report.tolerance = str(dtype).replace("torch.", ""), tol
+    report.reference = reference.flat()
     # the reference ran first: its initial values can travel to ranks that load them
     loads = case.load_reference_shards or case.load_reference_init
     init = reference.init if loads else None
@@ -334,29 +335,21 @@ def _locate(run: _Run, report: EquivalenceReport, step: int) -> None:
 
 
 def _reference_failed(
+    report: EquivalenceReport,
     case: SpatialCase,
     exc: Exception,
-    ranks: int,
-    spatial_size: int,
-    steps: int,
     tolerance: Tolerance | None,
     t0: float,
 ) -> EquivalenceReport:
-    """The report of a check whose reference raised: one ``error`` of the reference, with
+    """``report`` of a check whose reference raised: one ``error`` of the reference, with
     its phase and traceback; the ranks are not run (there is nothing to compare them with)."""
     dtype = case.dtype or torch.get_default_dtype()
     phase = getattr(exc, "harness_phase", None) or ""
     step = next((int(w) for w in phase.split()[1:2] if w.isdigit()), None)
-    report = EquivalenceReport(
-        case=case.label,
-        ranks=ranks,
-        spatial_size=spatial_size,
-        partition=_layout(case.describe(None), spatial_size, ranks // spatial_size),
-        steps=steps,
-        dtype=str(dtype).replace("torch.", ""),
-        tolerance=tolerance or case.tolerance or Tolerance.for_dtype(dtype),
-        latitudes=None if case.latitudes is None else [float(v) for v in case.latitudes],
-    )
+    s = report.spatial_size
+    report.partition = _layout(case.describe(None), s, report.ranks // s)
+    report.dtype = str(dtype).replace("torch.", "")
+    report.tolerance = tolerance or case.tolerance or Tolerance.for_dtype(dtype)
     report.mismatches = [_reference_error(case.label, exc, phase, step)]
     report.seconds = time.perf_counter() - t0
     return report

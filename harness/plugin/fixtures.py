@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -80,12 +81,9 @@ class SpatialFixture:
         """Run module-level ``fn(*args, **kwargs)`` on every rank; results in rank order."""
         __tracebackhide__ = True
         pool = self._pool(ranks)
-        try:
+        with self._heard([pool]):
             results: list[R] = pool.run(fn, *args, timeout=self._timeout(timeout), **kwargs)
-            return results
-        finally:
-            self._attach_output(pool.last_outputs)
-            collect_sites(self._node, pool)
+        return results
 
     def check(
         self,
@@ -114,7 +112,7 @@ class SpatialFixture:
         pool = self._pool(ranks)
         if locate is None and (settings.calibrate or settings.locate):
             locate = True
-        try:
+        with self._heard([pool]):
             report = check_equivalence(
                 case,
                 ranks=ranks,
@@ -123,9 +121,6 @@ class SpatialFixture:
                 locate=locate,
                 **kwargs,
             )
-        finally:
-            self._attach_output(pool.last_outputs)
-            collect_sites(self._node, pool)
         row = report.summary_row()
         row["test"] = self._node.nodeid
         if settings.calibrate and report.location is not None and report.tolerance is not None:
@@ -213,7 +208,7 @@ class SpatialFixture:
             used.append(pool)
             return pool
 
-        try:
+        with self._heard(used):
             report = check_layouts(
                 case,
                 max_ranks=top,
@@ -222,10 +217,6 @@ class SpatialFixture:
                 locate=locate,
                 **kwargs,
             )
-        finally:
-            for pool in dict.fromkeys(used):
-                self._attach_output(pool.last_outputs)
-                collect_sites(self._node, pool)
         if not report.ok:
             text = str(report)
             plots = self._node.config.getoption("spatial_plots")
@@ -284,6 +275,18 @@ class SpatialFixture:
         for pool in self._used.values():
             pool.discard()
         self._used.clear()
+
+    @contextlib.contextmanager
+    def _heard(self, pools: list[RankPool | LauncherRunner]) -> Iterator[None]:
+        """Whatever the ranks of ``pools`` do inside (a list the block may still add to):
+        what they printed attached to the test, and the collective sites they reached kept
+        for mutation testing."""
+        try:
+            yield
+        finally:
+            for pool in dict.fromkeys(pools):
+                self._attach_output(pool.last_outputs)
+                collect_sites(self._node, pool)
 
     def _attach_output(self, outputs: list[str]) -> None:
         """What each rank printed, as a report section; long output is cut to its first and
