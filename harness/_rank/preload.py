@@ -25,8 +25,9 @@ try:  # the HEALPix stepper's cell positions (astropy under it: ~280 modules, ~1
 except ImportError:
     pass
 
-import harness.pool
-import harness.topology  # noqa: F401
+# the rank side only: a rank runs the loop and the calls it unpickles, never the pool
+import harness._rank.loop
+import harness._rank.run  # noqa: F401
 from harness._compat import exit_fast_at_exit, inside_forkserver_start
 
 # When the session that owns this fork server dies (SIGKILL included), the server gets EOF

@@ -277,8 +277,8 @@ def _rank_entry(
     """What every rank of the pool runs (module level, so the pool can pickle it).
     ``reference_init``: the reference's parameters after build, for a case that loads them
     into its shards (``SpatialCase.load_reference_shards``); ``mesh``: ``Topology.mesh``."""
+    from harness._rank.loop import report_progress
     from harness.adopt import check_operations
-    from harness.pool import report_progress
 
     checks = check_operations()
     topo = Topology.create(spatial_size, mesh)

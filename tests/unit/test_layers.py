@@ -147,6 +147,21 @@ def test_the_contract_reaches_nothing_of_the_pool_the_rank_side_or_the_mutants()
     assert sorted(m for m in reached if m.rsplit(".", 1)[0] in machinery or m in machinery) == []
 
 
+def test_the_rank_side_reaches_nothing_of_the_parent_side():
+    """What runs in a rank process (``harness._rank``, the fork server's preload included)
+    imports nothing of the side that drives it, deferred and type-only imports included: not
+    the pool, a run's events and verdicts, the launchers, the checks or the plugin (as
+    pytest-xdist's worker imports nothing of its controller)."""
+    graph = import_graph()
+    parent = {"harness.pool", "harness._run", "harness._launcher", "harness.equivalence"}
+    found = {
+        m: sorted(r for r in _reachable(graph, m) if r in parent or r.startswith("harness.plugin"))
+        for m in graph
+        if m == "harness._rank" or m.startswith("harness._rank.")
+    }
+    assert {m: r for m, r in found.items() if r} == {}
+
+
 def test_no_module_of_the_rank_side_imports_pytest():
     """Code that runs in a rank process never imports pytest (a rank must run under
     torchrun or srun without it, and pytest's import hooks have no business there)."""
