@@ -35,8 +35,9 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from types import FrameType
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from harness._board import State, Writer, members_bits
 from harness._compat import group_name, group_sequence_numbers, sequence_number
@@ -156,7 +157,7 @@ class Tracker:
     #: floating dtypes that went through an operation: dtype -> the first ("an all_reduce at
     #: model.py:42"), what a precision hint needs as evidence (``RunRecord.dtypes``)
     dtypes: dict[str, str] = field(default_factory=dict)
-    _sites: dict[tuple[Any, int], str] = field(default_factory=dict)
+    _sites: dict[tuple[CodeType, int], str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ a run
 
@@ -240,8 +241,8 @@ class Tracker:
         self,
         pg: ProcessGroup,
         method: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
         work: Work | None,
         name: str = "",
     ) -> Op | None:
@@ -255,8 +256,8 @@ class Tracker:
         self,
         pg: ProcessGroup,
         method: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
         work: Work | None,
         caller: str,
     ) -> Op:
@@ -434,8 +435,9 @@ def torch_dir() -> str:
 
 
 TRACKER = Tracker()
-_ORIGINAL_IS_COMPLETED: Any = None
-_ORIGINAL_WAIT: Any = None
+#: ``Work``'s own methods, for the watcher's waits that must not count as the caller's
+_ORIGINAL_IS_COMPLETED: Callable[..., bool] = bool
+_ORIGINAL_WAIT: Callable[..., bool] = bool
 _INSTALLED = threading.Lock()
 _DONE = False
 
@@ -458,7 +460,7 @@ def install() -> Tracker:
                 setattr(ProcessGroup, method, _operation(method, original))
         _ORIGINAL_IS_COMPLETED, _ORIGINAL_WAIT = Work.is_completed, Work.wait
         Work.wait = _wait(Work.wait)  # type: ignore[method-assign]
-        Work.is_completed = _is_completed(Work.is_completed)  # type: ignore[method-assign]
+        Work.is_completed = _is_completed(Work.is_completed)  # type: ignore[method-assign,assignment]
         for method in _CLAIMS:
             original = Work.__dict__.get(method)
             if original is not None:
@@ -468,17 +470,22 @@ def install() -> Tracker:
     return TRACKER
 
 
-def _operation(method: str, original: Any) -> Any:
+_F = TypeVar("_F", bound=Callable[..., object])
+#: a ``ProcessGroup`` method: it returns the operation's ``Work`` (``None``: blocking)
+_Operation = Callable[..., "Work | None"]
+
+
+def _operation(method: str, original: _Operation) -> _Operation:
     if method in _BLOCKING:
         return _blocking(method, original)
 
-    def operation(pg: ProcessGroup, *args: Any, **kwargs: Any) -> Any:
+    def operation(pg: ProcessGroup, *args: object, **kwargs: object) -> Work | None:
         mutant = INJECTOR.mode.mutant
         if mutant is not None and TRACKER.active and TRACKER._site() == mutant.site:
             work, used = INJECTOR.perform(mutant, method, original, pg, args, kwargs)
             if used is not None:
                 TRACKER.note(used, method, args, kwargs, work, _caller())
-            return work
+            return cast("Work | None", work)
         work = original(pg, *args, **kwargs)
         if TRACKER.active:
             TRACKER.note(pg, method, args, kwargs, work, _caller())
@@ -487,11 +494,11 @@ def _operation(method: str, original: Any) -> Any:
     return _like(operation, original)
 
 
-def _blocking(method: str, original: Any) -> Any:
+def _blocking(method: str, original: _Operation) -> _Operation:
     """A method that waits inside the call (``monitored_barrier``): noted before it, on the
     board while it runs, counted as one collective after. Its only mutant is ``skip``."""
 
-    def operation(pg: ProcessGroup, *args: Any, **kwargs: Any) -> Any:
+    def operation(pg: ProcessGroup, *args: object, **kwargs: object) -> Work | None:
         if not TRACKER.active:
             return original(pg, *args, **kwargs)
         mutant = INJECTOR.mode.mutant
@@ -532,8 +539,8 @@ def _caller() -> str:
     return name
 
 
-def _wait(original: Any) -> Any:
-    def wait(work: Work, *args: Any, **kwargs: Any) -> Any:
+def _wait(original: Callable[..., bool]) -> Callable[..., bool]:
+    def wait(work: Work, *args: object, **kwargs: object) -> bool:
         timeout = args[0] if args else kwargs.get("timeout")
         issued = TRACKER.waiting(work, bounded=bool(timeout)) if TRACKER.active else None
         if issued is None:
@@ -552,7 +559,7 @@ def _wait(original: Any) -> Any:
     return _like(wait, original)
 
 
-def _is_completed(original: Any) -> Any:
+def _is_completed(original: Callable[[Work], bool]) -> Callable[[Work], bool]:
     def is_completed(work: Work) -> bool:
         done = bool(original(work))
         if done and TRACKER.active:
@@ -564,8 +571,8 @@ def _is_completed(original: Any) -> Any:
     return _like(is_completed, original)
 
 
-def _claim(original: Any) -> Any:
-    def claimed(work: Work, *args: Any, **kwargs: Any) -> Any:
+def _claim(original: Callable[..., object]) -> Callable[..., object]:
+    def claimed(work: Work, *args: object, **kwargs: object) -> object:
         if TRACKER.active:
             TRACKER.claim(work)
         return original(work, *args, **kwargs)
@@ -573,7 +580,7 @@ def _claim(original: Any) -> Any:
     return _like(claimed, original)
 
 
-def _like(wrapper: Any, original: Any) -> Any:
+def _like(wrapper: _F, original: Callable[..., object]) -> _F:
     """``wrapper`` wearing ``original``'s name and doc (``help()`` and tracebacks read as
     torch's), with ``__wrapped__`` pointing at it."""
-    return functools.wraps(original)(wrapper)
+    return cast(_F, functools.wraps(original)(wrapper))

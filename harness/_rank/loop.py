@@ -30,7 +30,7 @@ import time
 import traceback
 import types
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness._board import Board, State, Writer
 from harness._events import (
@@ -52,6 +52,9 @@ from harness._events import (
 from harness._pids import pid_alive as _pid_alive
 from harness._rank.state import RankState
 from harness.errors import exception_summary, user_traceback
+
+if TYPE_CHECKING:
+    from harness._rank.intercept import Tracker
 
 #: Deadline of the fence collective that proves a kept group still pairs every rank.
 VERIFY_TIMEOUT = 10.0
@@ -211,7 +214,7 @@ class _ThreadErrors:
         self.path = path
         self.original = threading.excepthook
 
-    def __call__(self, args: Any) -> None:
+    def __call__(self, args: threading.ExceptHookArgs) -> None:
         self.original(args)
         with contextlib.suppress(Exception):  # never fail in a hook
             name = args.thread.name if args.thread is not None else "(unknown)"
@@ -222,7 +225,7 @@ class _ThreadErrors:
                 f.write(THREAD_ERROR_END)
 
 
-def _warm_up(torch: Any, store_path: str, backend: str) -> None:
+def _warm_up(torch: types.ModuleType, store_path: str, backend: str) -> None:
     """Pay torch.distributed's lazy imports (seconds: it pulls in torch._dynamo) at start.
 
     Otherwise the first run on a fresh pool spends them inside its timeout.
@@ -243,7 +246,7 @@ def _warm_up(torch: Any, store_path: str, backend: str) -> None:
     RankState.save().restore()  # its first call imports for a second too
 
 
-def _serve_probes(conn: Connection, main: int, tracker: Any, board: Writer) -> None:
+def _serve_probes(conn: Connection, main: int, tracker: Tracker, board: Writer) -> None:
     """Answer the pool's probes from a thread of its own, while the main thread runs (or
     waits): where the main thread is, whether inside torch, this process's CPU time and the
     run's counts. Asked only about ranks whose board slot cannot say enough (inside torch
@@ -287,7 +290,7 @@ class _Rank:
     """One rank's side of the protocol: a handler per event from the parent."""
 
     def __init__(
-        self, rank: int, world: int, conn: Connection, backend: str, board: Writer, tracker: Any
+        self, rank: int, world: int, conn: Connection, backend: str, board: Writer, tracker: Tracker
     ) -> None:
         self.rank, self.world, self.conn, self.backend = rank, world, conn, backend
         self.board, self.tracker = board, tracker
@@ -373,7 +376,7 @@ def _verify_group(run_id: int, world: int) -> tuple[bool, str]:
 
 
 def _run_one(
-    rank: int, world: int, call: RunCall, backend: str, tracker: Any
+    rank: int, world: int, call: RunCall, backend: str, tracker: Tracker
 ) -> tuple[bool, dict[str, Any]]:
     # long: install the watchers, run, answer, uninstall: the order the protocol needs
     import torch.distributed as dist
