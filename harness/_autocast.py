@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from harness._records import FieldRecord, RunRecord
-from harness.compare import Mismatch, Quantity, Tolerance
+from harness.compare import NUMERIC, Mismatch, Quantity, Tolerance
 from harness.errors import ConfigError
 from harness.rollout import _assemble, _flat, autocast_context
 
@@ -74,29 +74,29 @@ def _l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _pairs(
     high: RunRecord, serial: RunRecord, ranks: list[RunRecord], spatial_size: int
-) -> Iterator[tuple[str, str, int, int | None, torch.Tensor, torch.Tensor, torch.Tensor]]:
+) -> Iterator[tuple[Quantity, str, int, int | None, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Every compared tensor: (quantity, name, step, rank, H, S, P) in the reference's
     layout; whole quantities once per rank, fields reassembled over the ranks."""
     sharded = {n for r in ranks for n in r.param_shards}
     for k, (h, s) in enumerate(zip(high.steps, serial.steps)):
         steps = [r.steps[k] for r in ranks]
         for rank, st in enumerate(steps):
-            yield "loss", "loss", k, rank, h.loss, s.loss, st.loss
+            yield Quantity.LOSS, "loss", k, rank, h.loss, s.loss, st.loss
             for n, g in h.grads.items():
                 if g is not None and n not in sharded and st.grads.get(n) is not None:
                     sg = s.grads.get(n)
                     if sg is not None:
-                        yield "grad", n, k, rank, g, sg, st.grads[n]  # type: ignore[misc]
+                        yield Quantity.GRAD, n, k, rank, g, sg, st.grads[n]  # type: ignore[misc]
         for n, f in h.fields.items():
             got: list[FieldRecord] = [st.fields[n] for st in steps]
             if f.keyed or any(x.keyed for x in got) or n not in s.fields:
                 continue
             p = _assemble(n, f.values, got, spatial_size)
-            yield "field", n, k, None, _flat(f, got), _flat(s.fields[n], got), p
+            yield Quantity.FIELD, n, k, None, _flat(f, got), _flat(s.fields[n], got), p
         for rank, st in enumerate(steps):
             for n, v in h.params.items():
                 if n not in sharded and n in st.params and n in s.params:
-                    yield "param", n, k, rank, v, s.params[n], st.params[n]
+                    yield Quantity.PARAM, n, k, rank, v, s.params[n], st.params[n]
 
 
 def judge_autocast(
@@ -147,7 +147,7 @@ def judge_autocast(
             where=f"{rtext}x the serial {dtype} run's distance from the high-precision run "
             f"(L2 {d_p:.3g} vs {d_s:.3g}; bound {ratio:g}x)",
         )
-    order = {q: i for i, q in enumerate(("loss", "grad", "field", "param"))}
+    order = {q: i for i, q in enumerate(NUMERIC)}
     found = sorted(worst.values(), key=lambda m: (m.step or 0, order[m.quantity]))
     return found, largest
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from harness._records import RunRecord
-from harness.compare import Mismatch
+from harness.compare import Mismatch, Quantity
 
 REMEDY = (
     "The check proves nothing about the parallel code: give each rank only its part of the "
@@ -45,11 +45,11 @@ def check_vacuous(
             "no rank issued any torch.distributed operation and every field is a whole tensor "
             "(no Shard): each rank computed the whole problem alone"
         )
-        return [Mismatch("vacuous", label, None, None, where=why)]
+        return [Mismatch(Quantity.VACUOUS, label, None, None, where=why)]
     whole = _every_shard_covers_everything(reference, records)
     if whole:
         why = f"every rank's Shard of {whole} covers the whole domain: the ranks split nothing"
-        return [Mismatch("vacuous", label, None, None, where=why)]
+        return [Mismatch(Quantity.VACUOUS, label, None, None, where=why)]
     return []
 
 

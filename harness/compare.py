@@ -27,9 +27,9 @@ from harness._values import plain
 
 class Quantity(str, Enum):
     """What a ``Mismatch`` is about. A ``str`` enum: ``Quantity.GRAD == "grad"``, and both
-    find the same entry of a table keyed on either. ``Mismatch.quantity`` holds the plain
-    text (``str(Quantity.GRAD)`` is ``"grad"``): a report's rows travel to xdist's
-    controller, which carries built-in types only."""
+    find the same entry of a table keyed on either; ``str(Quantity.GRAD)`` is ``"grad"``.
+    What travels to xdist's controller (a report's summary row) holds the plain text: it
+    carries built-in types only."""
 
     LOSS = "loss"
     GRAD = "grad"
@@ -151,16 +151,17 @@ class Tolerance:
 class Mismatch:
     """One thing the partitioned run got wrong.
 
-    ``quantity`` is a ``Quantity``'s text (``loss, grad, field, coverage, batch, param,
-    sync, buffer, nonfinite, crash, error, timeout, deadlock, pending, vacuous``), plain
-    ``str`` however it was given; ``step`` is ``None`` for the parameters right after
-    ``build``; ``rank`` is ``None`` when the mismatch belongs to no single rank.
+    ``quantity`` is a ``Quantity`` (``loss, grad, field, coverage, batch, param, sync,
+    buffer, nonfinite, crash, error, timeout, deadlock, pending, vacuous, rollout``), given
+    as one or as its text (a ``str`` enum: it equals its text); ``step`` is ``None`` for the
+    parameters right after ``build``; ``rank`` is ``None`` when the mismatch belongs to no
+    single rank.
     ``run`` says whose values are at fault when that is not the partitioned run's
     (``"reference"`` or ``"golden"``); ``of`` is the quantity a ``nonfinite`` value was found
     in; ``phase`` is where a rank was when it failed (``"step 0 forward"``).
     """
 
-    quantity: str
+    quantity: Quantity
     name: str
     step: int | None
     rank: int | None
@@ -176,7 +177,8 @@ class Mismatch:
     phase: str = ""
 
     def __post_init__(self) -> None:
-        self.quantity = str(self.quantity)  # a Quantity given: its plain text (it travels)
+        # its text given: the member (text that names no quantity raises ValueError)
+        self.quantity = Quantity(self.quantity)
 
     @property
     def who(self) -> str:
@@ -207,10 +209,11 @@ class Mismatch:
             text += f": max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}"
         if self.total:
             text += f", {self.count}/{self.total} " + (
-                "not finite" if self.quantity == "nonfinite" else "over tolerance"
+                "not finite" if self.quantity is Quantity.NONFINITE else "over tolerance"
             )
         if self.where:
-            text += f", {'first' if self.quantity == 'nonfinite' else 'worst'} at {self.where}"
+            first = self.quantity is Quantity.NONFINITE
+            text += f", {'first' if first else 'worst'} at {self.where}"
         return text
 
 

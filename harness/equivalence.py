@@ -144,7 +144,7 @@ def check_equivalence(
     report.seconds = time.perf_counter() - t0
     # locating reruns a training step without autocast: it would see nothing of bf16's
     if _should_locate(locate if amp is None else bool(locate), report):
-        trained = [m for m in report.mismatches if m.quantity != "rollout"]
+        trained = [m for m in report.mismatches if m.quantity is not Quantity.ROLLOUT]
         step = min((m.step for m in trained if m.step is not None), default=0)
         try:
             _locate(run, report, step)
@@ -358,7 +358,7 @@ def _reference_failed(
 def _reference_error(label: str, exc: Exception, phase: str, step: int | None) -> Mismatch:
     """The reference raised: one ``error`` of the reference, with its phase and traceback."""
     return Mismatch(
-        "error",
+        Quantity.ERROR,
         label,
         step,
         None,
@@ -398,7 +398,7 @@ def _should_locate(locate: bool | None, report: EquivalenceReport) -> bool:
     if locate is False or report.quantities & set(FAILURES) or mutant_mode().verdict_only:
         return False
     if locate is None:  # a rollout's divergence is not a training step's: it is not rerun
-        return any(m.quantity != "rollout" for m in report.mismatches)
+        return any(m.quantity is not Quantity.ROLLOUT for m in report.mismatches)
     return True
 
 
@@ -416,12 +416,14 @@ def failure_mismatches(failure: RankFailure, label: str) -> list[Mismatch]:
             continue
         # a rank that returned is the culprit of its run's hang: a row of the hang's quantity
         quantity = hang if kind is ProblemKind.RETURNED else kind.quantity
+        if quantity is None:  # a rank that returned in a run that did not hang: context
+            continue
         detail = p.detail + (
             f"\n--- rank {p.rank} output ---\n{p.output}" if p.output.strip() else ""
         )
         out.append(
             Mismatch(
-                quantity or "",  # "": a returned rank in a run that did not hang
+                quantity,
                 label,
                 p.step,
                 p.rank,

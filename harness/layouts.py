@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from harness._rank.run import run_case
 from harness._records import RunRecord
 from harness.case import SpatialCase
-from harness.compare import FAILURES
+from harness.compare import FAILURES, Quantity
 from harness.errors import ConfigError
 from harness.report import EquivalenceReport
 from harness.topology import Topology
@@ -359,7 +359,7 @@ _REFUSING_PHASES = ("build", "batch")
 def refusal(report: EquivalenceReport) -> str:
     """The case's reason when it refused the layout (a ``ConfigError`` on the rank that
     failed first, raised while building or batching), else ``""``."""
-    first = next((m for m in report.mismatches if m.quantity == "error"), None)
+    first = next((m for m in report.mismatches if m.quantity is Quantity.ERROR), None)
     if first is None or not first.where.startswith("ConfigError"):
         return ""
     if not any(p in first.phase for p in _REFUSING_PHASES):

@@ -167,8 +167,9 @@ class EquivalenceReport:
 
     @property
     def quantities(self) -> set[str]:
-        """The quantities that mismatched."""
-        return {m.quantity for m in self.mismatches}
+        """The quantities that mismatched, as plain text (they travel to xdist's controller,
+        which carries built-in types only)."""
+        return {m.quantity.value for m in self.mismatches}
 
     def __bool__(self) -> bool:
         return self.ok

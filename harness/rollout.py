@@ -425,7 +425,7 @@ def _structure(
         ],
     )
     # a NaN or inf against a number: judged by the envelope as an infinite error at its step
-    found = [m for m in found if not (m.quantity == "field" and m.max_abs == math.inf)]
+    found = [m for m in found if not (m.quantity is Quantity.FIELD and m.max_abs == math.inf)]
     for m in found:
         m.where = f"rollout step {k} of {record.steps}: {m.where}"
     record.mismatches += found

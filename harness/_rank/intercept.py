@@ -34,8 +34,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 

@@ -105,6 +105,7 @@ def model_config(
     multistep: int = 1,
 ) -> dict[str, Any]:
     """The ``model_config`` dict anemoi-training would pass (the parts the model reads)."""
+    # long: one nested literal, shaped as anemoi's own config is, so it reads against it
     enc, proc, dec = KINDS[kind]
     edges = ["edge_length", "edge_dirs"]
     kernels = {

@@ -31,7 +31,8 @@ from harness._checks import (
 from harness._records import FieldRecord, RunRecord, StepRecord
 from harness._vacuous import check_vacuous
 from harness.case import check_activation_shard, check_partition
-from harness.compare import NUMERIC, Mismatch, QuantityStats, Tolerance
+from harness.compare import NUMERIC, Mismatch, Quantity, QuantityStats, Tolerance
+from harness.report import EquivalenceReport
 
 F64 = torch.float64
 TOL = Tolerance.for_dtype(F64)
@@ -125,13 +126,17 @@ def test_a_nonfinite_value_on_a_rank_names_the_rank_and_global_position():
     ]
 
 
-def test_every_finding_names_its_quantities_as_plain_text_that_travels_to_xdists_controller():
-    # the checks name quantities by Quantity; a report's rows cross to xdist's controller,
-    # which carries built-in types only, so quantity and ``of`` arrive as plain str
+def test_every_finding_names_its_quantity_and_the_report_row_that_travels_has_plain_text():
+    # findings hold Quantity members; a report's summary row crosses to xdist's controller,
+    # which carries built-in types only (execnet refuses a str subclass), so it is plain
     bad = run(step(loss=NAN, grad=torch.tensor([1.0, 3.0], dtype=F64)))
     out = compare_runs(run(), [run(), bad], TOL, spatial_size=2)
     assert {(m.quantity, m.of) for m in out.mismatches} >= {("nonfinite", "loss"), ("grad", "")}
-    assert {(type(m.quantity), type(m.of)) for m in out.mismatches} == {(str, str)}
+    assert {(type(m.quantity), type(m.of)) for m in out.mismatches} == {(Quantity, str)}
+    report = EquivalenceReport("c", 2, 2, "", 1, "float64", TOL, mismatches=out.mismatches)
+    row = report.summary_row()
+    assert row["problems"] == ["grad", "loss", "nonfinite"]
+    assert {type(q) for q in row["problems"]} | {type(k) for k in row["worst"]} == {str}
 
 
 def test_nonfinite_values_in_the_initial_parameters_are_findings():
@@ -403,7 +408,7 @@ TWICE = "exactly 2x the reference: a reduction counted 2 times"
 def rec(m):
     """A Mismatch's fields that differ from their defaults (quantity, name, step and rank
     always), NaN as None: comparing whole records pins every field, defaults included."""
-    defaults = Mismatch("", "", None, None)
+    defaults = Mismatch("grad", "", None, None)
     out = {}
     for f in dataclasses.fields(m):
         v = getattr(m, f.name)

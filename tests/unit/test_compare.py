@@ -835,10 +835,12 @@ def test_a_quantity_is_its_text_wherever_text_was_used():
     assert set(REMEDIES) == set(Quantity)  # a remedy for every quantity, none for another
     assert Tolerance.for_dtype(torch.float64).bound(Quantity.FIELD).rtol == 1e-10
     assert set(NUMERIC) | set(FAILURES) < set(Quantity)
-    # a Mismatch given a Quantity keeps plain text: its rows travel to xdist's controller
-    m = Mismatch(Quantity.GRAD, "w", 0, 1)
-    assert type(m.quantity) is str and m.quantity == "grad"
-    assert type(pickle.loads(pickle.dumps(m)).quantity) is str
+    # a Mismatch given the text holds the member, and keeps it across processes (a rank's)
+    m = Mismatch("grad", "w", 0, 1)
+    assert m.quantity is Quantity.GRAD
+    assert pickle.loads(pickle.dumps(m)).quantity is Quantity.GRAD
+    with pytest.raises(ValueError, match="'gard' is not a valid Quantity"):
+        Mismatch("gard", "w", 0, 1)
 
 
 # ---------------------------------------------------------------- DTensor-like values
