@@ -81,6 +81,33 @@ class Ranks(Protocol):
     def kill(self) -> None: ...
 
 
+class RunState(Protocol):
+    """What the deadlock watch and the naming of the stuck ranks read of a run under way (a
+    ``Run``), and the little they do to it: fail a rank, poll, kill, raise."""
+
+    ranks: Ranks
+    run_id: int
+    timeout: float
+    n: int
+    t0: float
+    thread_offsets: list[int]
+    pending: set[int]
+    results: dict[int, Any]
+    reports: dict[int, Report]
+    problems: list[RankProblem]
+    returned_at: dict[int, float]
+    dead: set[int]
+    watch: DeadlockWatch
+
+    def groups(self, slots: dict[int, Slot] | None = None) -> dict[str, tuple[int, ...]]: ...
+    def fail(
+        self, rank: int, kind: str, summary: str, detail: str = "", phase: str | None = None
+    ) -> None: ...
+    def poll(self, ranks: Iterable[int], seconds: float) -> None: ...
+    def kill(self) -> None: ...
+    def failure(self, headline: str | None = None) -> Exception: ...
+
+
 class DiedIdle(Exception):
     """A rank died before it saw the run (killed while idle): not the run's fault."""
 
@@ -126,7 +153,7 @@ class DeadlockWatch:
         self.probe_count = 0
         self.verdict: Verdict | None = None
 
-    def check(self, run: Run, elapsed: float) -> Verdict | None:
+    def check(self, run: RunState, elapsed: float) -> Verdict | None:
         """The verdict, once proven and held for the window; else ``None``."""
         if not self.window or elapsed < self.next_check or run.problems:
             return None
@@ -151,7 +178,7 @@ class DeadlockWatch:
         self.verdict = verdict
         return verdict
 
-    def views(self, run: Run) -> tuple[list[RankView], dict[int, Slot]]:
+    def views(self, run: RunState) -> tuple[list[RankView], dict[int, Slot]]:
         """Every rank as the evidence shows it now."""
         views, slots = [], {}
         for r in range(run.n):
@@ -172,7 +199,7 @@ class DeadlockWatch:
             views.append(self._running(run, r, slot))
         return views, slots
 
-    def _running(self, run: Run, r: int, slot: Slot) -> RankView:
+    def _running(self, run: RunState, r: int, slot: Slot) -> RankView:
         if slot.run_id != run.run_id:
             return RankView(r, Status.RUNNING)  # not started yet
         answers = self.answers.get(r)
@@ -198,7 +225,7 @@ class DeadlockWatch:
 
     def _probe(
         self,
-        run: Run,
+        run: RunState,
         views: list[RankView],
         slots: dict[int, Slot],
         verdict: Verdict | None,
@@ -483,7 +510,7 @@ class Run:
 _REPORT_GRACE = 2.0
 
 
-def _skipped_here(run: Run, rank: int) -> str:
+def _skipped_here(run: RunState, rank: int) -> str:
     """``"; it died in all_to_all_single #1 on group 0 ...; rank 1 ..."``: when ``rank`` died
     waiting in a collective (gloo aborts a rank sent another collective's data), the members
     whose counts on the board show they skipped it; ``""`` when none do."""
@@ -532,7 +559,7 @@ def _slot_op(slot: Slot) -> Op | None:
     )
 
 
-def name_the_stuck(run: Run, verdict: Verdict | None) -> NoReturn:
+def name_the_stuck(run: RunState, verdict: Verdict | None) -> NoReturn:
     """A proven deadlock (``verdict``), or ranks still running at the deadline or after
     another rank failed: name everyone, with the evidence."""
     # long: one message from the verdict, the board and each stack, in reading order
@@ -598,7 +625,7 @@ def name_the_stuck(run: Run, verdict: Verdict | None) -> NoReturn:
     raise run.failure(headline)
 
 
-def _with_thread_errors(run: Run, rank: int, why: str, detail: str) -> tuple[str, str]:
+def _with_thread_errors(run: RunState, rank: int, why: str, detail: str) -> tuple[str, str]:
     """A hung rank's reason and stack, with what its threads raised during the run (a
     worker whose failure leaves the main thread waiting on its queue): often the cause."""
     text = run.ranks.read_log(rank, run.thread_offsets[rank], "threads")
@@ -610,7 +637,7 @@ def _with_thread_errors(run: Run, rank: int, why: str, detail: str) -> tuple[str
     return f"{why}; its {first}{more}", detail + "\n\n" + "\n\n".join(errors)
 
 
-def _culprit(run: Run, rank: int, verdict: Verdict) -> RankProblem:
+def _culprit(run: RunState, rank: int, verdict: Verdict) -> RankProblem:
     t = run.returned_at[rank]
     waiting = ", ".join(str(s.rank) for s in verdict.stuck if rank in s.waits_for)
     report = run.reports.get(rank)
@@ -644,14 +671,14 @@ def _culprit(run: Run, rank: int, verdict: Verdict) -> RankProblem:
     )
 
 
-def _waits(run: Run, verdict: Verdict) -> list[Op | None]:
+def _waits(run: RunState, verdict: Verdict) -> list[Op | None]:
     """The operations the stuck ranks of ``verdict`` wait on (``None``: not seen)."""
     views, _ = run.watch.views(run)
     by_rank = {v.rank: v.wait for v in views}
     return [by_rank.get(r) for r in verdict.ranks]
 
 
-def _deadlock_headline(run: Run, verdict: Verdict, *, proven_before_timeout: bool) -> str:
+def _deadlock_headline(run: RunState, verdict: Verdict, *, proven_before_timeout: bool) -> str:
     """``"run deadlocked on rank 0/4, 1/4 (found 1.4s into the run, before the 120s
     timeout): they wait for rank 3/4, which returned without its part. Rank 0: ..."``."""
     n = run.n
