@@ -40,7 +40,8 @@ it, and a rank that left one out would leave the others waiting.
 ``dist.all_gather``, a gather over the world, a group ranked in reverse). A neighbour table
 with healpy's ``-1`` left in is not among them: the reference would read the same wrong
 cell, so no equivalence check can see it; ``CellPartition.neighbours()`` replaces them and
-its unit tests say so.
+its unit tests say so. The fault tables and those private collectives are
+``_healpix_faults``; how observations are drawn and tokens keyed, ``_healpix_data``.
 """
 
 from __future__ import annotations
@@ -48,9 +49,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 from itertools import pairwise
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -61,131 +60,41 @@ from harness.case import Outputs, Shard, SpatialCase, data_share
 from harness.collectives import all_gather_uneven, reduce_loss, sync_gradients
 from harness.errors import ConfigError
 from harness.partition import CellPartition, cell_of
-from harness.steppers import faults as _faults
-from harness.topology import Topology, cached_groups
-
-#: faults that live only in inference (``predict`` in eval mode, under no_grad): fault id ->
-#: (the rollout step where the bug enters, ``HealpixCase`` kwargs on 4 ranks)
-INFERENCE_CHECKS: dict[str, tuple[int, dict[str, object]]] = {
-    "inference-cached-latent": (1, {"nside": 2}),
-    "inference-noise-per-rank": (1, {"nside": 2}),  # perturbs the next step's latent
-}
-
-HEALPIX_FAULTS = frozenset(
-    {
-        "rank-major-gather",  # gathered predictions viewed rank-major as (B, npix, C)
-        "padding-kept",  # the padding of the uneven prediction gather is not stripped
-        "gather-over-world",  # predictions gathered over the world, not the spatial group
-        "rank-order",  # the latent is gathered over a group whose rank order is not cell order
-        "local-neighbour-index",  # neighbour rows looked up by local, not global, cell id
-        "empty-skip",  # a rank without observations returns before any module or collective
-        "empty-none-grad",  # a rank without observations skips the observation network
-        "non-autograd-gather",  # the latent is gathered with plain dist.all_gather
-        "grad-scale",  # loss on the gathered (replicated) predictions: grads S times too large
-        "rank-local-nan-check",  # the skip-bad-batch check reads this rank's part, not the total
-        "same-batch-violated",  # the data loader seeds its draws with the world rank
-        "local-sample-key",  # keyed tokens name their sample by the data group's local index
-        "empty-rank-mean",  # a rank's squared error as a mean over its cells times their count
-    }
+from harness.steppers._healpix_data import PointSet, _features, _points_in, token_keys
+from harness.steppers._healpix_faults import (
+    DATA2,
+    EVEN,
+    FAULT_CHECKS,
+    HEALPIX_FAULTS,
+    INFERENCE_CHECKS,
+    NO_CELLS,
+    QUIET,
+    TOKENS2,
+    UNEVEN,
+    _gather_keeping_padding,
+    _gather_without_autograd,
+    _over_world,
+    _reversed_order,
+    check_faults,
 )
+from harness.topology import Topology
 
-# Layouts of 4 ranks that show each bug: two samples per data group (rank-major flattening
-# needs batch >= 2), an uneven partition whose first rank is short (padding moves the later
-# ranks' rows), two data groups (the world is not the spatial group), and a rank that owns
-# cells but sees no observation and no target (empty-domain bugs).
-EVEN: dict[str, object] = {"nside": 2}
-UNEVEN: dict[str, object] = {"nside": 2, "bounds": (0, 8, 20, 34, 48)}
-DATA2: dict[str, object] = {"nside": 2, "batch_size": 4}
-QUIET: dict[str, object] = {"nside": 2, "bounds": (0, 12, 24, 36, 48), "empty_ranks": (1,)}
-TOKENS2: dict[str, object] = {**DATA2, "tokens": 3}
-NO_CELLS: dict[str, object] = {"nside": 2, "bounds": (0, 20, 20, 30, 48)}  # rank 1 owns no cell
-
-#: fault id -> (quantities that catch it, ``HealpixCase`` kwargs, spatial_size) on 4 ranks.
-FAULT_CHECKS: dict[str, tuple[set[str], dict[str, object], int | None]] = {
-    "rank-major-gather": ({"field"}, EVEN, None),
-    "padding-kept": ({"field", "error"}, UNEVEN, None),
-    "gather-over-world": ({"field"}, DATA2, 2),
-    "rank-order": ({"field"}, EVEN, None),
-    "local-neighbour-index": ({"field"}, EVEN, None),
-    "empty-skip": ({"deadlock", "timeout"}, QUIET, None),
-    # caught as error: the stepper's graph check makes every rank raise the same error
-    # (with only gradient hooks a rank whose parameter never gets a gradient hangs the rest)
-    "empty-none-grad": ({"grad", "error"}, QUIET, None),
-    "non-autograd-gather": ({"grad"}, EVEN, None),
-    "grad-scale": ({"grad"}, EVEN, None),
-    "rank-local-nan-check": ({"deadlock", "timeout", "field"}, QUIET, None),
-    "same-batch-violated": ({"field", "loss"}, EVEN, None),
-    "local-sample-key": ({"coverage"}, TOKENS2, 2),
-    # a rank with no cells: 0 / 0 there, NaN in the group's sum, so every rank skips the
-    # batch as bad (a loss of zero, no gradient) where the reference trains
-    "empty-rank-mean": ({"loss", "grad"}, NO_CELLS, None),
-}
-
-# Observation points are sub-cell centres this many levels below nside: strictly inside
-# their cell, so cell_of gives back the cell they were drawn for.
-_DEPTH = 4
-
-
-def check_faults(faults: str | Iterable[str]) -> frozenset[str]:
-    """``faults`` as a frozenset of known HEALPix fault ids, or a ``ConfigError``."""
-    known = HEALPIX_FAULTS | frozenset(INFERENCE_CHECKS)  # training faults, then inference's
-    return _faults.check_faults(faults, known, "HEALPix")
-
-
-# ---------------------------------------------------------------------- gathers
-
-
-def _reversed_order(topo: Topology) -> Topology:
-    """The ``rank-order`` fault: ``topo`` with a spatial group ranked in reverse.
-
-    Every rank creates the groups, in the same order (``cached_groups``).
-    """
-    s, d = topo.spatial_size, topo.data_size
-    lists = [[g * s + s - 1 - k for k in range(s)] for g in range(d)]
-    groups = cached_groups(("healpix-reversed", topo.world_size, s), lists, sort_ranks=False)
-    return replace(
-        topo, spatial_group=groups[topo.data_rank], spatial_rank=s - 1 - topo.spatial_rank
-    )
-
-
-def _over_world(topo: Topology) -> Topology:
-    """The ``gather-over-world`` fault: ``topo`` whose 'spatial group' is the whole world."""
-    return replace(
-        topo, spatial_group=dist.group.WORLD, spatial_size=topo.world_size, spatial_rank=topo.rank
-    )
-
-
-def _pad_to(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] = length - x.shape[dim]
-    return torch.cat([x, x.new_zeros(shape)], dim=dim).contiguous()
-
-
-def _gather_without_autograd(
-    x: torch.Tensor, topo: Topology, dim: int, sizes: list[int]
-) -> torch.Tensor:
-    """The ``non-autograd-gather`` fault: ``dist.all_gather``, own shard put back by hand.
-
-    Autograd sees only this rank's own shard: the other ranks' uses of it (their losses
-    through the global step) never send their gradient back.
-    """
-    if topo.spatial_group is None or topo.spatial_size == 1:
-        return x
-    padded = _pad_to(x, dim, max(max(sizes), 1))
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded.detach(), group=topo.spatial_group)
-    parts[topo.spatial_rank] = padded  # keeps the local graph, and only the local one
-    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
-
-
-def _gather_keeping_padding(x: torch.Tensor, topo: Topology, sizes: list[int]) -> torch.Tensor:
-    """The ``padding-kept`` fault: rows of every rank padded to the longest, never stripped."""
-    if topo.spatial_group is None or topo.spatial_size == 1:
-        return x
-    padded = _pad_to(x, 0, max(max(sizes), 1))
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=topo.spatial_group)
-    return torch.cat(parts)
+__all__ = [
+    "DATA2",
+    "EVEN",
+    "FAULT_CHECKS",
+    "HEALPIX_FAULTS",
+    "INFERENCE_CHECKS",
+    "NO_CELLS",
+    "QUIET",
+    "TOKENS2",
+    "UNEVEN",
+    "HealpixCase",
+    "HealpixStepper",
+    "PointSet",
+    "check_faults",
+    "token_keys",
+]
 
 
 # ---------------------------------------------------------------------- the model
@@ -426,40 +335,6 @@ class HealpixStepper(nn.Module):
             return torch.zeros((), requires_grad=True), full.detach()
         self.check_graph(loss)
         return loss, full.detach()
-
-
-# ---------------------------------------------------------------------- data
-
-
-def _points_in(
-    nside: int, cells: np.ndarray, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """(lat, lon) in degrees of one random sub-cell centre inside each of ``cells``."""
-    import healpy as hp
-
-    child = rng.integers(0, 4**_DEPTH, size=len(cells))
-    fine = (cells.astype(np.int64) << (2 * _DEPTH)) + child
-    lon, lat = hp.pix2ang(nside << _DEPTH, fine, nest=True, lonlat=True)
-    return np.asarray(lat, dtype=np.float64), np.asarray(lon, dtype=np.float64)
-
-
-def _features(lat: np.ndarray, lon: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Per observation: its values and its position as a unit vector."""
-    la, lo = np.radians(lat), np.radians(lon)
-    xyz = np.stack([np.cos(la) * np.cos(lo), np.cos(la) * np.sin(lo), np.sin(la)], axis=-1)
-    return np.concatenate([values, xyz], axis=-1)
-
-
-class PointSet(Protocol):
-    """Explicit observations (``HealpixCase(observations=...)``), e.g. a
-    ``harness.strategies.ObservationSet``: degrees and values, one row per point."""
-
-    @property
-    def lat(self) -> np.ndarray: ...
-    @property
-    def lon(self) -> np.ndarray: ...
-    @property
-    def values(self) -> np.ndarray: ...
 
 
 class HealpixCase(SpatialCase):
@@ -730,19 +605,3 @@ class HealpixCase(SpatialCase):
         if self.tokens:
             text += f", 0..{self.tokens} tokens per cell"
         return text
-
-
-def token_keys(counts: torch.Tensor, lo: int, first_sample: int) -> torch.Tensor:
-    """(sample, cell, token) keys of ``counts[b, c]`` tokens per (sample, cell), packed
-    sample-major, then cell, then token; cells count from ``lo``, samples from
-    ``first_sample``.
-
-    >>> token_keys(torch.tensor([[2, 0], [0, 1]]), lo=4, first_sample=2).tolist()
-    [[2, 4, 0], [2, 4, 1], [3, 5, 0]]
-    """
-    b, n = counts.shape
-    flat = counts.reshape(-1).long()
-    slot = torch.repeat_interleave(torch.arange(b * n), flat)
-    starts = torch.cumsum(flat, 0) - flat  # each slot's first item
-    token = torch.arange(len(slot)) - torch.repeat_interleave(starts, flat)
-    return torch.stack([slot // max(n, 1) + first_sample, slot % max(n, 1) + lo, token], dim=1)

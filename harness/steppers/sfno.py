@@ -28,13 +28,15 @@ mean of the conditioning is a ``spatial_sum`` (summed backward); the loss's sums
 
 ``faults=`` switches on the SFNO bugs of FAULTS.md, each in the code path where that bug
 really lives (loss reduction, conditioning, gradient hooks, forward, data partition, noise
-generator); ``FAULT_CHECKS`` says which quantity catches each, on which layout.
+generator); ``FAULT_CHECKS`` says which quantity catches each, on which layout. The
+configuration, the fault tables and the grid's geometry are ``_sfno_config``; the layers that
+never communicate, ``_sfno_layers``; every collective of the stepper is issued here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -48,242 +50,44 @@ from harness._compat import restore_transposes, use_uneven_transposes
 from harness.case import Outputs, Shard, SpatialCase, data_share
 from harness.collectives import apply, reduce_gradient, reduce_loss, spatial_sum, sync_gradients
 from harness.errors import ConfigError
-from harness.partition import LatLonPartition, sht_split_rule
-from harness.steppers import faults as _faults
+from harness.partition import LatLonPartition
+from harness.steppers._sfno_config import (
+    FAULT_CHECKS,
+    GRIDS,
+    INFERENCE_CHECKS,
+    SFNO_FAULTS,
+    SHARD_FAULTS,
+    SHARD_INITS,
+    SFNOConfig,
+    _offset_slice,
+    _triangular,
+    _truncation,
+    check_faults,
+    data_partition,
+    lat_weights,
+)
+from harness.steppers._sfno_layers import Pointwise, SpectralFilter
 from harness.topology import Topology
 
-_UNEVEN_LAT: dict[str, object] = {
-    "nlat": 30,
-    "nlon": 16,
-    "h": 4,
-    "w": 1,
-}  # bands [8, 8, 8, 6], unequal areas
-_H2W2: dict[str, object] = {"h": 2, "w": 2}
-
-#: fault id -> (quantities FAULTS.md says catch it, ``SFNOCase`` kwargs of the smallest layout
-#: on 4 ranks that shows it, spatial_size). Measured with check_equivalence, float64, 2 steps.
-FAULT_CHECKS: dict[str, tuple[set[str], dict[str, object], int | None]] = {
-    "reduce-not-differentiable": ({"grad"}, _H2W2, None),
-    "reduce-double-count": ({"grad"}, _H2W2, None),
-    "coupling-identity-backward": ({"grad"}, _H2W2, None),
-    "no-grad-sync": ({"grad", "sync"}, _H2W2, None),
-    "grad-sync-mean": ({"grad"}, _H2W2, None),
-    # even l and m splits (nlat 17: lmax 16 = 8 + 8; nlon 30: mmax 16 = 8 + 8): with uneven
-    # ones the broadcast's sizes differ between ranks and gloo aborts the process (a crash)
-    "buffer-broadcast": (
-        {"error", "field", "buffer", "crash"},
-        {"nlat": 17, "nlon": 30, **_H2W2},
-        None,
-    ),
-    "mean-of-means": ({"loss"}, _UNEVEN_LAT, None),
-    "split-mismatch": ({"field", "error"}, _UNEVEN_LAT, None),
-    "per-rank-noise": ({"field"}, {"noise": 1, **_H2W2}, None),
-    "local-weights": ({"loss", "error"}, _UNEVEN_LAT, None),
-    "reduce-over-world": ({"loss"}, {"h": 2, "w": 1}, 2),
-    # faults that show on some layouts only (a sweep of check_layouts finds where):
-    # uneven latitude bands (30 over 4: [8, 8, 8, 6]; 2 and 3 bands are even)
-    "band-start-from-own-size": ({"loss", "field"}, _UNEVEN_LAT, None),
-    # w >= 3: on 2 azimuth ranks the second is the last, where counting back is right
-    "m-slice-from-end": ({"field", "grad", "loss"}, {"h": 1, "w": 4}, None),
-    # data groups: with one, its samples are the whole batch
-    "noise-per-data-group": ({"field"}, {"noise": 1, "h": 2, "w": 1, "batch_size": 4}, 2),
-    # sharded spectral weights (makani's layout): a shard from the wrong l range starts
-    # wrong (param at build) and filters the wrong modes (field, grad)
-    "shard-wrong-l": ({"param", "grad", "field"}, {**_H2W2, "shard_weights": True}, None),
-    # even l and m splits (8 + 8): the fault's all-reduce over the whole spatial group sums
-    # the polar ranks' different l slices, which gloo can only do when they are one size
-    "shard-grad-replicated": (
-        {"grad"},
-        {"nlat": 17, "nlon": 30, **_H2W2, "shard_weights": True},
-        None,
-    ),
-}
-#: faults that live only in inference (``predict`` in eval mode, under no_grad): fault id ->
-#: (the rollout step where the bug enters, ``SFNOCase`` kwargs on 4 ranks). A training check
-#: cannot see them; a rollout check (``check_equivalence(..., rollout=N)``) names that step.
-INFERENCE_CHECKS: dict[str, tuple[int, dict[str, object]]] = {
-    "inference-cached-mean": (1, _H2W2),
-    "eval-local-mean": (0, _H2W2),
-    "inference-noise-per-rank": (0, {"noise": 1, **_H2W2}),
-    "step-counter-per-rank": (1, _H2W2),
-}
-#: the faults that live in the sharded spectral weights (``shard_weights=True``)
-SHARD_FAULTS = frozenset({"shard-wrong-l", "shard-grad-replicated"})
-SHARD_INITS = ("sliced", "per-rank")
-SFNO_FAULTS = frozenset(FAULT_CHECKS)
-GRIDS = ("equiangular", "legendre-gauss")
-
-
-def check_faults(faults: str | Iterable[str]) -> frozenset[str]:
-    """``faults`` as a frozenset of known SFNO fault ids, or a ``ConfigError``."""
-    known = SFNO_FAULTS | frozenset(INFERENCE_CHECKS)  # training faults, then inference's
-    return _faults.check_faults(faults, known, "SFNO")
-
-
-@dataclass(frozen=True)
-class SFNOConfig:
-    """Sizes, process grid and faults of an SFNO stepper.
-
-    ``h`` x ``w`` is the process grid of a partitioned run (``None``: inferred from the
-    spatial group, all polar by default); the reference always runs 1 x 1. ``noise`` is the
-    number of noise channels fed to the encoder (0: no noise conditioning).
-    """
-
-    nlat: int = 16
-    nlon: int = 32
-    grid: str = "equiangular"
-    h: int | None = None
-    w: int | None = None
-    channels: int = 2
-    embed: int = 8
-    blocks: int = 2
-    noise: int = 0
-    noise_seed: int = 1234
-    forward_steps: int = 2
-    faults: frozenset[str] = field(default_factory=frozenset)
-    #: each rank holds only its l modes of the spectral weights (makani's layout), as the
-    #: parameter; else full-size weights on every rank, sliced in forward
-    shard_weights: bool = False
-    #: how sharded weights start: "sliced" from one seeded full-size draw (the reference's
-    #: values by construction), or "per-rank": each rank draws its own slice from a
-    #: generator of its own, as a model that initialises its shards independently does
-    shard_init: str = "sliced"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "faults", check_faults(self.faults))
-        if self.shard_init not in SHARD_INITS:
-            raise ConfigError(
-                f"shard_init {self.shard_init!r} is not known; choose one of {SHARD_INITS}"
-            )
-        needs = sorted(self.faults & SHARD_FAULTS)
-        if needs and not self.shard_weights:
-            raise ConfigError(
-                f"fault(s) {needs} live in sharded spectral weights; use shard_weights=True"
-            )
-        if self.grid not in GRIDS:
-            raise ConfigError(f"grid {self.grid!r} is not supported; choose one of {GRIDS}")
-        for name in ("nlat", "nlon", "channels", "embed", "blocks", "forward_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (2 if name in ("nlat", "nlon") else 1):
-                raise ConfigError(f"SFNOConfig.{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.noise, int) or self.noise < 0:
-            raise ConfigError(f"SFNOConfig.noise must be an integer >= 0, got {self.noise!r}")
-
-    def process_grid(self, topo: Topology) -> tuple[int, int]:
-        """(h, w) for this topology: 1 x 1 for the reference, else ``h * w == spatial_size``:
-        the harness's ``topo.mesh`` when it hands one (``check_layouts``), else ``h`` x ``w``."""
-        if topo.spatial_group is None:
-            return 1, 1
-        s = topo.spatial_size
-        h, w = topo.mesh_shape(2) if topo.mesh else (self.h, self.w)
-        if h is None and w is None:
-            h, w = s, 1
-        elif h is None:
-            h = s // w if w and s % w == 0 else 0
-        elif w is None:
-            w = s // h if h and s % h == 0 else 0
-        if not h or not w or h * w != s:
-            raise ConfigError(
-                f"process grid h={self.h} x w={self.w} does not fit a spatial group of {s} "
-                f"ranks; choose h * w == {s}"
-            )
-        lmax = mmax = _triangular(self.nlat, self.nlon)
-        if lmax < h or self.nlon < w or mmax < w:
-            raise ConfigError(
-                f"a {self.nlat}x{self.nlon} grid has {lmax} degrees l and {mmax} orders m; "
-                f"they cannot be split over h={h} x w={w} ranks; use a larger grid"
-            )
-        if self.embed < max(h, w):
-            raise ConfigError(
-                f"embed={self.embed} channels cannot be split over {max(h, w)} ranks: "
-                f"torch-harmonics 0.8.0's distributed SHT splits the channels over each "
-                f"process-grid axis; use embed >= {max(h, w)}"
-            )
-        return h, w
-
-
-# ---------------------------------------------------------------------- geometry
-
-
-def lat_weights(nlat: int, grid: str) -> torch.Tensor:
-    """Quadrature weights of the latitudes in the SHT's order (north to south), float64."""
-    from torch_harmonics.quadrature import clenshaw_curtiss_weights, legendre_gauss_weights
-
-    rule = legendre_gauss_weights if grid == "legendre-gauss" else clenshaw_curtiss_weights
-    _, weights = rule(nlat, -1, 1)
-    return torch.flip(torch.as_tensor(weights, dtype=torch.float64), dims=(0,))
-
-
-def data_partition(config: SFNOConfig, h: int, w: int) -> LatLonPartition:
-    """How grid data are scattered: the SHT's own split (unless ``split-mismatch``)."""
-    if "split-mismatch" in config.faults:
-        # The bug: a split rule other than the SHT's (numpy.array_split's balanced rule
-        # where torch-harmonics 0.8 splits with ceil, ceil where 0.9 balances).
-        other = "ceil" if sht_split_rule() == "balanced" else "balanced"
-        return LatLonPartition(config.nlat, config.nlon, h, w, rule=other)
-    return LatLonPartition(config.nlat, config.nlon, h, w)
-
-
-def _offset_slice(sizes: list[int], index: int) -> slice:
-    start = sum(sizes[:index])
-    return slice(start, start + sizes[index])
-
+__all__ = [
+    "FAULT_CHECKS",
+    "GRIDS",
+    "INFERENCE_CHECKS",
+    "SFNO_FAULTS",
+    "SHARD_FAULTS",
+    "SHARD_INITS",
+    "Pointwise",
+    "SFNOCase",
+    "SFNOConfig",
+    "SFNOStepper",
+    "SpectralFilter",
+    "TrainOutput",
+    "check_faults",
+    "data_partition",
+    "lat_weights",
+]
 
 # ---------------------------------------------------------------------- layers
-
-
-class Pointwise(nn.Module):
-    """A 1x1 convolution over the channel dimension (-3) of (..., C, lat, lon) fields."""
-
-    def __init__(self, cin: int, cout: int, gain: float = 1.0) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(gain * torch.randn(cout, cin) / cin**0.5)
-        self.bias = nn.Parameter(0.1 * torch.randn(cout))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("oi,...ihw->...ohw", self.weight, x) + self.bias[:, None, None]
-
-
-class SpectralFilter(nn.Module):
-    """Multiplies each channel's (l, m) coefficient by a learned complex weight.
-
-    By default the weight is full size ``(channels, lmax, mmax, 2)`` on every rank, so names
-    and shapes match the reference's; forward uses the rank's modes ``[l_slice, m_slice]``.
-    ``sharded``: the weight is only the rank's l modes ``(channels, l_local, mmax, 2)``, as
-    makani holds it (all m: the azimuth ranks sharing these l modes hold copies), taken
-    from the full-size draw at ``held`` (the rank's ``l_slice`` unless a fault moves it),
-    or drawn alone from ``generator`` (a rank initialising its shard on its own).
-    """
-
-    def __init__(
-        self,
-        channels: int,
-        lmax: int,
-        mmax: int,
-        l_slice: slice,
-        m_slice: slice,
-        *,
-        sharded: bool = False,
-        held: slice | None = None,
-        generator: torch.Generator | None = None,
-    ):
-        super().__init__()
-        held = l_slice if held is None else held
-        if generator is not None:  # only this rank's modes: nothing like the reference's
-            n = held.stop - held.start if sharded else lmax
-            draw = torch.randn(channels, n, mmax, 2, generator=generator)
-        else:
-            draw = torch.randn(channels, lmax, mmax, 2)
-            draw = draw[:, held] if sharded else draw
-        weight = torch.zeros(draw.shape)
-        weight[..., 0] = 1.0
-        self.weight = nn.Parameter((weight + 0.1 * draw).contiguous())
-        self.l_slice, self.m_slice, self.sharded = l_slice, m_slice, sharded
-
-    def forward(self, coeffs: torch.Tensor) -> torch.Tensor:
-        modes = (slice(None), self.m_slice) if self.sharded else (self.l_slice, self.m_slice)
-        local = self.weight[:, modes[0], modes[1]].contiguous()
-        return coeffs * torch.view_as_complex(local).to(coeffs.dtype)
 
 
 class _MeanOverGroup(torch.autograd.Function):
@@ -592,19 +396,6 @@ def _make_transforms(cfg: SFNOConfig, topo: Topology, h: int, w: int) -> tuple[A
         thd.DistributedRealSHT(cfg.nlat, cfg.nlon, **_truncation(cfg)),
         thd.DistributedInverseRealSHT(cfg.nlat, cfg.nlon, **_truncation(cfg)),
     )
-
-
-def _truncation(cfg: SFNOConfig) -> dict[str, int | str]:
-    """Explicit ``lmax``/``mmax``, the same on every torch-harmonics: 0.9 changed the default
-    truncation (triangular, lmax capped at nlat - 1), and the stepper must be one model on
-    both, so that one set of goldens serves both."""
-    t = _triangular(cfg.nlat, cfg.nlon)
-    return {"lmax": t, "mmax": t, "grid": cfg.grid}
-
-
-def _triangular(nlat: int, nlon: int) -> int:
-    """Triangular truncation both torch-harmonics versions accept: l, m < min(nlat - 1, ...)."""
-    return min(nlat - 1, nlon // 2 + 1)
 
 
 def _sync_sharded_gradients(stepper: SFNOStepper, topo: Topology, h: int, w: int) -> None:
