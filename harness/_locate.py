@@ -206,7 +206,7 @@ class Recorder:
                     'return a Shard, "whole", "skip" or None (infer it from partition)'
                 )
             return said, tensor
-        from harness.case import _shard_index
+        from harness._declared import _shard_index
 
         values = detached(said.values)
         index = _shard_index(self.case, f"activation of {name!r}", said)

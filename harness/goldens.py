@@ -37,42 +37,58 @@ import functools
 import os
 import re
 import tempfile
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import Any, TypedDict, cast
 
 import torch
 
+from harness._golden_changes import STATUSES, GoldenChange, GoldenStatus, GoldenTally
+from harness._golden_diff import (
+    LAYOUT_KEYS,
+    UPDATE_HINT,
+    VERSION_KEYS,
+    _nonfinite_lines,
+    diff_tensors,
+    recorded_elsewhere,
+)
+from harness._golden_rollout import StepBound, rollout_bounds
 from harness._pids import pid_alive as _pid_alive
-from harness._samples import (  # the rollout's samples: their home is beside the rollout record
-    ROLLOUT_PREFIX,
-    parse_rollout_name,
-    rollout_name,
-)
-from harness.compare import (
-    Bound,
-    Tolerance,
-    compare_tensors,
-    nonfinite_counts,
-    nonfinite_text,
-)
+from harness.compare import Bound, Tolerance
 from harness.errors import GoldenError, exception_summary
 from harness.report import EquivalenceReport
 
-if TYPE_CHECKING:
-    from harness.rollout import RolloutRecord
+__all__ = [
+    "FORMAT",
+    "LAYOUT_KEYS",
+    "READABLE",
+    "STATUSES",
+    "UPDATE_HINT",
+    "VERSION",
+    "VERSION_KEYS",
+    "GoldenChange",
+    "GoldenFile",
+    "GoldenResult",
+    "GoldenStatus",
+    "GoldenStore",
+    "GoldenTally",
+    "StepBound",
+    "check_report",
+    "default_provenance",
+    "diff_tensors",
+    "golden_stem",
+    "prune_goldens",
+    "recorded_elsewhere",
+    "report_provenance",
+    "rollout_bounds",
+    "unused_goldens",
+]
 
 FORMAT = "harness-golden"
 VERSION = 2
 #: the format versions this harness reads (1: before versions and layout were recorded)
 READABLE = (1, 2)
-#: what a golden records of the software it was recorded with, and of the layout
-VERSION_KEYS = ("torch", "torch_harmonics")
-LAYOUT_KEYS = ("ranks", "spatial_size", "data_size", "partition")
-UPDATE_HINT = "run pytest with --update-goldens, review the diff and commit the goldens"
 
 
 def golden_stem(nodeid: str) -> str:
@@ -96,29 +112,6 @@ class GoldenFile(TypedDict):
     tensors: dict[str, torch.Tensor]
 
 
-class GoldenStatus(str, Enum):
-    """The outcome of one golden check. A ``str`` enum (``GoldenStatus.PASSED ==
-    "passed"``); reports carry its plain text, which travels to xdist's controller.
-
-    ``refused``: non-finite values, not written; ``not updated``: the equivalence check
-    behind it failed, so the old golden was kept.
-    """
-
-    PASSED = "passed"
-    FAILED = "failed"
-    MISSING = "missing"
-    WRITTEN = "written"
-    UPDATED = "updated"
-    UNCHANGED = "unchanged"
-    REFUSED = "refused"
-    NOT_UPDATED = "not updated"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-#: Every status's text (the older name of ``GoldenStatus``'s values).
-STATUSES = tuple(s.value for s in GoldenStatus)
 _OK = (GoldenStatus.PASSED, GoldenStatus.WRITTEN, GoldenStatus.UPDATED, GoldenStatus.UNCHANGED)
 _TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
 
@@ -414,336 +407,6 @@ def report_provenance(report: EquivalenceReport) -> dict[str, Any]:
     }
 
 
-# ---------------------------------------------------------------------- rollout goldens
-
-
-@dataclass(frozen=True)
-class StepBound:
-    """How far a rollout golden's field at one step may be from today's reference: max abs
-    at most ``limit = max(factor x spread, floor)``, the envelope the rollout check itself
-    uses (``harness.rollout``). ``spread`` is what rounding alone reached there today (the
-    furthest of ``members`` nudged reruns), ``floor`` the golden's fixed field tolerance at
-    the field's scale (``atol + rtol x max |reference|``), which holds where rounding moves
-    nothing. A golden recorded on another machine or torch build differs from today's
-    reference by rounding that the rollout then grows, as a nudged rerun does: a fixed
-    tolerance would fail a correct chaotic rollout after a few dozen steps."""
-
-    step: int
-    field: str
-    steps: int
-    spread: float
-    factor: float
-    members: int
-    floor: float
-
-    @property
-    def limit(self) -> float:
-        return max(self.factor * self.spread, self.floor)
-
-    @property
-    def bound(self) -> Bound:
-        """As an elementwise bound: every value within ``limit`` (max abs <= limit)."""
-        return Bound(0.0, self.limit)
-
-    def where(self) -> str:
-        return f"rollout step {self.step} of {self.steps}, field '{self.field}'"
-
-    def text(self) -> str:
-        return (
-            f"{self.factor:g}x the rounding spread {self.spread:.3g} of {self.members} nudged "
-            f"reruns at this step, at least the field tolerance {self.floor:.3g}"
-        )
-
-
-def rollout_bounds(record: RolloutRecord, field_bound: Bound) -> dict[str, StepBound]:
-    """The bound of each stored tensor of ``record``'s rollout golden, from today's rollout:
-    its step's measured spread (``record.curve``). A stored step and field the rollout did
-    not judge (its spread unknown: a nudged rerun went non-finite) has no entry and is
-    held to ``field_bound`` elementwise, as the training golden is."""
-    out = {}
-    for p in record.curve:
-        name = rollout_name(p.step, p.name)
-        if record.samples is not None and name in record.samples.tensors:
-            out[name] = StepBound(
-                p.step,
-                p.name,
-                record.steps,
-                p.spread,
-                record.factor,
-                record.members,
-                field_bound.atol + field_bound.rtol * p.scale,
-            )
-    return out
-
-
-def _rollout_length(names: Iterable[str]) -> int:
-    """The rollout steps a set of golden names holds (its last stored step is the last)."""
-    steps = [s for s, _ in filter(None, map(parse_rollout_name, names))]
-    return max(steps) + 1 if steps else 0
-
-
-def _in_order(names: Iterable[str]) -> list[str]:
-    """Names sorted, a rollout's by step (``step2`` before ``step16``), after the rest."""
-
-    def key(name: str) -> tuple[int, int, str]:
-        parsed = parse_rollout_name(name)
-        return (0, 0, name) if parsed is None else (1, parsed[0], parsed[1])
-
-    return sorted(names, key=key)
-
-
-def recorded_elsewhere(recorded: Mapping[str, Any], running: Mapping[str, Any]) -> list[str]:
-    """Lines for a failing golden check: the versions (and layout) the golden was recorded
-    with, where they differ from this run's. A likely cause of the difference, said as such:
-    the tensors' differences stand above it.
-
-    >>> for line in recorded_elsewhere({"torch": "2.12.0"}, {"torch": "2.13.0"}):
-    ...     print(line)
-    Recorded with torch 2.12.0, this run has torch 2.13.0: a likely cause of the difference ...
-    """
-    out = []
-    changed = [
-        f"{_NAMES[k]} {recorded[k]}"
-        for k in VERSION_KEYS
-        if k in recorded and k in running and str(recorded[k]) != str(running[k])
-    ]
-    if changed:
-        now = ", ".join(
-            f"{_NAMES[k]} {running[k]}"
-            for k in VERSION_KEYS
-            if k in recorded and k in running and str(recorded[k]) != str(running[k])
-        )
-        out.append(
-            f"Recorded with {', '.join(changed)}, this run has {now}: a likely cause of the "
-            "difference (kernels round differently across versions); if only rounding "
-            "moved, review and update."
-        )
-    unknown = [_NAMES[k] for k in VERSION_KEYS if k not in recorded and k in running]
-    if unknown:
-        out.append(
-            f"The golden does not record its {' or '.join(unknown)} version (format 1, "
-            "written before versions were stored): a version change cannot be ruled out."
-        )
-    layout = [
-        k
-        for k in LAYOUT_KEYS
-        if k in recorded and k in running and str(recorded[k]) != str(running[k])
-    ]
-    if layout:
-        was = ", ".join(f"{k} {recorded[k]}" for k in layout)
-        now = ", ".join(f"{k} {running[k]}" for k in layout)
-        out.append(f"Recorded on a different layout ({was}); this run: {now}.")
-    return out
-
-
-_NAMES = {"torch": "torch", "torch_harmonics": "torch-harmonics"}
-#: names listed per kind in a change summary before "and N more"
-_SHOWN = 8
-
-
-@dataclass(frozen=True)
-class GoldenChange:
-    """What rewriting a golden changed, for the reviewer of ``--update-goldens``: the tensors
-    changed (over the check's tolerance, or a new dtype or shape), added (produced, not in the
-    old golden), removed (in the old golden, not produced), how many stayed within tolerance,
-    and the largest change: ``(name, max abs, max rel)`` of the changed tensor with the
-    largest relative change (scale-free, so a loss and a gradient compare; then max abs).
-
-    Plain data (``plain``/``from_plain``): it travels to xdist's controller in a report.
-    """
-
-    changed: tuple[str, ...] = ()
-    added: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()
-    unchanged: int = 0
-    largest: tuple[str, float, float] | None = None
-    #: the old file could not be read (corrupt, foreign): everything is "added"
-    unreadable: bool = False
-    #: a changed tensor whose dtype or shape changed: name -> what changed
-    kinds: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def between(
-        cls,
-        new: Mapping[str, torch.Tensor],
-        old: Mapping[str, torch.Tensor] | None,
-        bound: Bound,
-        *,
-        unreadable: bool = False,
-        steps: Mapping[str, StepBound] | None = None,
-    ) -> GoldenChange:
-        """``steps``: the rollout's tensors, changed when over their step's bound (said in
-        brackets: how many times the bound)."""
-        if old is None:  # a new golden, or one that could not be read
-            return cls(added=tuple(_in_order(new)), unreadable=unreadable)
-        steps = steps or {}
-        changed, kinds, unchanged = [], [], 0
-        largest: tuple[str, float, float] | None = None
-        for name in _in_order(new.keys() & old.keys()):
-            step = steps.get(name)
-            d = compare_tensors(
-                new[name], old[name], bound if step is None else step.bound, allow_nonfinite=True
-            )
-            if d.problem:
-                changed.append(name)
-                kinds.append((name, d.problem.replace("the reference", "the golden")))
-            elif not d.ok:
-                changed.append(name)
-                if step is not None:
-                    kinds.append((name, f"{d.max_abs / step.limit:.3g}x its step's bound"))
-                if largest is None or (d.max_rel, d.max_abs) > (largest[2], largest[1]):
-                    largest = (name, d.max_abs, d.max_rel)
-            else:
-                unchanged += 1
-        return cls(
-            changed=tuple(changed),
-            added=tuple(_in_order(new.keys() - old.keys())),
-            removed=tuple(_in_order(old.keys() - new.keys())),
-            unchanged=unchanged,
-            largest=largest,
-            kinds=tuple(kinds),
-        )
-
-    def lines(self, path: str, status: GoldenStatus | str) -> list[str]:
-        """The review summary of one rewritten golden: a headline, then one line per kind.
-
-        >>> change = GoldenChange(("loss",), ("w",), (), 1, ("loss", 0.5, 0.25))
-        >>> for line in change.lines("g.pt", "updated"):
-        ...     print(line)
-        updated g.pt: 1 changed, 1 added, 0 removed, 1 unchanged; largest change loss: max ...
-          changed: loss
-          added: w
-        """
-        if GoldenStatus(status) is GoldenStatus.WRITTEN:
-            head = f"written {path}: new golden, {_count(self.added, 'tensor')}"
-        elif self.unreadable:
-            head = (
-                f"updated {path}: the old golden could not be read; rewritten with "
-                f"{_count(self.added, 'tensor')}"
-            )
-        else:
-            head = (
-                f"updated {path}: {len(self.changed)} changed, {len(self.added)} added, "
-                f"{len(self.removed)} removed, {self.unchanged} unchanged"
-            )
-            if self.largest is not None:
-                name, abs_, rel = self.largest
-                head += f"; largest change {name}: max abs {abs_:.3g}, max rel {rel:.3g}"
-        out = [head]
-        kinds = dict(self.kinds)
-        changed = [f"{n} ({kinds[n]})" if n in kinds else n for n in self.changed]
-        for label, names in (
-            ("changed", changed),
-            ("added", self.added),
-            ("removed", self.removed),
-        ):
-            if names and not (label == "added" and GoldenStatus(status) is GoldenStatus.WRITTEN):
-                out.append(f"  {label}: {_names(names)}")
-        return out
-
-    def plain(self) -> dict[str, Any]:
-        return {
-            "changed": list(self.changed),
-            "added": list(self.added),
-            "removed": list(self.removed),
-            "unchanged": self.unchanged,
-            "largest": None if self.largest is None else list(self.largest),
-            "unreadable": self.unreadable,
-            "kinds": [list(k) for k in self.kinds],
-        }
-
-    @classmethod
-    def from_plain(cls, data: Mapping[str, Any]) -> GoldenChange:
-        largest = data.get("largest")
-        return cls(
-            changed=tuple(data.get("changed", ())),
-            added=tuple(data.get("added", ())),
-            removed=tuple(data.get("removed", ())),
-            unchanged=int(data.get("unchanged", 0)),
-            largest=None
-            if largest is None
-            else (str(largest[0]), float(largest[1]), float(largest[2])),
-            unreadable=bool(data.get("unreadable", False)),
-            kinds=tuple((str(a), str(b)) for a, b in data.get("kinds", ())),
-        )
-
-
-def _count(items: tuple[str, ...], noun: str) -> str:
-    return f"{len(items)} {noun}{'s' if len(items) != 1 else ''}"
-
-
-def _names(names: Iterable[str]) -> str:
-    names = list(names)
-    shown = ", ".join(names[:_SHOWN])
-    return shown + (f", and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
-
-
-#: The tally's words for a status, where the bare status would not say enough.
-_LABELS = {
-    GoldenStatus.NOT_UPDATED: "not updated (check failed)",
-    GoldenStatus.REFUSED: "refused (not finite)",
-}
-_ORDER = (
-    GoldenStatus.WRITTEN,
-    GoldenStatus.UPDATED,
-    GoldenStatus.UNCHANGED,
-    GoldenStatus.PASSED,
-    GoldenStatus.FAILED,
-    GoldenStatus.MISSING,
-    GoldenStatus.NOT_UPDATED,
-    GoldenStatus.REFUSED,
-)
-
-
-@dataclass
-class GoldenTally:
-    """How a run's goldens came out, counted per status, and the files no check used (as
-    syrupy counts snapshots created, updated and unused)."""
-
-    counts: Counter[GoldenStatus] = field(default_factory=Counter)
-    unused: list[str] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, statuses: Iterable[GoldenStatus | str]) -> GoldenTally:
-        return cls(Counter(GoldenStatus(s) for s in statuses))
-
-    @property
-    def written(self) -> int:
-        return self.counts[GoldenStatus.WRITTEN]
-
-    @property
-    def updated(self) -> int:
-        return self.counts[GoldenStatus.UPDATED]
-
-    @property
-    def unchanged(self) -> int:
-        return self.counts[GoldenStatus.UNCHANGED]
-
-    def lines(self, root: Path) -> list[str]:
-        """The summary: one line of counts, then what to do about them.
-
-        >>> GoldenTally.of(["written", "passed", "written"]).lines(Path("g"))
-        ['3 goldens: 2 written, 1 passed.', 'Review and commit the changes under g.']
-        """
-        if not self.counts:
-            return []
-        text = ", ".join(
-            f"{self.counts[k]} {_LABELS.get(k, k.value)}" for k in _ORDER if self.counts[k]
-        )
-        n = sum(self.counts.values())
-        out = [f"{n} golden{'s' if n != 1 else ''}: {text}."]
-        if self.counts[GoldenStatus.NOT_UPDATED] or self.counts[GoldenStatus.REFUSED]:
-            out.append(
-                "Goldens are only written from passing, finite checks: fix "
-                "the failing tests, then run --update-goldens again."
-            )
-        if self.written or self.updated:
-            out.append(f"Review and commit the changes under {root}.")
-        elif self.counts[GoldenStatus.MISSING] or self.counts[GoldenStatus.FAILED]:
-            out.append("Run with --update-goldens if the change is intended.")
-        return out
-
-
 def unused_goldens(
     root: Path,
     nodeids: Iterable[str],
@@ -812,91 +475,6 @@ def prune_goldens(paths: Iterable[str | os.PathLike[str]], root: Path) -> list[s
                 break
             parent = parent.parent
     return lines
-
-
-def diff_tensors(
-    actual: Mapping[str, torch.Tensor],
-    golden: Mapping[str, torch.Tensor],
-    bound: Bound,
-    *,
-    allow_nonfinite: bool = False,
-    steps: Mapping[str, StepBound] | None = None,
-) -> list[str]:
-    """Lines describing every difference between two tensor maps (empty if none).
-
-    Unless ``allow_nonfinite``, a NaN or inf on either side is a difference of its own (a
-    golden cannot vouch for it, matching or not). ``steps``: the rollout's tensors, each
-    judged by its step's bound (``StepBound``) and named by its step and field. A golden
-    without a rollout where this run has one (or the other way round) is one line saying
-    so, not a line per tensor.
-    """
-    # long: one pass over the names: missing, extra, shape, dtype, values, a row each
-    steps = steps or {}
-    lines = []
-    missing = _in_order(golden.keys() - actual.keys())
-    extra = _in_order(actual.keys() - golden.keys())
-    ran, recorded = _rollout_length(actual), _rollout_length(golden)
-    if ran and not recorded:
-        extra = [n for n in extra if not n.startswith(ROLLOUT_PREFIX)]
-        lines.append(
-            f"  the golden has no rollout part, and this check rolls out {ran} steps (the "
-            f"golden was recorded without rollout=, or before rollout goldens): {UPDATE_HINT} "
-            "to record the rollout's per-step fields."
-        )
-    elif recorded and not ran:
-        missing = [n for n in missing if not n.startswith(ROLLOUT_PREFIX)]
-        lines.append(
-            f"  the golden holds a rollout of {recorded} steps, and this check rolled out "
-            "none (rollout= dropped, or the rollout did not run)"
-        )
-    elif ran != recorded:
-        lines.append(f"  the golden holds a rollout of {recorded} steps, this check ran {ran}")
-    for name in missing:
-        lines.append(f"  {name}: in the golden but not produced any more")
-    for name in extra:
-        lines.append(f"  {name}: produced but not in the golden")
-    if not allow_nonfinite:
-        lines += _nonfinite_lines(golden, "the golden holds")
-        lines += _nonfinite_lines(actual, "this run produced")
-    for name in _in_order(actual.keys() & golden.keys()):
-        step = steps.get(name)
-        d = compare_tensors(
-            actual[name], golden[name], bound if step is None else step.bound, allow_nonfinite=True
-        )
-        if d.problem:
-            lines.append(f"  {name}: {d.problem} (golden)")
-        elif not d.ok and step is not None:
-            lines.append(
-                f"  {name}: {step.where()}: max abs {d.max_abs:.3g} over the bound "
-                f"{step.limit:.3g} ({step.text()}; {d.count}/{d.total} values over)"
-            )
-        elif not d.ok:
-            lines.append(
-                f"  {name}: {d.count}/{d.total} over tolerance (rtol {bound.rtol:g}, atol "
-                f"{bound.atol:g}); max abs {d.max_abs:.3g}, max rel {d.max_rel:.3g}"
-            )
-    return lines
-
-
-def _nonfinite_lines(tensors: Mapping[str, torch.Tensor], who: str) -> list[str]:
-    lines = []
-    for name in sorted(tensors):
-        t = tensors[name]
-        nan, inf, first = nonfinite_counts(t)
-        if first is not None:
-            at = str(tuple(int(i) for i in _unravel(first, t.shape)))  # () when 0-d
-            lines.append(
-                f"  {name}: {who} {nonfinite_text(nan, inf)} of {t.numel()} (first at {at})"
-            )
-    return lines
-
-
-def _unravel(flat: int, shape: torch.Size) -> list[int]:
-    out = []
-    for size in reversed(shape):
-        flat, i = divmod(flat, size)
-        out.append(i)
-    return out[::-1]
 
 
 def _not_a_directory(path: Path) -> None:

@@ -207,9 +207,9 @@ def run_prediction(
     ``steps`` steps with ``case.predict`` in eval mode under ``torch.no_grad()`` (and
     ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge.
     Leaves the caller's RNG states, default dtype and grad mode as it found them."""
+    from harness._declared import _check_batch, _check_model
     from harness._rank.run import _mark_phase, _seed, _step_seed
     from harness._rank.state import CallerState
-    from harness.case import _check_batch, _check_model
 
     saved = CallerState.save()
     if case.dtype is not None:
@@ -250,7 +250,7 @@ def run_prediction(
 
 
 def _step_records(case: SpatialCase, out: Any, steps: int) -> list[dict[str, FieldRecord]]:
-    from harness.case import _field_record
+    from harness._declared import _field_record
 
     where = f"{case.label}.predict"
     if not isinstance(out, (list, tuple)):

@@ -18,19 +18,21 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from harness._declared import (
+    ActivationCheck,
+    _check_batch,
+    _check_loss,
+    _check_model,
+    _field_record,
+    check_partition,
+)
 from harness._rank.dtypes import OutputDtypes, collective_dtypes
 from harness._rank.state import CallerState
 from harness._records import ParamShard, RunRecord, StepRecord, detached
 from harness._values import is_distributed, placed, plain
 from harness.case import (
-    ActivationCheck,
     SpatialCase,
-    _check_batch,
-    _check_loss,
-    _check_model,
-    _field_record,
     _strip,
-    check_partition,
     load_init,
     load_shards,
     parameter_shards,

@@ -28,9 +28,9 @@ from harness._checks import (
     position_text,
     two_values,
 )
+from harness._declared import check_activation_shard, check_partition
 from harness._records import FieldRecord, RunRecord, StepRecord
 from harness._vacuous import check_vacuous
-from harness.case import check_activation_shard, check_partition
 from harness.compare import NUMERIC, Mismatch, Quantity, QuantityStats, Tolerance
 from harness.report import EquivalenceReport
 
