@@ -2,7 +2,7 @@
 
 One definition, read from the package's layout, for everything that walks a stack: the
 interceptor's call sites and dtype watch (``harness._rank.intercept``), a rank's traceback
-(``harness.errors.user_traceback``) and the stacks of a hang (``harness.pool``).
+(``harness.errors.user_traceback``) and the stacks of a hang (``harness._processes``).
 
 - **model code**: every file outside the package, and the package's subpackages of models
   (``MODEL_PACKAGES``: the built-in steppers, the contributed adapters of real models), which

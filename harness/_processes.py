@@ -30,7 +30,7 @@ from harness.errors import RankCrash, RankProblem
 
 
 class _Processes:
-    """The rank processes of one start of a pool, as a ``Run`` sees them (``_run.Ranks``):
+    """The rank processes of one start of a pool, as a ``Run`` sees them (``_watch.Ranks``):
     their pipes, sentinels, probe pipes, board and logs, and a way to kill them all."""
 
     def __init__(self, world_size: int, workdir: str) -> None:
