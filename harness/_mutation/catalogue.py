@@ -22,57 +22,83 @@ import dataclasses
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class MutantKind(str, Enum):
+    """What a mutant does at its call site (``KINDS`` says it in words). A ``str`` enum, as
+    ``harness.compare.Quantity``: ``MutantKind.SKIP == "skip"``, ``str()`` is the plain text a
+    table prints, and it crosses to xdist's controller (built-in types only) as that text,
+    read back with ``MutantKind(text)``."""
+
+    SKIP = "skip"
+    AVG = "avg"
+    MAX = "max"
+    WORLD = "world"
+    DOUBLE = "double"
+    ROTATE = "rotate"
+    SWAP_SPLITS = "swap-splits"
+    WRONG_SOURCE = "wrong-source"
+    ZERO = "zero"
+    STALE = "stale"
+    NO_GRAD_ALLREDUCE = "no-grad-allreduce"
+    RNG_PER_RANK = "rng-per-rank"
+    BUFFERS_BROADCAST = "buffers-broadcast"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 #: (kind, what it does), in the order a table lists them
-KINDS: dict[str, str] = {
-    "skip": "the operation is not performed (its tensors keep their local values)",
-    "avg": "SUM becomes AVG (the result divided by the group's size)",
-    "max": "SUM becomes MAX",
-    "world": "run over the whole world instead of its group",
-    "double": "an extra all-reduce of the result (a summed backward summed twice)",
-    "rotate": "each rank's piece lands in its neighbour's place",
-    "swap-splits": "an all_to_all's input and output split sizes exchanged (each piece cut "
-    "at the boundaries meant for the other direction of the transpose)",
-    "wrong-source": "broadcast from the next rank instead of the root",
-    "zero": "the received tensor is zeros",
-    "stale": "the received tensor holds the previous call's data",
-    "no-grad-allreduce": "DDP's gradient all-reduce dropped (each rank keeps its own)",
-    "rng-per-rank": "the RNG seeded per rank (rank-dependent initialisation or data)",
-    "buffers-broadcast": "buffers copied in place from the group's first rank before each "
+KINDS: dict[MutantKind, str] = {
+    MutantKind.SKIP: "the operation is not performed (its tensors keep their local values)",
+    MutantKind.AVG: "SUM becomes AVG (the result divided by the group's size)",
+    MutantKind.MAX: "SUM becomes MAX",
+    MutantKind.WORLD: "run over the whole world instead of its group",
+    MutantKind.DOUBLE: "an extra all-reduce of the result (a summed backward summed twice)",
+    MutantKind.ROTATE: "each rank's piece lands in its neighbour's place",
+    MutantKind.SWAP_SPLITS: "an all_to_all's input and output split sizes exchanged (each "
+    "piece cut at the boundaries meant for the other direction of the transpose)",
+    MutantKind.WRONG_SOURCE: "broadcast from the next rank instead of the root",
+    MutantKind.ZERO: "the received tensor is zeros",
+    MutantKind.STALE: "the received tensor holds the previous call's data",
+    MutantKind.NO_GRAD_ALLREDUCE: "DDP's gradient all-reduce dropped (each rank keeps its own)",
+    MutantKind.RNG_PER_RANK: "the RNG seeded per rank (rank-dependent initialisation or data)",
+    MutantKind.BUFFERS_BROADCAST: "buffers copied in place from the group's first rank before each "
     "forward (DDP's broadcast_buffers)",
 }
 
 #: ProcessGroup methods by the mutants that apply to them
-_BY_METHOD: dict[str, tuple[str, ...]] = {
-    "allreduce": ("skip", "avg", "max", "world"),
-    "allreduce_coalesced": ("skip",),
-    "broadcast": ("skip", "wrong-source"),
-    "reduce": ("skip",),
-    "allgather": ("skip", "rotate"),
-    "_allgather_base": ("skip", "rotate"),
-    "all_gather_single": ("skip", "rotate"),
-    "allgather_coalesced": ("skip",),
-    "allgather_into_tensor_coalesced": ("skip",),
-    "all_gather_single_coalesced": ("skip",),
-    "alltoall": ("skip", "rotate"),
-    "alltoall_base": ("skip", "rotate", "swap-splits"),
-    "all_to_all_single": ("skip", "rotate", "swap-splits"),
-    "reduce_scatter": ("skip", "avg"),
-    "_reduce_scatter_base": ("skip", "avg"),
-    "reduce_scatter_single": ("skip", "avg"),
-    "reduce_scatter_tensor_coalesced": ("skip",),
-    "reduce_scatter_single_coalesced": ("skip",),
-    "gather": ("skip",),
-    "gather_single": ("skip",),
-    "scatter": ("skip",),
-    "barrier": ("skip",),
-    "monitored_barrier": ("skip",),
-    "send": ("skip",),
-    "recv": ("zero", "stale"),
-    "recv_anysource": ("zero", "stale"),
-    "ddp": ("no-grad-allreduce",),
-    "case-build": ("rng-per-rank", "buffers-broadcast"),
-    "case-batch": ("rng-per-rank",),
+_BY_METHOD: dict[str, tuple[MutantKind, ...]] = {
+    "allreduce": (MutantKind.SKIP, MutantKind.AVG, MutantKind.MAX, MutantKind.WORLD),
+    "allreduce_coalesced": (MutantKind.SKIP,),
+    "broadcast": (MutantKind.SKIP, MutantKind.WRONG_SOURCE),
+    "reduce": (MutantKind.SKIP,),
+    "allgather": (MutantKind.SKIP, MutantKind.ROTATE),
+    "_allgather_base": (MutantKind.SKIP, MutantKind.ROTATE),
+    "all_gather_single": (MutantKind.SKIP, MutantKind.ROTATE),
+    "allgather_coalesced": (MutantKind.SKIP,),
+    "allgather_into_tensor_coalesced": (MutantKind.SKIP,),
+    "all_gather_single_coalesced": (MutantKind.SKIP,),
+    "alltoall": (MutantKind.SKIP, MutantKind.ROTATE),
+    "alltoall_base": (MutantKind.SKIP, MutantKind.ROTATE, MutantKind.SWAP_SPLITS),
+    "all_to_all_single": (MutantKind.SKIP, MutantKind.ROTATE, MutantKind.SWAP_SPLITS),
+    "reduce_scatter": (MutantKind.SKIP, MutantKind.AVG),
+    "_reduce_scatter_base": (MutantKind.SKIP, MutantKind.AVG),
+    "reduce_scatter_single": (MutantKind.SKIP, MutantKind.AVG),
+    "reduce_scatter_tensor_coalesced": (MutantKind.SKIP,),
+    "reduce_scatter_single_coalesced": (MutantKind.SKIP,),
+    "gather": (MutantKind.SKIP,),
+    "gather_single": (MutantKind.SKIP,),
+    "scatter": (MutantKind.SKIP,),
+    "barrier": (MutantKind.SKIP,),
+    "monitored_barrier": (MutantKind.SKIP,),
+    "send": (MutantKind.SKIP,),
+    "recv": (MutantKind.ZERO, MutantKind.STALE),
+    "recv_anysource": (MutantKind.ZERO, MutantKind.STALE),
+    "ddp": (MutantKind.NO_GRAD_ALLREDUCE,),
+    "case-build": (MutantKind.RNG_PER_RANK, MutantKind.BUFFERS_BROADCAST),
+    "case-batch": (MutantKind.RNG_PER_RANK,),
 }
 
 #: ProcessGroup methods whose reduction may be turned from SUM into another (``avg``, ``max``)
@@ -136,7 +162,7 @@ class Mutant:
     """One bug injected at one call site."""
 
     site: str
-    kind: str
+    kind: MutantKind
     op: str = ""
 
     @property
@@ -189,13 +215,13 @@ def _same(data: Sequence[Sequence[float]]) -> bool:
 def mutants_for(site: Site) -> list[Mutant]:
     """The mutants of one site (a reduction other than SUM gets no AVG/MAX; only a backward's
     all-reduce gets ``double``; ``buffers-broadcast`` only for models with buffers)."""
-    kinds = list(_BY_METHOD.get(site.method, ("skip",)))
+    kinds = list(_BY_METHOD.get(site.method, (MutantKind.SKIP,)))
     if site.method in REDUCING and site.reduce not in ("", "sum"):
-        kinds = [k for k in kinds if k not in ("avg", "max")]
+        kinds = [k for k in kinds if k not in (MutantKind.AVG, MutantKind.MAX)]
     if site.method == "allreduce" and site.backward:
-        kinds.append("double")
+        kinds.append(MutantKind.DOUBLE)
     if site.method == "case-build" and not site.buffers:
-        kinds.remove("buffers-broadcast")
+        kinds.remove(MutantKind.BUFFERS_BROADCAST)
     return [Mutant(site.site, k, site.op) for k in kinds]
 
 
@@ -205,24 +231,35 @@ def cannot_matter(mutant: Mutant, site: Site) -> str:
     what the tests' layouts cannot show.)"""
     if site.group_size == 1 and site.method not in ("ddp", "case-build", "case-batch"):
         return "one rank in the group: the operation is the identity here"
-    if site.zeros and mutant.kind in ("skip", "avg", "max", "world", "rotate", "double"):
+    if site.zeros and mutant.kind in (
+        MutantKind.SKIP,
+        MutantKind.AVG,
+        MutantKind.MAX,
+        MutantKind.WORLD,
+        MutantKind.ROTATE,
+        MutantKind.DOUBLE,
+    ):
         return (
             "every rank passed zeros here in every run (a guard that only fires on an error?): "
             "summing, averaging or moving zeros changes nothing"
         )
-    if mutant.kind == "world" and site.whole_world:
+    if mutant.kind == MutantKind.WORLD and site.whole_world:
         return (
             "the group is the whole world on every layout the tests ran: test a layout with "
             "data groups (spatial_size < ranks)"
         )
-    if mutant.kind in ("rotate", "max") and site.same_data and site.method not in _NO_INPUT:
+    if (
+        mutant.kind in (MutantKind.ROTATE, MutantKind.MAX)
+        and site.same_data
+        and site.method not in _NO_INPUT
+    ):
         return "every rank passed the same data here: rotating or taking the max changes nothing"
-    if mutant.kind == "swap-splits" and not site.uneven:
+    if mutant.kind == MutantKind.SWAP_SPLITS and not site.uneven:
         return (
             "the input and output split sizes were the same in every call (even pieces): "
             "exchanging them changes nothing; test a layout that splits unevenly"
         )
-    if mutant.kind == "stale" and site.calls <= 1:
+    if mutant.kind == MutantKind.STALE and site.calls <= 1:
         return (
             "called once per run: the previous call's data is the untouched buffer (the same "
             "mutant as zero, or as skip); run more steps"
@@ -274,16 +311,19 @@ def table_rows(outcomes: Sequence[Outcome]) -> list[tuple[str, str, str]]:
 
 
 def quantity_of(error: str) -> str:
-    """How a killing test failed, from its failure text: the harness's own quantities
-    (``grad``, ``field``, ``deadlock``...) or the exception's kind."""
+    """How a killing test failed, from its failure text: the harness's own quantity
+    (``deadlock``, ``timeout``... for the ``RankFailure`` raised), else ``assert`` or
+    ``failed``. (``harness.compare`` is imported here, not above: it loads torch, and this
+    module stays pure.)"""
+    from harness.compare import Quantity
+
     for name, quantity in (
-        ("RankDeadlock", "deadlock"),
-        ("RankTimeout", "timeout"),
-        ("RankCrash", "crash"),
-        ("RankPending", "pending"),
-        ("RankError", "error"),
-        ("AssertionError", "assert"),
+        ("RankDeadlock", Quantity.DEADLOCK),
+        ("RankTimeout", Quantity.TIMEOUT),
+        ("RankCrash", Quantity.CRASH),
+        ("RankPending", Quantity.PENDING),
+        ("RankError", Quantity.ERROR),
     ):
         if name in error:
-            return quantity
-    return "failed"
+            return str(quantity)
+    return "assert" if "AssertionError" in error else "failed"

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-from harness._mutation.catalogue import REDUCING, Mutant, SiteStats
+from harness._mutation.catalogue import REDUCING, Mutant, MutantKind, SiteStats
 from harness._mutation.mode import OFF, MutantMode
 
 #: the mutant kinds that act on a case (in ``run_case``), not on an operation
-CASE_KINDS = ("rng-per-rank", "buffers-broadcast")
+CASE_KINDS = (MutantKind.RNG_PER_RANK, MutantKind.BUFFERS_BROADCAST)
 
 
 class DoneWork:
@@ -95,15 +95,15 @@ class Injector:
         import torch.distributed as dist
 
         kind = mutant.kind
-        if kind == "skip":
+        if kind == MutantKind.SKIP:
             return DoneWork(), None
-        if kind == "world":
+        if kind == MutantKind.WORLD:
             return original(dist.group.WORLD, *args, **kwargs), dist.group.WORLD
-        if kind == "max":
+        if kind == MutantKind.MAX:
             args[1].reduceOp = dist.ReduceOp.MAX
-        if kind == "wrong-source":
+        if kind == MutantKind.WRONG_SOURCE:
             args[1].rootRank = (args[1].rootRank + 1) % pg.size()
-        if kind == "swap-splits" and method in _TRANSPOSES and len(args) > 3:
+        if kind == MutantKind.SWAP_SPLITS and method in _TRANSPOSES and len(args) > 3:
             args = (*args[:2], args[3], args[2], *args[4:])
         work = original(pg, *args, **kwargs)
         after = _AFTER.get(kind)
@@ -170,7 +170,7 @@ class Injector:
                 injector.sites.setdefault(site, SiteStats("DistributedDataParallel", "ddp"))
                 injector.sites[site].calls += 1
             m = mode.mutant
-            if m is not None and m.kind == "no-grad-allreduce" and m.site == site:
+            if m is not None and m.kind == MutantKind.NO_GRAD_ALLREDUCE and m.site == site:
                 self.register_comm_hook(None, _keep_local)
 
         __init__.__wrapped__ = original  # type: ignore[attr-defined]
@@ -178,16 +178,16 @@ class Injector:
 
     # ------------------------------------------------------------------ case mutants
 
-    def case_kinds(self, case: object) -> dict[str, str]:
+    def case_kinds(self, case: object) -> dict[str, MutantKind]:
         """The case-level mutant kind to apply at ``case.build`` or ``case.batch`` this run
         (``{}`` outside a mutant's run); records their sites during a recording run."""
         kinds = {m: self._case_kind(case, m) for m in ("build", "batch")}
-        return {m: k for m, k in kinds.items() if k}
+        return {m: k for m, k in kinds.items() if k is not None}
 
-    def _case_kind(self, case: object, method: str) -> str:
+    def _case_kind(self, case: object, method: str) -> MutantKind | None:
         mode = self.mode
         if not mode.record and mode.mutant is None:
-            return ""
+            return None
         site = case_site(case, method)
         if mode.record:
             stats = self.sites.setdefault(
@@ -195,7 +195,7 @@ class Injector:
             )
             stats.calls += 1
         m = mode.mutant
-        return m.kind if m is not None and m.site == site and m.kind in CASE_KINDS else ""
+        return m.kind if m is not None and m.site == site and m.kind in CASE_KINDS else None
 
     def note_buffers(self, case: object, has_buffers: Callable[[], bool]) -> None:
         """A recording run: whether the model ``case.build`` built has buffers (only then
@@ -344,12 +344,12 @@ _INPUT_AT = {
     "scatter": 1,
 }
 
-_AFTER: dict[str, Callable[[_Call], Callable[[], None]]] = {
-    "avg": _avg,
-    "double": _double,
-    "rotate": _rotate,
-    "zero": _zero,
-    "stale": _stale,
+_AFTER: dict[MutantKind, Callable[[_Call], Callable[[], None]]] = {
+    MutantKind.AVG: _avg,
+    MutantKind.DOUBLE: _double,
+    MutantKind.ROTATE: _rotate,
+    MutantKind.ZERO: _zero,
+    MutantKind.STALE: _stale,
 }
 
 

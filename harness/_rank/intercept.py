@@ -43,6 +43,7 @@ from harness._board import State, Writer, members_bits
 from harness._compat import group_name, group_sequence_numbers, sequence_number
 from harness._deadlock import ANY_SOURCE, Counts, Kind, Op
 from harness._frames import PACKAGE, plumbing, standard_library, user_site
+from harness._mutation.catalogue import MutantKind
 from harness._mutation.inject import INJECTOR
 from harness._mutation.mode import OFF, MutantMode
 
@@ -502,7 +503,7 @@ def _blocking(method: str, original: _Operation) -> _Operation:
         if not TRACKER.active:
             return original(pg, *args, **kwargs)
         mutant = INJECTOR.mode.mutant
-        if mutant is not None and mutant.kind == "skip" and TRACKER._site() == mutant.site:
+        if mutant is not None and mutant.kind == MutantKind.SKIP and TRACKER._site() == mutant.site:
             return None
         before = sequence_number(pg)
         op = TRACKER.note(pg, method, args, kwargs, None, _caller())

@@ -26,6 +26,7 @@ from harness._declared import (
     _field_record,
     check_partition,
 )
+from harness._mutation.catalogue import MutantKind
 from harness._rank.dtypes import OutputDtypes, collective_dtypes
 from harness._rank.state import CallerState
 from harness._records import ParamShard, RunRecord, StepRecord, detached
@@ -99,7 +100,10 @@ def run_case(
     try:
         enter("build")
         mutation = _case_mutation(case)
-        _seed(seed + (7919 * (topo.rank + 1) if mutation.get("build") == "rng-per-rank" else 0))
+        _seed(
+            seed
+            + (7919 * (topo.rank + 1) if mutation.get("build") == MutantKind.RNG_PER_RANK else 0)
+        )
         model = _check_model(case, case.build(topo))
         if watch is not None:
             watch.attach(model)
@@ -150,7 +154,7 @@ def _train_step(
     lr: float,
     seed: int,
     enter: Callable[[str, int], None],
-    mutation: dict[str, str] | None = None,
+    mutation: dict[str, MutantKind] | None = None,
     shards: dict[str, ParamShard] | None = None,
 ) -> StepRecord:
     """One step: batch, forward, backward, plain SGD; what it recorded."""
@@ -158,13 +162,13 @@ def _train_step(
     mutation = mutation or {}
     params = dict(model.named_parameters())
     enter(f"step {step} batch", step)
-    per_rank = topo.rank + 1 if mutation.get("batch") == "rng-per-rank" else 0
+    per_rank = topo.rank + 1 if mutation.get("batch") == MutantKind.RNG_PER_RANK else 0
     _seed(_step_seed(seed, step) + per_rank)
     batch = _check_batch(case, case.batch(topo, step), step)
     model.zero_grad(set_to_none=True)
     buffers = {n: (b, b._version, detached(plain(b))) for n, b in model.named_buffers()}
     enter(f"step {step} forward", step)
-    if mutation.get("build") == "buffers-broadcast":
+    if mutation.get("build") == MutantKind.BUFFERS_BROADCAST:
         _broadcast_buffers(model, topo)
     out = case.forward(model, batch, topo)
     loss = _check_loss(case, out, any(p.requires_grad for p in params.values()))
@@ -230,7 +234,7 @@ def _load_reference(
     return load_shards(case, model, topo, shards, reference_init)
 
 
-def _case_mutation(case: SpatialCase) -> dict[str, str]:
+def _case_mutation(case: SpatialCase) -> dict[str, MutantKind]:
     """On a rank of a ``--spatial-mutants`` run: the case-level mutant to inject at
     ``build`` or ``batch`` (``{}`` for the reference and every other run)."""
     from harness._mutation.inject import INJECTOR

@@ -34,19 +34,26 @@ float32 whatever the default dtype, so a float64 run fails in the reference alre
 
 Install with ``pip install "pytest-spatial-harness[fme]"`` beside fme (which pins
 torch-harmonics 0.8.0). Nothing here imports fme until a case is built.
+
+Beside the case: its options and network in ``_fme_model``, fme's global state in
+``_fme_backend``, the faults in ``_fme_faults`` and fme's ``Stepper`` for ``predict`` in
+``_fme_rollout``.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from harness.adopt import adopt_distributed_manager, check_group, on_undo, patch, pending, undo
+from harness.adopt import pending, undo
 from harness.case import Outputs, Shard, SpatialCase, data_share
+from harness.contrib._fme_backend import _check_groups, _install_backend
+from harness.contrib._fme_faults import FME_FAULTS, INFERENCE_FAULTS, _patch_faults
+from harness.contrib._fme_model import FmeConfig, _FmeModel
+from harness.contrib._fme_rollout import _load_envelope, _rollout_data, _stepper
 from harness.errors import ConfigError
 from harness.partition import LatLonPartition
 from harness.topology import Topology
@@ -68,30 +75,6 @@ _INSTALL = 'pip install "pytest-spatial-harness[fme]"'
 #: importing fme and torch-harmonics takes seconds.
 PRELOAD = ("fme", "torch_harmonics", "torch_harmonics.distributed")
 
-#: fault id -> what is patched into fme's own distributed path (inside the rank only)
-FME_FAULTS: dict[str, str] = {
-    "no-spatial-grad-hooks": "wrap_module leaves out fme's spatial gradient all-reduce hooks",
-    "reduce-sum-no-allreduce": "spatial_reduce_sum returns the local sum (no all-reduce)",
-    "reduce-sum-summed-backward": "spatial_reduce_sum's backward all-reduces the gradient "
-    "(fme's is the identity, right for the replicated loss): gradients S times too large",
-    "slices-swapped": "get_local_slices hands each rank the block of its mirror rank",
-    "all-to-all-peer-order": "fme's gloo all_to_all files each peer's block under the next "
-    "peer (a wrong gather order in the SHT's transposes)",
-    "no-gloo-alltoall-patch": "ModelTorchDistributed skips patch_gloo_alltoall",
-    "mesh-data-innermost": "fme's manager lays its (data, h, w) mesh out with the data "
-    "dimension innermost: fme's spatial groups are strided, the harness's consecutive (a "
-    "layout the harness must refuse in one line, not judge)",
-    # only in inference (fme's Stepper.predict, no_grad): a training check passes them
-    "inference-stale-forcing": "each rank keeps the forcing it scattered for the first "
-    "rollout step and feeds it to every later step (a per-rank buffer cached across steps)",
-    "inference-noise-per-rank": "inference seeds each rank's isotropic-noise generator with "
-    "the rank (ensemble inference seeded per process): the tiles of one member see "
-    "different noise",
-}
-
-#: the faults of ``FME_FAULTS`` that live only in fme's inference path (``FmeCase.predict``)
-INFERENCE_FAULTS = ("inference-stale-forcing", "inference-noise-per-rank")
-
 
 class FmeNotInstalled(ConfigError, ImportError):
     """fme is not importable here: both an ``ImportError`` (what callers of an optional
@@ -108,85 +91,6 @@ def require() -> Any:
             f"harness.contrib.fme needs the fme package (ACE) ({exc}); install it with: {_INSTALL}"
         ) from exc
     return fme
-
-
-@dataclass(frozen=True)
-class FmeConfig:
-    """A small fme SFNO and its partition.
-
-    ``h`` x ``w`` is fme's spatial process grid (latitudes x longitudes, split by
-    torch-harmonics' rule, uneven where the sizes do not divide); ranks beyond ``h * w``
-    become fme's data-parallel groups. The model options are those of fme's
-    ``NoiseConditionedSFNOBuilder`` (registry name ``"NoiseConditionedSFNO"``, the SFNO ACE
-    trains); ``options`` passes any other field of it.
-    """
-
-    nlat: int = 8
-    nlon: int = 16
-    h: int = 2
-    w: int = 2
-    channels: int = 2
-    batch_size: int = 2
-    grid: str = "legendre-gauss"  # fme's data_grid: "legendre-gauss" or "equiangular"
-    embed_dim: int = 8
-    num_layers: int = 2
-    #: fme's conditioning noise: "isotropic" (drawn in spectral space, sliced per rank) or
-    #: "gaussian" (drawn per grid point); ``noise_embed_dim=0`` turns the noise off
-    noise_type: str = "isotropic"
-    noise_embed_dim: int = 4
-    context_pos_embed_dim: int = 0
-    pos_embed: bool = True
-    big_skip: bool = True
-    global_layer_norm: bool = False
-    affine_norms: bool = False
-    normalize_big_skip: bool = False
-    filter_residual: bool = False
-    filter_output: bool = False
-    filter_type: str = "linear"
-    clip_latent_global_means: bool = False
-    #: fields of fme's ``AtmosphereCorrectorConfig`` to apply fme's corrector to the output
-    #: as its stepper does (channel 0 is named ``tendency_of_total_water_path_due_to_advection``,
-    #: the others ``var1``, ...), e.g. ``{"zero_global_mean_moisture_advection": True}``
-    corrector: dict[str, Any] | None = None
-    #: also run the model in eval mode each step and compare that output ("eval output"):
-    #: some of fme's code paths (the latent mean clipping) only act in eval
-    eval_output: bool = False
-    #: the latent global-mean envelope (fme's ``_gm_min``, ``_gm_max`` buffers, every channel)
-    #: a trained checkpoint carries into inference, loaded before ``predict`` as fme loads a
-    #: checkpoint's state: with ``clip_latent_global_means`` fme's eval forward clips the
-    #: latent means to it (a network as built holds -inf, inf there and clips nothing)
-    latent_mean_envelope: tuple[float, float] | None = None
-    #: after fme's init, draw the weights of the noise-conditioning convolutions
-    #: (``W_scale_2d``, ``W_bias_2d``) from N(0, std^2), as a trained checkpoint holds them:
-    #: fme initialises them to zero, so in a network as built the noise changes no output
-    #: (only gradients), and neither a field nor a rollout could see a noise bug
-    noise_weights_std: float = 0.0
-    options: dict[str, Any] = field(default_factory=dict)  # any other builder field
-
-    def builder(self) -> Any:
-        """fme's ``NoiseConditionedSFNOBuilder`` for these options."""
-        from fme.ace.registry.stochastic_sfno import NoiseConditionedSFNOBuilder
-
-        return NoiseConditionedSFNOBuilder(
-            embed_dim=self.embed_dim,
-            num_layers=self.num_layers,
-            # no noise channels: fme's isotropic draw would run an inverse SHT on an empty
-            # tensor (an MKL FFT error); its gaussian draw of 0 channels is a no-op
-            noise_type="gaussian" if self.noise_embed_dim == 0 else self.noise_type,
-            noise_embed_dim=self.noise_embed_dim,
-            context_pos_embed_dim=self.context_pos_embed_dim,
-            pos_embed=self.pos_embed,
-            big_skip=self.big_skip,
-            global_layer_norm=self.global_layer_norm,
-            affine_norms=self.affine_norms,
-            normalize_big_skip=self.normalize_big_skip,
-            filter_residual=self.filter_residual,
-            filter_output=self.filter_output,
-            filter_type=self.filter_type,
-            clip_latent_global_means=self.clip_latent_global_means,
-            data_grid=self.grid,
-            **self.options,
-        )
 
 
 class FmeCase(SpatialCase):
@@ -344,89 +248,7 @@ class FmeCase(SpatialCase):
         return f"{text} on {cfg.h}x{cfg.w} (lat {lat} x lon {lon})"
 
 
-class _FmeModel(torch.nn.Module):
-    """fme's network as fme trains it: ``wrapped`` is what ``wrap_module`` returned (DDP with
-    fme's spatial gradient hooks, or fme's ``DummyWrapper``); the parameters are the
-    network's own, registered once."""
-
-    wrapped: torch.nn.Module
-    area: torch.Tensor
-
-    def __init__(self, net: torch.nn.Module, wrapped: torch.nn.Module, area: torch.Tensor):
-        super().__init__()
-        self.net = net
-        object.__setattr__(self, "wrapped", wrapped)  # not a submodule: same parameters
-        self.register_buffer("area", area, persistent=False)
-
-    def forward(self, *args: Any) -> Any:
-        return self.wrapped(*args)
-
-
-# ---------------------------------------------------------------------- fme's stepper
-
-
-def _stepper(model: _FmeModel, cfg: FmeConfig, in_names: list[str], out_names: list[str]) -> Any:
-    """fme's ``Stepper`` (``StepperConfig.get_stepper``, single-module step) for ``cfg``'s
-    network, holding ``model``'s weights and buffers. Built under ``fork_rng``: the
-    stepper's own network is drawn and discarded, and the rollout's noise must come from
-    the RNG state the harness seeded, on the reference and on every rank alike."""
-    import dataclasses
-    import datetime
-
-    from fme.ace.stepper.single_module import StepperConfig
-    from fme.core.coordinates import HybridSigmaPressureCoordinate, LatLonCoordinates
-    from fme.core.dataset_info import DatasetInfo
-    from fme.core.normalizer import NetworkAndLossNormalizationConfig, NormalizationConfig
-    from fme.core.registry.module import ModuleSelector
-    from fme.core.step import SingleModuleStepConfig, StepSelector
-
-    names = sorted({*in_names, *out_names})
-    step = SingleModuleStepConfig(
-        builder=ModuleSelector(
-            type="NoiseConditionedSFNO", config=dataclasses.asdict(cfg.builder())
-        ),
-        in_names=in_names,
-        out_names=out_names,
-        # the seed golden's normalization: not the identity, so normalizing is exercised
-        normalization=NetworkAndLossNormalizationConfig(
-            network=NormalizationConfig(
-                means=dict.fromkeys(names, 0.1), stds=dict.fromkeys(names, 1.1)
-            )
-        ),
-    )
-    lat, lon = _lat_lon_degrees(cfg)
-    info = DatasetInfo(
-        horizontal_coordinates=LatLonCoordinates(lat=lat, lon=lon),
-        vertical_coordinate=HybridSigmaPressureCoordinate(
-            ak=torch.arange(7, dtype=torch.float32), bk=torch.arange(7, dtype=torch.float32)
-        ),
-        timestep=datetime.timedelta(hours=6),
-    )
-    config = StepperConfig(step=StepSelector(type="single_module", config=dataclasses.asdict(step)))
-    with torch.random.fork_rng():
-        stepper = config.get_stepper(info)
-    (module,) = stepper.modules  # fme's wrapped network: DDP or its DummyWrapper
-    module.load_state_dict(model.wrapped.state_dict())  # a checkpoint of the harness's net
-    module.train(model.training)
-    return stepper
-
-
-def _rollout_data(batch: dict[str, torch.Tensor], prognostic: list[str], steps: int) -> Any:
-    """The rollout's global ``BatchData`` from step 0's batch: the prognostic variables'
-    initial condition is ``x``'s channels 1..; the forcing turns from ``x``'s channel 0
-    to ``y``'s over the steps (a new forcing every step, so a stale one shows)."""
-    import numpy as np
-    import xarray as xr
-    from fme.ace.data_loading.batch_data import BatchData
-
-    x, y = batch["x"], batch["y"]
-    angle = 0.5 * torch.arange(steps + 1, dtype=x.dtype)[None, :, None, None]
-    forcing = torch.cos(angle) * x[:, None, 0] + torch.sin(angle) * y[:, None, 0]
-    data = {"forcing": forcing}
-    for i, name in enumerate(prognostic, start=1):
-        data[name] = x[:, None, i].expand(-1, steps + 1, -1, -1).contiguous()
-    time = xr.DataArray(np.zeros((x.shape[0], steps + 1)), dims=["sample", "time"])
-    return BatchData.new_on_device(data=data, time=time, horizontal_dims=["lat", "lon"])
+# ---------------------------------------------------------------------- the network and the grid
 
 
 def _draw_noise_weights(net: torch.nn.Module, std: float) -> None:
@@ -438,99 +260,6 @@ def _draw_noise_weights(net: torch.nn.Module, std: float) -> None:
         for name, p in net.named_parameters():
             if ".W_scale_2d." in name or ".W_bias_2d." in name:
                 p.copy_(std * torch.randn(p.shape, generator=generator, dtype=p.dtype))
-
-
-def _load_envelope(net: torch.nn.Module, envelope: tuple[float, float]) -> None:
-    """Put a trained checkpoint's latent-mean envelope into fme's buffers."""
-    low, high = envelope
-    for name, b in net.named_buffers():
-        if name.endswith("_gm_min"):
-            b.fill_(low)
-        elif name.endswith("_gm_max"):
-            b.fill_(high)
-
-
-def _lat_lon_degrees(cfg: FmeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The grid's latitudes and longitudes in degrees (fme's area weights follow them)."""
-    import numpy as np
-
-    if cfg.grid == "legendre-gauss":
-        lat = np.degrees(np.arcsin(np.polynomial.legendre.leggauss(cfg.nlat)[0]))
-    else:
-        lat = np.linspace(90.0, -90.0, cfg.nlat)
-    lon = np.arange(cfg.nlon) * 360.0 / cfg.nlon
-    return torch.tensor(lat.copy(), dtype=torch.float32), torch.tensor(lon, dtype=torch.float32)
-
-
-# ---------------------------------------------------------------------- fme's global state
-
-
-def _install_backend(topo: Topology, cfg: FmeConfig) -> Any:
-    """fme's ``Distributed`` singleton for this run: ``NonDistributed`` for the reference,
-    ``ModelTorchDistributed(h, w)`` on the harness's world for the ranks; each change is
-    pushed onto ``harness.adopt``'s undo stack."""
-    from fme.core.distributed import distributed as fme_distributed
-    from fme.core.distributed.distributed import Distributed
-    from fme.core.distributed.external.pnd_manager import DistributedManager
-
-    from harness._compat import reset_torch_harmonics_groups, restore_transposes
-
-    saved = (fme_distributed.singleton, Distributed._entered)
-
-    def restore_singleton() -> None:
-        setattr(fme_distributed, "singleton", saved[0])  # noqa: B010
-        Distributed._entered = saved[1]
-
-    on_undo(restore_singleton)
-    instance = Distributed.__new__(Distributed)
-    instance._seed = 0
-    instance._force_non_distributed = topo.spatial_group is None
-    if topo.spatial_group is None:
-        from fme.core.distributed.non_distributed import NonDistributed
-
-        instance._distributed = NonDistributed()
-    else:
-        from fme.core.distributed.model_torch_distributed import ModelTorchDistributed
-
-        restore_transposes()  # fme brings its own answer to gloo's all_to_all
-        reset_torch_harmonics_groups()
-        # fme's manager then skips init_process_group (and never destroys the harness's)
-        adopt_distributed_manager(topo, DistributedManager)
-        on_undo(_undo_fme_side_effects)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Distributed manager is already initialized")
-            instance._distributed = ModelTorchDistributed(h_size=cfg.h, w_size=cfg.w)
-    setattr(fme_distributed, "singleton", instance)  # noqa: B010
-    Distributed._entered = True
-    return instance
-
-
-def _undo_fme_side_effects() -> None:
-    """What ``ModelTorchDistributed.__init__`` changes beyond the manager: its gloo
-    ``all_to_all`` patch and torch-harmonics' groups (``thd.init``)."""
-    from fme.core.distributed import _gloo_patch
-
-    from harness._compat import reset_torch_harmonics_groups
-
-    if _gloo_patch._original_all_to_all is not None:
-        torch.distributed.all_to_all = _gloo_patch._original_all_to_all
-        _gloo_patch._original_all_to_all = None
-    reset_torch_harmonics_groups()
-
-
-def _check_groups(backend: Any, topo: Topology, cfg: FmeConfig) -> None:
-    """fme built its groups from its own (data, h, w) mesh: they must hold the ranks the
-    harness partitions for (the spatial and data groups, and the rows and columns of the
-    h x w grid as ``Topology.grid`` lays them out). As sets: fme places its blocks by its own
-    group ranks and reports them by global position, so an order of its own is no error."""
-    base = topo.data_rank * topo.spatial_size
-    p, a = divmod(topo.spatial_rank, cfg.w)
-    check_group(backend._spatial_group, topo, "fme's spatial group", of="spatial")
-    check_group(backend._data_group, topo, "fme's data group", of="data")
-    polar = [base + i * cfg.w + a for i in range(cfg.h)]
-    check_group(backend._h_group, topo, "fme's h (polar) group", of=polar)
-    azimuth = [base + p * cfg.w + j for j in range(cfg.w)]
-    check_group(backend._w_group, topo, "fme's w (azimuth) group", of=azimuth)
 
 
 def _area_weights(cfg: FmeConfig) -> torch.Tensor:
@@ -568,109 +297,6 @@ def _correct(out: torch.Tensor, options: dict[str, Any], ops: Any) -> torch.Tens
     gen = {name: out[:, i] for i, name in enumerate(names)}
     corrected = corrector({}, gen, {}, None).corrected
     return torch.stack([corrected[name] for name in names], dim=1)
-
-
-# ---------------------------------------------------------------------- faults
-
-
-def _patch_faults(faults: tuple[str, ...]) -> None:
-    """Break fme's own distributed path the way each fault says, on this rank only (undone
-    by ``teardown``)."""
-    from fme.core.distributed import _gloo_patch, model_torch_distributed
-    from fme.core.distributed.model_torch_distributed import (
-        ModelTorchDistributed,
-        _AutogradAllReduce,
-    )
-
-    cls = ModelTorchDistributed
-    on_undo(_FAULT_GROUPS.clear)
-    if "no-spatial-grad-hooks" in faults:
-        patch(cls, "_register_spatial_grad_hooks", lambda self, module: None)
-    if "reduce-sum-no-allreduce" in faults:
-        patch(cls, "spatial_reduce_sum", lambda self, tensor: tensor)
-    if "reduce-sum-summed-backward" in faults:
-
-        def summed_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-            grad = grad.clone()
-            torch.distributed.all_reduce(grad, group=_FAULT_GROUPS[0])
-            return grad, None
-
-        original_reduce = cls.spatial_reduce_sum
-
-        def reduce_sum(self: Any, tensor: torch.Tensor) -> torch.Tensor:
-            _FAULT_GROUPS[:] = [self._spatial_group]
-            reduced: torch.Tensor = original_reduce(self, tensor)
-            return reduced
-
-        patch(cls, "spatial_reduce_sum", reduce_sum)
-        patch(_AutogradAllReduce, "backward", staticmethod(summed_backward))
-    if "slices-swapped" in faults:
-        original = cls._get_local_spatial_shape
-
-        def mirrored(self: Any, h: int, w: int) -> Any:
-            self._h_rank, saved = self._h_size - 1 - self._h_rank, self._h_rank
-            try:
-                return original(self, h, w)
-            finally:
-                self._h_rank = saved
-
-        patch(cls, "_get_local_spatial_shape", mirrored)
-    if "all-to-all-peer-order" in faults:
-        exchange = _gloo_patch._gloo_all_to_all
-
-        def misfiled(outputs: list[torch.Tensor], inputs: list[torch.Tensor], **kw: Any) -> None:
-            exchange(outputs, inputs, **kw)
-            received = [t.clone() for t in outputs]
-            for i, out in enumerate(outputs):
-                nxt = received[(i + 1) % len(received)]
-                if nxt.shape == out.shape:
-                    out.copy_(nxt)
-
-        patch(_gloo_patch, "_gloo_all_to_all", misfiled)
-    if "no-gloo-alltoall-patch" in faults:
-        patch(model_torch_distributed, "patch_gloo_alltoall", lambda: None)
-    if "mesh-data-innermost" in faults:
-        from fme.core.distributed.external.pnd_manager import DistributedManager
-        from torch.distributed.device_mesh import DeviceMesh
-
-        def data_innermost(self: Any, mesh_shape: Any, mesh_dim_names: Any) -> Any:
-            _, h, w = mesh_shape  # fme asks for (-1, h, w) named ("data", "h", "w")
-            d = self.world_size // (h * w)
-            ranks = torch.arange(self.world_size).reshape(h, w, d).permute(2, 0, 1)
-            self._global_mesh = DeviceMesh("cpu", ranks, mesh_dim_names=mesh_dim_names)
-            self._mesh_dims = dict(zip(mesh_dim_names, (d, h, w), strict=True))
-            return self._global_mesh
-
-        patch(DistributedManager, "initialize_mesh", data_innermost)
-    if "inference-stale-forcing" in faults:
-        from fme.ace.stepper.single_module import Stepper
-
-        generate = Stepper.predict_generator
-
-        def stale_forcing(self: Any, ic: Any, forcing: Any, *args: Any, **kw: Any) -> Any:
-            first = {k: v[:, :1].expand_as(v) for k, v in forcing.items()}
-            return generate(self, ic, first, *args, **kw)
-
-        patch(Stepper, "predict_generator", stale_forcing)
-    if "inference-noise-per-rank" in faults:
-        from fme.ace.registry import stochastic_sfno
-        from fme.core.rand import use_generator
-
-        draw = stochastic_sfno.isotropic_noise
-
-        def per_rank(*args: Any, **kw: Any) -> torch.Tensor:
-            if torch.is_grad_enabled():  # training draws as fme does
-                noise: torch.Tensor = draw(*args, **kw)
-                return noise
-            seeded = torch.Generator().manual_seed(torch.distributed.get_rank())
-            with use_generator(seeded):
-                noise = draw(*args, **kw)
-            return noise
-
-        patch(stochastic_sfno, "isotropic_noise", per_rank)
-
-
-_FAULT_GROUPS: list[Any] = []
 
 
 # ---------------------------------------------------------------------- the main job

@@ -25,6 +25,7 @@ import pytest
 from harness._mutation.campaign import Killed, Reached, campaign
 from harness._mutation.catalogue import (
     Mutant,
+    MutantKind,
     Outcome,
     SiteStats,
     quantity_of,
@@ -204,9 +205,15 @@ def _fresh_request(item: pytest.Item) -> None:
 
 
 def _plain(o: Outcome) -> dict[str, object]:
-    return dataclasses.asdict(o)
+    """``o`` in built-in types, as a worker reports it to xdist's controller (execnet carries
+    no enum): the mutant's kind as its text."""
+    raw = dataclasses.asdict(o)
+    raw["mutant"]["kind"] = o.mutant.kind.value
+    return raw
 
 
 def _outcome(raw: dict[str, Any]) -> Outcome:
+    """The ``Outcome`` a worker reported (``_plain``), its kind a ``MutantKind`` again."""
+    mutant = Mutant(**{**raw["mutant"], "kind": MutantKind(raw["mutant"]["kind"])})
     fields = ("location", "killed_by", "quantity", "reason")
-    return Outcome(Mutant(**raw["mutant"]), *(raw[k] for k in fields))
+    return Outcome(mutant, *(raw[k] for k in fields))

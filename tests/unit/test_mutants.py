@@ -6,6 +6,7 @@ import pytest
 
 from harness._mutation.catalogue import (
     Mutant,
+    MutantKind,
     Outcome,
     Site,
     SiteStats,
@@ -81,6 +82,7 @@ def site(method: str = "allreduce", **kw: object) -> Site:
 )
 def test_each_kind_of_call_gets_the_bugs_seen_there(s, kinds):
     assert [m.kind for m in mutants_for(s)] == kinds
+    assert all(type(m.kind) is MutantKind for m in mutants_for(s))
     assert all(m.site == WHERE for m in mutants_for(s))
 
 
@@ -143,7 +145,7 @@ ZEROS = (
     ],
 )
 def test_a_mutant_that_cannot_change_anything_here_says_why(kind, s, reason):
-    assert cannot_matter(Mutant(WHERE, kind), s) == reason
+    assert cannot_matter(Mutant(WHERE, MutantKind(kind)), s) == reason
 
 
 @pytest.mark.parametrize(
@@ -174,7 +176,7 @@ def test_a_mutant_that_cannot_change_anything_here_says_why(kind, s, reason):
     ],
 )
 def test_a_mutant_that_can_matter_is_run(kind, s):
-    assert cannot_matter(Mutant(WHERE, kind), s) == ""
+    assert cannot_matter(Mutant(WHERE, MutantKind(kind)), s) == ""
 
 
 def test_an_unknown_method_gets_the_skip_mutant():
@@ -241,9 +243,13 @@ def test_same_data_needs_every_rank_to_agree():
 
 def test_the_table_names_killers_and_survivors_and_ends_with_the_score():
     outcomes = [
-        Outcome(Mutant(WHERE, "zero", "irecv"), "model.py:41", "test_a.py::test_x", "field"),
-        Outcome(Mutant(WHERE, "world", "all_reduce"), "model.py:41", reason="one group"),
-        Outcome(Mutant(WHERE, "skip", "isend"), "model.py:40", "test_a.py::test_y", "deadlock"),
+        Outcome(
+            Mutant(WHERE, MutantKind.ZERO, "irecv"), "model.py:41", "test_a.py::test_x", "field"
+        ),
+        Outcome(Mutant(WHERE, MutantKind.WORLD, "all_reduce"), "model.py:41", reason="one group"),
+        Outcome(
+            Mutant(WHERE, MutantKind.SKIP, "isend"), "model.py:40", "test_a.py::test_y", "deadlock"
+        ),
     ]
     assert table_rows(outcomes) == [
         ("skip isend", "model.py:40", "killed by test_a.py::test_y (deadlock)"),
@@ -252,9 +258,9 @@ def test_the_table_names_killers_and_survivors_and_ends_with_the_score():
     ]
     assert score_line(outcomes) == "spatial mutation score: 2/3 killed"
     more = [
-        Outcome(Mutant(WHERE, "skip"), "m.py:1", "t::a", "field, grad, loss"),
-        Outcome(Mutant(WHERE, "avg"), "m.py:1", "t::b", ""),
-        Outcome(Mutant(WHERE, "max"), "m.py:1"),
+        Outcome(Mutant(WHERE, MutantKind.SKIP), "m.py:1", "t::a", "field, grad, loss"),
+        Outcome(Mutant(WHERE, MutantKind.AVG), "m.py:1", "t::b", ""),
+        Outcome(Mutant(WHERE, MutantKind.MAX), "m.py:1"),
     ]
     assert [row[2] for row in table_rows(more)] == [
         "killed by t::b",
@@ -300,10 +306,10 @@ class _Worker:
 def test_a_mutant_killed_by_any_worker_is_killed_whichever_worker_reports_first(order):
     from harness.plugin.mutants import MutantSession
 
-    mutant = Mutant(WHERE, "rotate", "all_to_all_single")
+    mutant = Mutant(WHERE, MutantKind.ROTATE, "all_to_all_single")
     survived = Outcome(mutant, "model.py:41")
     killed = Outcome(mutant, "model.py:41", "test_b.py::test_y", "field")
-    other = Outcome(Mutant(WHERE, "skip", "all_to_all_single"), "model.py:41")
+    other = Outcome(Mutant(WHERE, MutantKind.SKIP, "all_to_all_single"), "model.py:41")
     reports = [[survived, other], [killed]]
     if order == "killer-first":
         reports.reverse()
@@ -312,3 +318,21 @@ def test_a_mutant_killed_by_any_worker_is_killed_whichever_worker_reports_first(
         session.pytest_testnodedown(_Worker(outcomes), None)
     assert sorted(session.outcomes, key=lambda o: o.mutant) == [killed, other]
     assert score_line(session.outcomes) == "spatial mutation score: 1/2 killed"
+
+
+def test_an_outcome_a_worker_reports_crosses_as_plain_text_and_comes_back_with_its_kind():
+    """xdist's controller carries built-in types only (execnet refuses an enum): the kind
+    crosses as its text and is a ``MutantKind`` again on the controller, equal and hashing
+    alike (the controller merges the workers' outcomes by mutant)."""
+    import execnet
+
+    from harness.plugin.mutants import _outcome, _plain
+
+    mutant = Mutant(WHERE, MutantKind.SWAP_SPLITS, "all_to_all_single")
+    outcome = Outcome(mutant, "model.py:41", "test_a.py::test_x", "field")
+    raw = _plain(outcome)
+    assert type(raw["mutant"]["kind"]) is str and raw["mutant"]["kind"] == "swap-splits"
+    back = _outcome(execnet.loads(execnet.dumps(raw)))  # as the controller receives it
+    assert back == outcome and {back.mutant: 1}.get(mutant) == 1
+    assert type(back.mutant.kind) is MutantKind
+    assert table_rows([back]) == table_rows([outcome])

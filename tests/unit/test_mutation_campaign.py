@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from harness._mutation.campaign import Killed, Reached, campaign
-from harness._mutation.catalogue import Mutant, Outcome, SiteStats
+from harness._mutation.catalogue import Mutant, MutantKind, Outcome, SiteStats
 from harness._mutation.mode import OFF, MutantMode, current, running
 from harness.report import EquivalenceReport
 
@@ -45,12 +45,14 @@ def test_each_mutant_reruns_the_checks_of_its_site_fastest_first_until_one_fails
     ]  # "world" never reruns: the group was the whole world (cannot_matter)
     # each rerun ran in its mutant's mode, with its check's limit, and only then
     assert [m for _, _, m in runs] == [
-        MutantMode(mutant=Mutant(WHERE, kind, "all_reduce"), timeout=10 * seconds)
+        MutantMode(mutant=Mutant(WHERE, MutantKind(kind), "all_reduce"), timeout=10 * seconds)
         for kind, seconds in [("skip", 0.5), ("avg", 0.5), ("avg", 2.0), ("max", 0.5), ("max", 2.0)]
     ]
     assert current() == OFF
     by_kind = {o.mutant.kind: o for o in outcomes}
-    assert by_kind["skip"] == Outcome(Mutant(WHERE, "skip", "all_reduce"), LOCATION, "fast", "grad")
+    assert by_kind["skip"] == Outcome(
+        Mutant(WHERE, MutantKind.SKIP, "all_reduce"), LOCATION, "fast", "grad"
+    )
     assert by_kind["avg"].killed_by == "slow"
     assert not by_kind["max"].killed and not by_kind["max"].reason
     assert by_kind["world"].reason.startswith("the group is the whole world")
@@ -87,7 +89,7 @@ def test_a_mutants_rerun_locates_nothing_even_when_asked():
 
     report = _failed_report()
     assert _should_locate(None, report) and _should_locate(True, report)
-    with running(MutantMode(mutant=Mutant(WHERE, "skip"))):
+    with running(MutantMode(mutant=Mutant(WHERE, MutantKind.SKIP))):
         assert not _should_locate(None, report)
         assert not _should_locate(True, report)
     with running(MutantMode(record=True)):  # the recording run is a check like any other
