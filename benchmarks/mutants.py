@@ -4,7 +4,7 @@
 
 The built-in layouts (those whose label contains ``-k``) run once as they are, recording
 their call sites; then every mutant reruns the checks that reached its site until one
-fails (``harness._mutation.equivalence.run_mutants``, what ``harness-check --mutants``
+fails (``harness.__main__.run_mutants``, what ``harness-check --mutants``
 does). Printed: the checks' own time, the mutant phase's, their ratio per mutant, and how
 often the pool had to start again (only after a mutant that hung or crashed a rank).
 Nothing asserts on timings.
@@ -21,15 +21,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import harness
 from harness import check_equivalence
-from harness.__main__ import configs
-from harness._mutation.equivalence import Check, run_mutants
+from harness.__main__ import Config, configs, run_mutants
 from harness.pool import RankPool
 
 
-def _once(checks: list[Check], pool: RankPool) -> None:
+def _once(checks: list[Config], pool: RankPool) -> None:
     for check in checks:
         check_equivalence(
-            check.make(), ranks=pool.world_size, spatial_size=check.spatial_size, pool=pool
+            check.case(), ranks=pool.world_size, spatial_size=check.spatial_size, pool=pool
         )
 
 
@@ -39,7 +38,7 @@ def main() -> None:
     parser.add_argument("-k", dest="select", default="")
     args = parser.parse_args()
     chosen = [c for c in configs(args.ranks) if args.select in c.label]
-    checks = [Check(c.label, c.case, c.spatial_size) for c in chosen]
+    checks = chosen
     with RankPool(args.ranks, start_method="forkserver", timeout=120) as pool:
         _once(checks, pool)  # warm every path once: not counted
         t0 = time.perf_counter()

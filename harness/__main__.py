@@ -30,15 +30,16 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness._mutation.catalogue import Outcome
 from harness.adapters import ModelAdapter, adapter_names, find_adapter
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError
 from harness.goldens import GoldenResult, GoldenStatus, GoldenStore, GoldenTally, check_report
-from harness.pool import PoolRegistry, check_oversubscription, keep_limits
+from harness.pool import PoolRegistry, RankPool, check_oversubscription, keep_limits
 from harness.report import EquivalenceReport, equivalence_table, format_table
 
 #: The goldens recorded for the main job, shipped inside the package.
@@ -368,7 +369,6 @@ def _mutants(args: argparse.Namespace, registry: PoolRegistry, source: ModelAdap
     the model's package (``source.preload``), each rerun until a layout's check fails."""
     import harness
     from harness._mutation.catalogue import score, score_line, table_rows
-    from harness._mutation.equivalence import Check, run_mutants
 
     chosen = [c for c in configs(args.ranks, args.model) if _selected(c.label, args.select)]
     include = [os.path.dirname(harness.__file__)]
@@ -381,8 +381,7 @@ def _mutants(args: argparse.Namespace, registry: PoolRegistry, source: ModelAdap
         "each must make a check fail",
         flush=True,
     )
-    checks = [Check(c.label, c.case, c.spatial_size) for c in chosen]
-    outcomes = run_mutants(checks, registry.get(args.ranks), include=include, timeout=args.timeout)
+    outcomes = run_mutants(chosen, registry.get(args.ranks), include=include, timeout=args.timeout)
     print()
     for line in format_table(("mutant", "call site", "verdict"), table_rows(outcomes)):
         print(line)
@@ -392,6 +391,58 @@ def _mutants(args: argparse.Namespace, registry: PoolRegistry, source: ModelAdap
     if low is not None and total and 100 * killed / total < low:
         return [f"mutation score {killed}/{total} is below --mutants-min-score {low:g}%"]
     return []
+
+
+#: a mutant's rerun of a check gets at most this many seconds (or the whole timeout, if less)
+RERUN_LIMIT = 30.0
+
+
+def run_mutants(
+    checks: Sequence[Config],
+    pool: RankPool,
+    *,
+    include: Sequence[str],
+    timeout: float = 120.0,
+    say: Callable[[str], None] = print,
+) -> list[Outcome]:
+    """Every mutant of every site the ``checks`` reach under the ``include`` directories,
+    killed by the first check that fails with it, or survived: the campaign of
+    ``harness._mutation.campaign`` over equivalence checks, without pytest (``pytest
+    --spatial-mutants`` runs the same campaign over a test suite, ``harness.plugin.mutants``).
+    Each check runs once as it is, its ranks recording the call sites they reach; then each
+    mutant of each site reruns the checks that reached it, fastest first, until one fails.
+    Same warm pool throughout: no pool start per mutant, unless a mutant's hang or crash
+    ended the processes."""
+    from harness._mutation.campaign import Killed, Reached, campaign, verdict
+    from harness._mutation.mode import RECORD, MutantMode, running
+
+    roots = tuple(os.path.abspath(d) + os.sep for d in include)
+    reached: Reached[Config] = Reached(lambda where: where.startswith(roots))
+    with running(RECORD):
+        for check in checks:
+            report = check_equivalence(
+                check.case(), ranks=pool.world_size, spatial_size=check.spatial_size,
+                pool=pool, timeout=timeout, locate=False,
+            )  # fmt: skip
+            if not report.ok:
+                say(f"  {check.label}: fails as it is ({', '.join(sorted(report.quantities))}): "
+                    "left out of the mutants")  # fmt: skip
+                continue
+            reached.add(check, report.seconds, pool.last_sites)
+
+    def rerun(check: Config, mode: MutantMode) -> Killed | None:
+        report = check_equivalence(
+            check.case(), ranks=pool.world_size, spatial_size=check.spatial_size,
+            pool=pool, timeout=mode.timeout or timeout, locate=False,
+        )  # fmt: skip
+        return None if report.ok else Killed(check.label, ", ".join(sorted(report.quantities)))
+
+    return campaign(
+        reached,
+        rerun,
+        timeout=lambda _: min(timeout, RERUN_LIMIT),
+        say=lambda o: say(f"  {o.mutant.label} at {o.location}: {verdict(o)}"),
+    )
 
 
 # ---------------------------------------------------------------------- faults

@@ -8,7 +8,7 @@ reason; any other reruns the checks that reached the site, fastest first, in the
 mode, until one fails (killed by it) or none does (SURVIVED).
 
 What a check is and how it reruns is the caller's: ``harness-check --mutants`` reruns an
-equivalence check (``harness._mutation.equivalence``), ``pytest --spatial-mutants`` a test
+equivalence check (``harness.__main__.run_mutants``), ``pytest --spatial-mutants`` a test
 item (``harness.plugin.mutants``); each passes its ``rerun``.
 
 No torch, no pytest.
