@@ -32,14 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.distribute
 
 import harness.rollout as rollout
 from harness import PoolRegistry, Tolerance, Topology, check_equivalence
-from harness.rollout import (
-    FACTOR,
-    MEMBERS,
-    SERIAL_THREADS,
-    _rollout_entry,
-    judge_rollout,
-    run_prediction,
-)
+from harness._rank.predict import _rollout_entry, run_prediction
+from harness.rollout import FACTOR, MEMBERS, SERIAL_THREADS, judge_rollout
 
 RANKS = 4
 

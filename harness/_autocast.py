@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harness._rank.predict import autocast_context
 from harness._records import FieldRecord, RunRecord
 from harness.compare import NUMERIC, Mismatch, Quantity, Tolerance
 from harness.errors import ConfigError
-from harness.rollout import _assemble, _flat, autocast_context
+from harness.rollout import _assemble, _flat
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase

@@ -13,7 +13,7 @@ from harness._samples import parse_rollout_name, rollout_name
 from harness.compare import Bound
 
 if TYPE_CHECKING:
-    from harness.rollout import RolloutRecord
+    from harness._rollout_record import RolloutRecord
 
 
 @dataclass(frozen=True)

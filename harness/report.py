@@ -20,8 +20,8 @@ from harness.compare import NUMERIC, Mismatch, Quantity, QuantityStats, Toleranc
 from harness.errors import EquivalenceFailure
 
 if TYPE_CHECKING:
+    from harness._rollout_record import RolloutRecord
     from harness.divergence import Divergence, Location
-    from harness.rollout import RolloutRecord
 
 
 class SummaryRow(TypedDict, total=False):

@@ -14,34 +14,56 @@ fails there when its own distance exceeds ``FACTOR`` times that spread and the c
 fixed field tolerance (which covers the first steps, where a field that hardly depends on
 its inputs has a spread of ~0).
 
-Rank-side code: imports no pytest.
+What runs ``predict`` (here, in the ensemble and on the ranks) is the rank side's,
+``harness._rank.predict``; what a check found, ``RolloutRecord``, lives in
+``harness._rollout_record`` below the report that holds it; both are importable from here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harness._records import FieldRecord, StepRecord, map_tensors
+from harness._rank.predict import (
+    NUDGE_ULPS,
+    _rollout_entry,
+    autocast_context,
+    run_prediction,
+)
+from harness._records import FieldRecord, StepRecord
+from harness._rollout_record import RolloutPoint, RolloutRecord
 from harness.compare import Bound, Mismatch, Quantity
 from harness.errors import ConfigError
 from harness.topology import Topology
 
 if TYPE_CHECKING:
     from harness._checks import Judge
-    from harness._samples import RolloutSamples
     from harness.case import SpatialCase
     from harness.pool import Runner
 
-#: each member's nudge: every floating value times (1 +- NUDGE_ULPS * eps), as ``harness._locate``
-NUDGE_ULPS = 4.0
+__all__ = [
+    "FACTOR",
+    "MEMBERS",
+    "NUDGE_ULPS",
+    "RolloutPoint",
+    "RolloutRecord",
+    "autocast_context",
+    "check_rollout",
+    "judge_rollout",
+    "plot_rollout",
+    "rollout_steps",
+    "run_prediction",
+]
+
+# the records' home for users, pickles and reprs is this module (``harness`` exports them;
+# ``tests/unit/test_layers.py``: an exported name lives in a public module)
+for _public in (RolloutPoint, RolloutRecord):
+    _public.__module__ = __name__
+
 #: Ensemble members (nudged reruns of the reference) that measure the rounding spread. Fewer
 #: members see less of it: over 150 steps (benchmarks/rollout_cost.py, remeasured 2026-12-05)
 #: the spread of one member dipped at some step to 0.11x that of eight, of two to 0.34x, of
@@ -73,220 +95,6 @@ SERIAL_THREADS = 1
 #: sequential vs overlapped), and at load 7 it saved ~1 s of 9.4 (the serial part);
 #: docs/rollouts.md, "Cost".
 OVERLAP = True
-
-
-# ---------------------------------------------------------------------- records
-
-
-@dataclass
-class RolloutPoint:
-    """One step and field of a rollout: how far the partitioned run is from the reference
-    (``error``, max abs), how far rounding alone took the ensemble (``spread``), the bound
-    (``envelope``) and ``ratio = error / spread``."""
-
-    step: int
-    name: str
-    error: float
-    spread: float
-    envelope: float
-    scale: float  # the reference's max abs at this step (for a relative reading)
-
-    @property
-    def ratio(self) -> float:
-        if self.spread > 0:
-            return self.error / self.spread
-        return 0.0 if self.error == 0 else math.inf
-
-    @property
-    def divergent(self) -> bool:
-        return not (self.error <= self.envelope)  # NaN is divergent
-
-
-@dataclass
-class RolloutRecord:
-    """What a rollout check found: every step's error curve, the first divergent step."""
-
-    steps: int
-    members: int
-    factor: float
-    autocast: str = ""
-    curve: list[RolloutPoint] = field(default_factory=list)
-    mismatches: list[Mismatch] = field(default_factory=list)
-    not_compared: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    serial_seconds: float = 0.0  # of ``seconds``: the reference and its nudged reruns
-    #: the reference's rollout as a golden stores it (``harness._samples.RolloutSamples``)
-    samples: RolloutSamples | None = None
-
-    @property
-    def first(self) -> RolloutPoint | None:
-        """The first divergent step (the earliest field of it, in the reference's order)."""
-        return next((p for p in self.curve if p.divergent), None)
-
-    def field_curve(self, name: str) -> list[RolloutPoint]:
-        return [p for p in self.curve if p.name == name]
-
-    def lines(self) -> list[str]:
-        first = self.first
-        out = []
-        if first is not None:
-            ratio = "inf" if math.isinf(first.ratio) else f"{first.ratio:.3g}"
-            out.append(
-                f"First divergent step: step {first.step} of {self.steps}, field "
-                f"'{first.name}': max abs {first.error:.3g}, {ratio}x the rounding spread "
-                f"({first.spread:.3g} over {self.members} nudged reruns; bound "
-                f"{self.factor:g}x, at least the check's field tolerance {first.envelope:.3g})"
-            )
-        elif self.curve:
-            worst = max(self.curve, key=lambda p: p.ratio if p.spread > 0 else 0.0)
-            out.append(
-                f"Rollout: {self.steps} steps within {self.factor:g}x the rounding spread of "
-                f"{self.members} nudged reruns (worst {worst.ratio:.2g}x at step {worst.step}, "
-                f"field '{worst.name}')"
-            )
-        out += [f"Not compared: {n}" for n in self.not_compared]
-        return out
-
-
-# ---------------------------------------------------------------------- running predict
-
-
-def autocast_context(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
-    """``torch.autocast`` on the CPU at ``dtype``, or nothing."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=dtype)
-
-
-def _nudged(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-        return t
-    real = {torch.complex128: torch.float64, torch.complex64: torch.float32}.get(t.dtype, t.dtype)
-    sign = torch.randint(0, 2, t.shape, generator=generator).to(real) * 2 - 1
-    return t * (1 + NUDGE_ULPS * torch.finfo(real).eps * sign)
-
-
-class _Nudge:
-    """One ensemble member: its inputs (the parameters as built, the batch) nudged once.
-
-    Only the inputs: nudging every module's input at every call too (as locating does for
-    one step) made the spread of the Lorenz-96 ring 2-3x wider still, while the partitioned
-    run's own rounding is already 5-100x inside the input-only spread there; the looser
-    envelope would only hide bugs."""
-
-    def __init__(self, member: int) -> None:
-        self.generator = torch.Generator().manual_seed(20_261_204 + 7919 * member)
-        self.handles: list[Any] = []
-
-    def attach(self, model: torch.nn.Module) -> None:
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.is_floating_point():
-                    p.copy_(_nudged(p, self.generator))
-
-    def batch(self, batch: Any) -> Any:
-        return map_tensors(batch, lambda t: _nudged(t, self.generator))
-
-    def detach(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-
-
-def run_prediction(
-    case: SpatialCase,
-    topo: Topology,
-    steps: int,
-    seed: int,
-    *,
-    member: int | None = None,
-    autocast: torch.dtype | None = None,
-    progress: Callable[[str, int | None], None] | None = None,
-) -> list[dict[str, FieldRecord]]:
-    """Build the case (seeded as a check's build), take step 0's batch, and roll out
-    ``steps`` steps with ``case.predict`` in eval mode under ``torch.no_grad()`` (and
-    ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge.
-    Leaves the caller's RNG states, default dtype and grad mode as it found them."""
-    from harness._declared import _check_batch, _check_model
-    from harness._rank.run import _mark_phase, _seed, _step_seed
-    from harness._rank.state import CallerState
-
-    saved = CallerState.save()
-    if case.dtype is not None:
-        torch.set_default_dtype(case.dtype)
-    model: torch.nn.Module | None = None
-    nudge = None if member is None else _Nudge(member)
-    phase = "rollout build"
-    try:
-        if progress is not None:
-            progress(phase, None)
-        _seed(seed)
-        model = _check_model(case, case.build(topo))
-        model.eval()
-        _seed(_step_seed(seed, 0))
-        batch = _check_batch(case, case.batch(topo, 0), 0)
-        if nudge is not None:
-            nudge.attach(model)
-            batch = nudge.batch(batch)
-        phase = "rollout predict"
-        if progress is not None:
-            progress(phase, None)
-        with torch.no_grad(), autocast_context(autocast):
-            out = case.predict(model, batch, topo, steps)
-        records = _step_records(case, out, steps)
-        phase = "teardown"
-        case.teardown(model, topo)
-        return records
-    except BaseException as exc:
-        _mark_phase(exc, phase)
-        if phase != "teardown":
-            with contextlib.suppress(Exception):
-                case.teardown(model, topo)
-        raise
-    finally:
-        if nudge is not None:
-            nudge.detach()
-        saved.restore()
-
-
-def _step_records(case: SpatialCase, out: Any, steps: int) -> list[dict[str, FieldRecord]]:
-    from harness._declared import _field_record
-
-    where = f"{case.label}.predict"
-    if not isinstance(out, (list, tuple)):
-        raise ConfigError(
-            f"{where} returned a {type(out).__name__}; return a list with one "
-            "{name: Shard | tensor} dict per step of the rollout"
-        )
-    if len(out) != steps:
-        raise ConfigError(
-            f"{where} returned {len(out)} step(s) for a rollout of {steps}; return one "
-            "{name: Shard | tensor} dict per step (steps numbered from 0)"
-        )
-    records = []
-    for k, fields in enumerate(out):
-        if not isinstance(fields, dict) or not fields:
-            got = "an empty dict" if isinstance(fields, dict) else f"a {type(fields).__name__}"
-            raise ConfigError(
-                f"{where}: step {k} of the rollout is {got}; give each step a non-empty "
-                "{name: Shard | tensor} dict of its fields"
-            )
-        records.append({str(n): _field_record(case, str(n), v) for n, v in fields.items()})
-    return records
-
-
-def _rollout_entry(
-    case: SpatialCase,
-    spatial_size: int | None,
-    steps: int,
-    seed: int,
-    autocast: torch.dtype | None,
-) -> list[dict[str, FieldRecord]]:
-    """What every rank of the pool runs for a rollout (module level: the pool pickles it)."""
-    from harness.pool import report_progress
-
-    topo = Topology.create(spatial_size)
-    return run_prediction(case, topo, steps, seed, autocast=autocast, progress=report_progress)
 
 
 # ---------------------------------------------------------------------- judging

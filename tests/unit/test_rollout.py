@@ -255,7 +255,7 @@ def test_factor_and_ratio_are_the_documented_ones():
 def test_a_members_batch_is_nudged_in_every_floating_tensor_and_nothing_else():
     from dataclasses import dataclass
 
-    from harness.rollout import _Nudge
+    from harness._rank.predict import _Nudge
 
     @dataclass
     class Batch:

@@ -1,0 +1,84 @@
+"""What a rollout check found (``RolloutRecord``, one ``RolloutPoint`` per step and field):
+kept apart from the check (``harness.rollout``, where users import them) so that the report,
+which holds one, sits below the checks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from harness.compare import Mismatch
+
+if TYPE_CHECKING:
+    from harness._samples import RolloutSamples
+
+
+@dataclass
+class RolloutPoint:
+    """One step and field of a rollout: how far the partitioned run is from the reference
+    (``error``, max abs), how far rounding alone took the ensemble (``spread``), the bound
+    (``envelope``) and ``ratio = error / spread``."""
+
+    step: int
+    name: str
+    error: float
+    spread: float
+    envelope: float
+    scale: float  # the reference's max abs at this step (for a relative reading)
+
+    @property
+    def ratio(self) -> float:
+        if self.spread > 0:
+            return self.error / self.spread
+        return 0.0 if self.error == 0 else math.inf
+
+    @property
+    def divergent(self) -> bool:
+        return not (self.error <= self.envelope)  # NaN is divergent
+
+
+@dataclass
+class RolloutRecord:
+    """What a rollout check found: every step's error curve, the first divergent step."""
+
+    steps: int
+    members: int
+    factor: float
+    autocast: str = ""
+    curve: list[RolloutPoint] = field(default_factory=list)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    not_compared: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    serial_seconds: float = 0.0  # of ``seconds``: the reference and its nudged reruns
+    #: the reference's rollout as a golden stores it (``harness._samples.RolloutSamples``)
+    samples: RolloutSamples | None = None
+
+    @property
+    def first(self) -> RolloutPoint | None:
+        """The first divergent step (the earliest field of it, in the reference's order)."""
+        return next((p for p in self.curve if p.divergent), None)
+
+    def field_curve(self, name: str) -> list[RolloutPoint]:
+        return [p for p in self.curve if p.name == name]
+
+    def lines(self) -> list[str]:
+        first = self.first
+        out = []
+        if first is not None:
+            ratio = "inf" if math.isinf(first.ratio) else f"{first.ratio:.3g}"
+            out.append(
+                f"First divergent step: step {first.step} of {self.steps}, field "
+                f"'{first.name}': max abs {first.error:.3g}, {ratio}x the rounding spread "
+                f"({first.spread:.3g} over {self.members} nudged reruns; bound "
+                f"{self.factor:g}x, at least the check's field tolerance {first.envelope:.3g})"
+            )
+        elif self.curve:
+            worst = max(self.curve, key=lambda p: p.ratio if p.spread > 0 else 0.0)
+            out.append(
+                f"Rollout: {self.steps} steps within {self.factor:g}x the rounding spread of "
+                f"{self.members} nudged reruns (worst {worst.ratio:.2g}x at step {worst.step}, "
+                f"field '{worst.name}')"
+            )
+        out += [f"Not compared: {n}" for n in self.not_compared]
+        return out
