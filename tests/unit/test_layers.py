@@ -171,6 +171,54 @@ def test_the_rank_side_reaches_nothing_of_the_parent_side():
     assert {m: r for m, r in found.items() if r} == {}
 
 
+#: the wings that must never reach others (docs/architecture.md, "Wings" and "Layers"):
+#: (what, its modules, what it must not reach, why); a module name ending in "." is a package
+WALLS = [
+    (
+        "the verdict",
+        {"harness.report", "harness._checks.", "harness._records", "harness._vacuous",
+         "harness._rollout_record", "harness._samples"},
+        {"harness.equivalence", "harness.rollout", "harness.layouts", "harness.goldens",
+         "harness._autocast"},
+        "judging and the report sit below the checks that produce them",
+    ),
+    (
+        "the mutation wing",
+        {"harness._mutation."},
+        {"harness.equivalence", "harness.pool", "harness._run", "harness.plugin."},
+        "the rank side calls its injector: its callers live with the faces",
+    ),
+    (
+        "the shared protocol",
+        {"harness._deadlock", "harness._board", "harness._events"},
+        {"harness.pool", "harness._processes", "harness._run", "harness._watch", "harness._rank."},
+        "parent and ranks both speak it; it belongs to neither",
+    ),
+    (
+        "everything but the plugin",
+        {"harness."},
+        {"harness.plugin."},
+        "nothing imports the pytest face (pytest loads it as an entry point)",
+    ),
+]  # fmt: skip
+
+
+def _in(module: str, names: set[str]) -> bool:
+    """``module`` is one of ``names``, or of a package there named with a trailing dot."""
+    return any(
+        module == n.rstrip(".") or (n.endswith(".") and module.startswith(n)) for n in names
+    )
+
+
+@pytest.mark.parametrize(("what", "inside", "outside", "why"), WALLS, ids=[w[0] for w in WALLS])
+def test_a_wing_reaches_nothing_beyond_its_wall(what, inside, outside, why):
+    graph = import_graph()
+    members = [m for m in graph if _in(m, inside) and not _in(m, outside)]
+    assert members, f"{what}: no module matched {sorted(inside)}"
+    found = {m: sorted(r for r in _reachable(graph, m) if _in(r, outside)) for m in members}
+    assert {m: r for m, r in found.items() if r} == {}, why
+
+
 def test_no_module_of_the_rank_side_imports_pytest():
     """Code that runs in a rank process never imports pytest (a rank must run under
     torchrun or srun without it, and pytest's import hooks have no business there)."""
