@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from harness._golden_rollout import StepBound, _in_order
+from harness._golden_rollout import StepBound
+from harness._samples import in_golden_order
 from harness.compare import Bound, compare_tensors
 
 
@@ -82,11 +83,11 @@ class GoldenChange:
         """``steps``: the rollout's tensors, changed when over their step's bound (said in
         brackets: how many times the bound)."""
         if old is None:  # a new golden, or one that could not be read
-            return cls(added=tuple(_in_order(new)), unreadable=unreadable)
+            return cls(added=tuple(in_golden_order(new)), unreadable=unreadable)
         steps = steps or {}
         changed, kinds, unchanged = [], [], 0
         largest: tuple[str, float, float] | None = None
-        for name in _in_order(new.keys() & old.keys()):
+        for name in in_golden_order(new.keys() & old.keys()):
             step = steps.get(name)
             d = compare_tensors(
                 new[name], old[name], bound if step is None else step.bound, allow_nonfinite=True
@@ -104,8 +105,8 @@ class GoldenChange:
                 unchanged += 1
         return cls(
             changed=tuple(changed),
-            added=tuple(_in_order(new.keys() - old.keys())),
-            removed=tuple(_in_order(old.keys() - new.keys())),
+            added=tuple(in_golden_order(new.keys() - old.keys())),
+            removed=tuple(in_golden_order(old.keys() - new.keys())),
             unchanged=unchanged,
             largest=largest,
             kinds=tuple(kinds),

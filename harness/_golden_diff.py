@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from harness._golden_rollout import StepBound, _in_order, _rollout_length
-from harness._samples import ROLLOUT_PREFIX
+from harness._golden_rollout import StepBound
+from harness._samples import ROLLOUT_PREFIX, in_golden_order, rollout_length
 from harness.compare import Bound, compare_tensors, nonfinite_counts, nonfinite_text
 
 #: what a golden records of the software it was recorded with, and of the layout
@@ -40,9 +40,9 @@ def diff_tensors(
     # long: one pass over the names: missing, extra, shape, dtype, values, a row each
     steps = steps or {}
     lines = []
-    missing = _in_order(golden.keys() - actual.keys())
-    extra = _in_order(actual.keys() - golden.keys())
-    ran, recorded = _rollout_length(actual), _rollout_length(golden)
+    missing = in_golden_order(golden.keys() - actual.keys())
+    extra = in_golden_order(actual.keys() - golden.keys())
+    ran, recorded = rollout_length(actual), rollout_length(golden)
     if ran and not recorded:
         extra = [n for n in extra if not n.startswith(ROLLOUT_PREFIX)]
         lines.append(
@@ -65,7 +65,7 @@ def diff_tensors(
     if not allow_nonfinite:
         lines += _nonfinite_lines(golden, "the golden holds")
         lines += _nonfinite_lines(actual, "this run produced")
-    for name in _in_order(actual.keys() & golden.keys()):
+    for name in in_golden_order(actual.keys() & golden.keys()):
         step = steps.get(name)
         d = compare_tensors(
             actual[name], golden[name], bound if step is None else step.bound, allow_nonfinite=True

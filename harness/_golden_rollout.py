@@ -1,15 +1,14 @@
 """Rollout goldens: the bound each stored step and field of a rollout is judged by
-(``StepBound``, from today's rollout: ``rollout_bounds``), and the order and length of the
-rollout part of a golden's names. The policy that uses them is ``harness.goldens``.
+(``StepBound``, from today's rollout: ``rollout_bounds``). The policy that uses it is
+``harness.goldens``; the names of a rollout's tensors are ``harness._samples``'.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from harness._samples import parse_rollout_name, rollout_name
+from harness._samples import rollout_name
 from harness.compare import Bound
 
 if TYPE_CHECKING:
@@ -73,19 +72,3 @@ def rollout_bounds(record: RolloutRecord, field_bound: Bound) -> dict[str, StepB
                 field_bound.atol + field_bound.rtol * p.scale,
             )
     return out
-
-
-def _rollout_length(names: Iterable[str]) -> int:
-    """The rollout steps a set of golden names holds (its last stored step is the last)."""
-    steps = [s for s, _ in filter(None, map(parse_rollout_name, names))]
-    return max(steps) + 1 if steps else 0
-
-
-def _in_order(names: Iterable[str]) -> list[str]:
-    """Names sorted, a rollout's by step (``step2`` before ``step16``), after the rest."""
-
-    def key(name: str) -> tuple[int, int, str]:
-        parsed = parse_rollout_name(name)
-        return (0, 0, name) if parsed is None else (1, parsed[0], parsed[1])
-
-    return sorted(names, key=key)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +80,22 @@ def parse_rollout_name(name: str) -> tuple[int, str] | None:
     """``(step, field)`` of a rollout golden's tensor name; ``None`` for any other name."""
     m = _ROLLOUT_NAME.match(name)
     return None if m is None else (int(m["step"]), m["field"])
+
+
+def rollout_length(names: Iterable[str]) -> int:
+    """The rollout steps a set of golden names holds (its last stored step is the last)."""
+    steps = [s for s, _ in filter(None, map(parse_rollout_name, names))]
+    return max(steps) + 1 if steps else 0
+
+
+def in_golden_order(names: Iterable[str]) -> list[str]:
+    """Names sorted, a rollout's by step (``step2`` before ``step16``), after the rest."""
+
+    def key(name: str) -> tuple[int, int, str]:
+        parsed = parse_rollout_name(name)
+        return (0, 0, name) if parsed is None else (1, parsed[0], parsed[1])
+
+    return sorted(names, key=key)
 
 
 @dataclass(frozen=True)
