@@ -630,6 +630,15 @@ def test_a_deadlock_fails_before_the_timeout_the_next_test_passes_and_no_rank_su
     assert _wait_gone(tag) == []
 
 
+#: pytest as a terminal starts it, with Ctrl-C live: a shell that runs CI in the background
+#: (``.ci/run &``) starts it with SIGINT ignored, every process below inherits that, and
+#: Python then installs no KeyboardInterrupt handler (this test waited for ever there)
+LIVE_CTRL_C = (
+    "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.exit(pytest.console_main())"
+)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_or_a_cancelled_job_leaves_no_rank_and_no_directory_behind(pytester, sig):
     # a timeout no loaded runner reaches before the signal: the run is interrupted, not over
@@ -639,7 +648,7 @@ def test_ctrl_c_or_a_cancelled_job_leaves_no_rank_and_no_directory_behind(pytest
     log = pytester.path / "session.log"  # a file, not a pipe nobody reads while we wait
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_hang.py"],
+            [sys.executable, "-c", LIVE_CTRL_C, "-p", "no:cacheprovider", "test_hang.py"],
             cwd=pytester.path,
             env={**_tag_env(tag), "TMPDIR": str(tmp)},
             stdout=out,
