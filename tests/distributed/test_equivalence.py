@@ -159,9 +159,8 @@ def test_a_skipped_collective_becomes_a_deadlock_mismatch_with_the_waiting_stack
         SkipsCollectiveWhenEmpty(), ranks=4, timeout=60, pool=spatial.pool(4)
     )
     assert report.quantities == {"deadlock"}  # found by the watch, long before the timeout
-    # plain text, not an enum: a report's rows travel to xdist's controller, which can
-    # only carry built-in types
-    assert all(type(m.quantity) is str for m in report.mismatches)
+    # the summary row travels to xdist's controller, which carries built-in types only
+    assert all(type(q) is str for q in report.summary_row()["problems"])
     first = report.mismatches[0]
     assert first.rank == 3 and first.where.startswith("returned after")  # the culprit
     assert "never entered" in first.where
