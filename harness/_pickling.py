@@ -16,7 +16,7 @@ from typing import Any
 from harness.errors import PicklingProblem
 
 
-def _dump_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+def dump_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     """Pickle a call for the ranks, turning pickling failures into advice."""
     if not callable(fn):
         raise PicklingProblem(f"pool.run needs a callable, got {type(fn).__name__}")

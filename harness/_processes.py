@@ -29,7 +29,7 @@ from harness._rank.loop import _worker_main
 from harness.errors import RankCrash, RankProblem
 
 
-class _Processes:
+class Processes:
     """The rank processes of one start of a pool, as a ``Run`` sees them (``_watch.Ranks``):
     their pipes, sentinels, probe pipes, board and logs, and a way to kill them all."""
 
@@ -223,7 +223,7 @@ class RankLogs:
 
 
 @contextlib.contextmanager
-def _no_main_module() -> Any:
+def no_main_module() -> Any:
     """Hide ``__main__`` from multiprocessing while ranks start.
 
     spawn re-runs the parent's main script in every child, which fails for ``python -`` or

@@ -38,12 +38,12 @@ from harness._compat import stop_forkserver
 from harness._events import RunCall, send
 from harness._mutation.catalogue import SiteStats
 from harness._mutation.mode import current as mutant_mode
-from harness._pickling import _dump_call
+from harness._pickling import dump_call
 from harness._processes import (
+    Processes,
     ProgressWatch,
     RankLogs,
-    _no_main_module,
-    _Processes,
+    no_main_module,
     process_progress,
     rank_memory,
 )
@@ -163,7 +163,7 @@ class RankPool:
         self.starts = 0  # how many times the processes were (re)started
         self.runs = 0
         self.last_outputs: list[str] = [""] * world_size
-        self._ranks: _Processes | None = None
+        self._ranks: Processes | None = None
         self._busy = False  # a run is under way (its ranks are not idle)
         # After a run that every rank finished cleanly, the next run reuses its process group
         # and cached subgroups (saves ~50 ms a run, more with many subgroups); after any
@@ -219,8 +219,8 @@ class RankPool:
             # the server has it already).
             ctx.set_forkserver_preload(["harness._rank.preload", *self.preload])
         workdir = tempfile.mkdtemp(prefix=f"harness-pool{self.world_size}-")
-        self._ranks = _Processes(self.world_size, workdir)
-        with _no_main_module():
+        self._ranks = Processes(self.world_size, workdir)
+        with no_main_module():
             self._ranks.spawn(ctx, os.getpid(), self.backend, self.preload)
         self._ranks.await_ready(ProgressWatch(START_STALL, fallback=START_TIMEOUT))
         self.starts += 1
@@ -256,7 +256,7 @@ class RankPool:
         but was never waited on is not a failure: it is warned about (``UnwaitedWork``).
         """
         __tracebackhide__ = True
-        payload = _dump_call(fn, args, kwargs)
+        payload = dump_call(fn, args, kwargs)
         timeout = (
             self.timeout
             if timeout is None
