@@ -436,9 +436,16 @@ def torch_dir() -> str:
 
 
 TRACKER = Tracker()
-#: ``Work``'s own methods, for the watcher's waits that must not count as the caller's
-_ORIGINAL_IS_COMPLETED: Callable[..., bool] = bool
-_ORIGINAL_WAIT: Callable[..., bool] = bool
+
+
+def _not_installed(*_: object) -> bool:
+    raise RuntimeError("harness._rank.intercept.install() has not run")
+
+
+#: ``Work``'s own methods (after ``install``), for the watcher's waits that must not count
+#: as the caller's; before it, a call raises, which both callers take as "not waiting"
+_ORIGINAL_IS_COMPLETED: Callable[..., bool] = _not_installed
+_ORIGINAL_WAIT: Callable[..., bool] = _not_installed
 _INSTALLED = threading.Lock()
 _DONE = False
 
