@@ -375,6 +375,18 @@ def _verify_group(run_id: int, world: int) -> tuple[bool, str]:
     return True, ""
 
 
+def _could_not_join(exc: Exception) -> dict[str, Any]:
+    """What a rank that failed to join the run's process group reports. Joining is the
+    harness's work, not the user's: its frames stay out (``user_traceback``), and the
+    summary keeps torch's message, so a rank that lost a peer still forming the group
+    (one that joined, raised at once and left) reads as the consequence it is
+    (``PEER_LOST``), listed after the rank that failed first."""
+    return {
+        "summary": f"could not join the process group: {exception_summary(exc)}",
+        "detail": user_traceback(exc),
+    }
+
+
 def _run_one(
     rank: int, world: int, call: RunCall, backend: str, tracker: Tracker
 ) -> tuple[bool, dict[str, Any]]:
@@ -394,7 +406,7 @@ def _run_one(
             "summary": f"could not load the rank function on rank {rank}: {exc!r}. "
             "Rank processes import it by module and name: define it at module level "
             "in an importable module.",
-            "detail": traceback.format_exc(),
+            "detail": user_traceback(exc),
         }
     if not (call.reuse and dist.is_initialized()):
         _end_group()
@@ -410,7 +422,7 @@ def _run_one(
             )
         except Exception as exc:  # noqa: BLE001 - e.g. a peer that failed at once and left
             _end_group()
-            return False, {"summary": exception_summary(exc), "detail": traceback.format_exc()}
+            return False, _could_not_join(exc)
     tracker.begin(call.mutation)
     try:
         result = fn(*args, **kwargs)
@@ -450,7 +462,7 @@ def _run_one(
             "summary": f"PicklingProblem: rank {rank} returned a {type(result).__module__}."
             f"{type(result).__qualname__} that cannot be pickled ({exc}); return tensors, "
             "numbers, lists or dicts of them",
-            "detail": traceback.format_exc(),
+            "detail": user_traceback(exc),
             "report": report,
         }
     return True, {"result": data, "report": report}

@@ -79,3 +79,41 @@ def test_the_dtype_watch_names_the_stepper_line_of_a_collective():
 def test_the_user_site_of_a_users_model_is_its_own_line():
     frame = _stack([START, RANK, RUN_CASE, USER, COLLECTIVES])
     assert _frames.user_site(frame) == ("model.py:4", "collectives.py:4")
+
+
+#: what a rank printed in CI when its peer joined the group, raised at once and left
+GLOO_PEER_LEFT = (
+    "Gloo connectFullMesh failed with [gloo/transport/tcp/pair.cc:553] Connection closed by "
+    "peer [127.0.0.1]:20688. This is typically caused by a remote worker crashing."
+)
+
+
+def test_a_rank_that_could_not_join_its_group_reports_torchs_message_not_the_rank_loop(
+    monkeypatch, tmp_path
+):
+    """A rank still forming the group when a peer raised and left fails inside
+    ``init_process_group``: the harness's work, so no frame of the rank's loop is shown, and
+    the problem reads as a lost peer, ordered after the rank that failed first."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from harness._events import RunCall
+    from harness._rank import loop
+    from harness.errors import RankProblem, failure_from
+
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(GLOO_PEER_LEFT)
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    payload = pickle.dumps(([], pickle.dumps((print, (), {}))))
+    call = RunCall(1, payload, str(tmp_path / "store"), [], timeout=1.0, reuse=False)
+    ok, fields = loop._run_one(0, 4, call, "gloo", _intercept.Tracker())
+    assert not ok
+    assert fields["summary"] == f"could not join the process group: RuntimeError: {GLOO_PEER_LEFT}"
+    assert GLOO_PEER_LEFT in fields["detail"]
+    assert RANK not in fields["detail"]
+    assert "Traceback" in fields["detail"]  # the frames that are not the harness's stay
+    cause = RankProblem(2, "error", "ValueError: halo of the wrong width")
+    failure = failure_from([RankProblem(0, "error", **fields), cause], world=4, timeout=60)
+    assert str(failure).startswith("rank 2/4 raised ValueError: halo of the wrong width")

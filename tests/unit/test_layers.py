@@ -205,9 +205,7 @@ WALLS = [
 
 def _in(module: str, names: set[str]) -> bool:
     """``module`` is one of ``names``, or of a package there named with a trailing dot."""
-    return any(
-        module == n.rstrip(".") or (n.endswith(".") and module.startswith(n)) for n in names
-    )
+    return any(module == n.rstrip(".") or (n.endswith(".") and module.startswith(n)) for n in names)
 
 
 @pytest.mark.parametrize(("what", "inside", "outside", "why"), WALLS, ids=[w[0] for w in WALLS])
