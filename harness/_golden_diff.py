@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from harness._golden_rollout import StepBound
@@ -91,19 +92,11 @@ def _nonfinite_lines(tensors: Mapping[str, torch.Tensor], who: str) -> list[str]
         t = tensors[name]
         nan, inf, first = nonfinite_counts(t)
         if first is not None:
-            at = str(tuple(int(i) for i in _unravel(first, t.shape)))  # () when 0-d
+            at = str(tuple(int(i) for i in np.unravel_index(first, tuple(t.shape))))  # () if 0-d
             lines.append(
                 f"  {name}: {who} {nonfinite_text(nan, inf)} of {t.numel()} (first at {at})"
             )
     return lines
-
-
-def _unravel(flat: int, shape: torch.Size) -> list[int]:
-    out = []
-    for size in reversed(shape):
-        flat, i = divmod(flat, size)
-        out.append(i)
-    return out[::-1]
 
 
 def recorded_elsewhere(recorded: Mapping[str, Any], running: Mapping[str, Any]) -> list[str]:
