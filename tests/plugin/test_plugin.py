@@ -783,6 +783,33 @@ def test_a_rank_failure_is_reported_without_the_harness_own_frames(pytester):
         assert f"harness/{plumbing}" not in out, plumbing
 
 
+def test_a_module_the_ranks_cannot_import_is_reported_with_its_own_frames_only(pytester):
+    """The ranks load the test's module by its file; when that raises on a rank (here: only
+    in a process that multiprocessing started), the rank says it could not load the function,
+    and its traceback is the module's, not the rank loop's that loaded it."""
+    pytester.makepyfile(
+        test_loads="""
+        import multiprocessing
+
+        if multiprocessing.parent_process() is not None:  # a rank, not pytest
+            raise ImportError("the site config is missing on this node")
+
+        def check():
+            pass
+
+        def test_loads(spatial):
+            spatial.run(check, ranks=2)
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "could not load the rank function on rank 0" in out
+    assert 'raise ImportError("the site config is missing on this node")' in out
+    for plumbing in ("_run.py", "_rank/", "pool.py", "plugin/"):
+        assert f"harness/{plumbing}" not in out, plumbing
+
+
 def test_a_failing_check_whose_golden_also_fails_says_both(pytester):
     pytester.makeini("[pytest]\ngolden_dir = goldens\n")
     pytester.makepyfile(test_down=downstream(broken=False))
