@@ -96,8 +96,7 @@ def _ensure_module(name: str | None, file: str | None) -> None:
             if spec is None or spec.loader is None:
                 return
             main = importlib.util.module_from_spec(spec)
-            sys.modules["__mp_main__"] = main
-            spec.loader.exec_module(main)
+            _exec_module(spec, main, "__mp_main__")
         sys.modules["__main__"] = main
         return
     mod = sys.modules.get(name)
@@ -124,8 +123,21 @@ def _ensure_module(name: str | None, file: str | None) -> None:
                 stub = types.ModuleType(parent)
                 stub.__path__ = []
                 sys.modules[parent] = stub
+    _exec_module(spec, module, name)
+
+
+def _exec_module(spec: importlib.machinery.ModuleSpec, module: types.ModuleType, name: str) -> None:
+    """Run ``module`` as ``sys.modules[name]``; if it raises, take it out again, as Python's
+    own import does: a warm rank must not keep a half-run module (the next run would find it
+    by its file and fail on a missing name instead of loading it afresh)."""
+    assert spec.loader is not None  # checked by the callers
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        if sys.modules.get(name) is module:
+            del sys.modules[name]
+        raise
 
 
 # ---------------------------------------------------------------------- the rank

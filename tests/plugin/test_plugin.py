@@ -810,6 +810,36 @@ def test_a_module_the_ranks_cannot_import_is_reported_with_its_own_frames_only(p
         assert f"harness/{plumbing}" not in out, plumbing
 
 
+def test_a_module_that_failed_to_load_on_a_warm_rank_is_loaded_again_on_the_next_run(pytester):
+    """A half-run module must not stay in a warm rank's ``sys.modules`` (Python's own import
+    removes it): once the cause is gone (here a flag file the second test writes), the next
+    run loads it afresh instead of failing on the stand-in's missing function."""
+    pytester.makepyfile(
+        test_reloads="""
+        import multiprocessing, os, pathlib
+
+        FLAG = pathlib.Path(__file__).with_name("configured")
+        if multiprocessing.parent_process() is not None and not FLAG.exists():
+            raise ImportError("not configured yet")
+
+        def check():
+            return 1
+
+        def test_first(spatial):
+            spatial.run(check, ranks=2)
+
+        def test_second(spatial):
+            FLAG.touch()
+            assert spatial.run(check, ranks=2) == [1, 1]
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(
+        ["*_ test_first _*", "*could not load the rank function*ImportError('not configured yet')*"]
+    )
+
+
 def test_a_failing_check_whose_golden_also_fails_says_both(pytester):
     pytester.makeini("[pytest]\ngolden_dir = goldens\n")
     pytester.makepyfile(test_down=downstream(broken=False))
