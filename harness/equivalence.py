@@ -10,7 +10,6 @@ The contract itself (``SpatialCase``, ``Outputs``, ``Shard``) and ``run_case`` l
 from __future__ import annotations
 
 import time
-import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,7 +32,13 @@ from harness.case import (
     parameter_shards,
 )
 from harness.compare import FAILURES, Mismatch, Quantity, Tolerance
-from harness.errors import ConfigError, ProblemKind, RankFailure, exception_summary
+from harness.errors import (
+    ConfigError,
+    ProblemKind,
+    RankFailure,
+    exception_summary,
+    user_traceback,
+)
 from harness.report import EquivalenceReport
 from harness.topology import Topology, check_mesh, validate_sizes
 
@@ -363,7 +368,7 @@ def _reference_error(label: str, exc: Exception, phase: str, step: int | None) -
         step,
         None,
         where=exception_summary(exc),
-        detail="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        detail=user_traceback(exc),
         run="reference",
         phase=phase,
     )

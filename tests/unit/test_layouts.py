@@ -466,6 +466,9 @@ def test_a_reference_that_raises_is_each_layouts_error_not_an_exception():
     first = report.failing[0].report.mismatches[0]
     assert (first.quantity, first.run) == ("error", "reference")
     assert "RuntimeError: the reference cannot build" in first.where
+    # the traceback is the case's (its raising line), as a rank's is, not the harness's run
+    assert 'raise RuntimeError("the reference cannot build")' in first.detail
+    assert "harness/" not in first.detail.replace(__file__, "")
 
 
 def test_the_picture_has_a_row_per_grid_and_blocks_and_frames_a_failing_empty_rank(tmp_path):
