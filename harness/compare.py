@@ -175,6 +175,10 @@ class Mismatch:
     run: str = ""
     of: str = ""
     phase: str = ""
+    #: a calibrated check's judgement: the largest error as a multiple of its entry's
+    #: rounding spread, and the multiple allowed (NaN: judged by a fixed tolerance)
+    spread_multiple: float = math.nan
+    spread_factor: float = math.nan
 
     def __post_init__(self) -> None:
         # its text given: the member (text that names no quantity raises ValueError)
@@ -185,6 +189,11 @@ class Mismatch:
         if self.run:
             return f"the {self.run}"
         return f"rank {self.rank}" if self.rank is not None else "all ranks"
+
+    @property
+    def calibrated(self) -> bool:
+        """Judged by its rounding spread (``harness._checks.spread``), not a tolerance."""
+        return not math.isnan(self.spread_factor)
 
     @property
     def label(self) -> str:
@@ -209,8 +218,13 @@ class Mismatch:
             text += f": max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}"
         if self.total:
             text += f", {self.count}/{self.total} " + (
-                "not finite" if self.quantity is Quantity.NONFINITE else "over tolerance"
+                "not finite"
+                if self.quantity is Quantity.NONFINITE
+                else ("over the rounding bound" if self.calibrated else "over tolerance")
             )
+        if self.calibrated:
+            times = "inf" if math.isinf(self.spread_multiple) else f"{self.spread_multiple:.3g}"
+            text += f", {times}x its rounding spread (bound {self.spread_factor:g}x)"
         if self.where:
             first = self.quantity is Quantity.NONFINITE
             text += f", {'first' if first else 'worst'} at {self.where}"
@@ -237,10 +251,17 @@ class Difference:
     problem: str = ""  # dtype/shape problem, if any
     nonfinite: int = 0
     nonfinite_at: int | None = None
+    #: with a per-entry ``allowed``: the largest error as a fraction of it (1.0 at the bound)
+    of_allowed: float = math.nan
 
 
 def compare_tensors(
-    actual: torch.Tensor, expected: torch.Tensor, bound: Bound, *, allow_nonfinite: bool = False
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    bound: Bound,
+    *,
+    allow_nonfinite: bool = False,
+    allowed: torch.Tensor | None = None,
 ) -> Difference:
     """Compare elementwise under ``bound``; dtype and shape must match exactly.
 
@@ -248,7 +269,13 @@ def compare_tensors(
     NaN or inf on either side fails the position unless ``allow_nonfinite`` (then both sides
     must hold the same non-finite value there). A DTensor or other subclass is compared by
     the values it holds (``harness._values.plain``).
+
+    ``allowed``: the largest difference allowed at each entry (a tensor of ``expected``'s
+    shape, e.g. a multiple of each entry's rounding spread, ``harness._calibrate``), in
+    place of the bound's ``atol + rtol * |expected|``; the bound's ``atol`` still decides
+    which entries count for ``max_rel``.
     """
+    # long: one rule from dtype and shape to the verdict; the docstring is the contract
     actual, expected = plain(actual), plain(expected)
     if actual.dtype != expected.dtype:
         return _unlike(expected, f"dtype {actual.dtype} where the reference has {expected.dtype}")
@@ -267,7 +294,8 @@ def compare_tensors(
     finite = torch.isfinite(a) & torch.isfinite(e)
     diff = torch.where(finite, (a - e).abs(), 0.0)
     mag = torch.where(finite, e.abs(), 0.0)
-    allowed = bound.atol + bound.rtol * mag
+    given = allowed is not None
+    allowed = _allowed(bound, mag, allowed)
     nonfinite = ~finite
     if allow_nonfinite:
         nonfinite = nonfinite & ~_same_value(a, e)
@@ -290,7 +318,23 @@ def compare_tensors(
         worst=int(torch.argmax(excess)),
         nonfinite=bad_nonfinite,
         nonfinite_at=int(torch.argmax(nonfinite.to(torch.uint8))) if bad_nonfinite else None,
+        of_allowed=_share(diff, allowed, bad_nonfinite) if given else math.nan,
     )
+
+
+def _allowed(bound: Bound, mag: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:
+    """Each entry's allowed difference: ``given`` (flattened), else the bound's."""
+    if given is None:
+        return bound.atol + bound.rtol * mag
+    return given.detach().reshape(-1).to(torch.float64)
+
+
+def _share(diff: torch.Tensor, allowed: torch.Tensor, nonfinite: int) -> float:
+    """The largest ``diff`` as a fraction of ``allowed`` (0/0, an exact match where nothing
+    is allowed, is 0; x/0 is inf; so is any non-finite difference)."""
+    if nonfinite:
+        return math.inf
+    return float(torch.where(diff > 0, diff / allowed, 0.0).max())
 
 
 def _compare_exact(a: torch.Tensor, e: torch.Tensor) -> Difference:
@@ -379,13 +423,18 @@ class QuantityStats:
     compared: int = 0
     max_rel: float = 0.0
     max_abs: float = 0.0
+    #: the largest error as a multiple of its rounding spread (calibrated checks; NaN: none)
+    spread_multiple: float = math.nan
 
-    def add(self, d: Difference) -> None:
+    def add(self, d: Difference, spread_multiple: float = math.nan) -> None:
         self.compared += 1
         if not math.isnan(d.max_rel):
             self.max_rel = max(self.max_rel, d.max_rel)
         if not math.isnan(d.max_abs):
             self.max_abs = max(self.max_abs, d.max_abs)
+        if not math.isnan(spread_multiple):
+            seen = 0.0 if math.isnan(self.spread_multiple) else self.spread_multiple
+            self.spread_multiple = max(seen, spread_multiple)
 
 
 # Moved, and still importable from here for older code: the report and its tables are in

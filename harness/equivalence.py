@@ -15,9 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from harness._calibrate import calibrate, calibrates
+from harness._calibrate import note as calibration_note
 from harness._checks import compare_runs
 from harness._hints import culprit_hint
 from harness._mutation.mode import current as mutant_mode
+from harness._overlap import Background, in_other_processes
 from harness._rank.run import Progress, Watch, _rank_entry, run_case
 from harness._records import RunRecord
 from harness._vacuous import check_vacuous
@@ -81,6 +84,7 @@ def check_equivalence(
     reference: RunRecord | None = None,
     rollout: int | None = None,
     autocast: torch.dtype | None = None,
+    calibrate: bool | None = None,
 ) -> EquivalenceReport:
     """Run ``case`` as the reference and on ``ranks`` ranks; compare everything.
 
@@ -107,6 +111,12 @@ def check_equivalence(
     (``harness.rollout``). ``autocast`` (default: the case's): run the reference and the
     ranks under ``torch.autocast`` at that dtype, judged by the ratio rule
     (``harness._autocast``).
+
+    ``calibrate`` (default: on where the check runs below float64 with no ``tolerance`` of
+    the call's or the case's, and no autocast): judge every entry of every loss, gradient,
+    field and parameter by the model's own rounding, within ``FACTOR`` times the spread
+    that nudged reruns of the reference reach there (run while the ranks run;
+    ``harness._calibrate``); ``False``: by the fixed tolerance of the dtype.
     """
     # long: validate, reference, ranks, judge, report: one call each; the docstring is the API
     s, grid = _validate(case, ranks, spatial_size, steps, mesh)
@@ -143,7 +153,9 @@ def check_equivalence(
     loads = case.load_reference_shards or case.load_reference_init
     init = reference.init if loads else None
     run = _Run(case, pool, spatial_size, steps, lr, seed, timeout, init, grid or None)
-    _train(run, report, reference, tol, s, allow, amp)
+    given = tolerance is not None or case.tolerance is not None
+    calibrated = calibrates(dtype, asked=calibrate, tolerance_given=given, autocast=amp)
+    _train(run, report, reference, tol, s, allow, amp, calibrated)
     if n_rollout:
         _roll_out(run, report, s, n_rollout, tol, amp)
     report.seconds = time.perf_counter() - t0
@@ -236,9 +248,12 @@ def _train(
     s: int,
     allow: bool,
     amp: torch.dtype | None,
+    calibrated: bool = False,
 ) -> None:
     """The training steps on every rank, compared into ``report`` (under autocast: with
-    the serial run under it, by the ratio rule)."""
+    the serial run under it, by the ratio rule; ``calibrated``: each entry by its rounding
+    spread, the nudged reruns run while the ranks do)."""
+    # long: the ranks' run beside the reruns, its failure, then one judgement, each once
     case, ranks = run.case, report.ranks
     judged, judge_tol, entry = reference, tol, (_rank_entry,)
     if amp is not None:  # the ranks under autocast, judged against the serial run under it
@@ -252,19 +267,17 @@ def _train(
             report.partition = _layout(case.describe(None), s, ranks // s)
             return
     on_grid = {"mesh": run.mesh} if run.mesh else {}
+    call = (*entry, case, run.spatial_size, run.steps, run.lr, run.seed, run.init)
+    measured = None
     try:
-        records = run.pool.run(
-            entry[0],
-            *entry[1:],
-            case,
-            run.spatial_size,
-            run.steps,
-            run.lr,
-            run.seed,
-            run.init,
-            timeout=run.timeout,
-            **on_grid,
-        )
+        if calibrated and in_other_processes(run.pool):
+            ranks_run = Background(run.pool, call, run.timeout, **on_grid)
+            measured = calibrate(case, reference, run.steps, run.lr, run.seed)
+            records = ranks_run.result()
+        else:
+            records = run.pool.run(*call, timeout=run.timeout, **on_grid)
+            if calibrated:
+                measured = calibrate(case, reference, run.steps, run.lr, run.seed)
     except RankFailure as failure:
         report.mismatches = failure_mismatches(failure, case.label)
         report.likely = culprit_hint(failure)
@@ -272,7 +285,14 @@ def _train(
         return
     report.partition = _layout(records[0].describe, s, ranks // s)
     report.notes += _loaded_note(records, case.load_reference_init)
-    found = compare_runs(judged, records, judge_tol, spatial_size=s, allow_nonfinite=allow)
+    spreads = None if measured is None else measured.spreads
+    if measured is not None and spreads is None:
+        report.diagnoses.append(f"Not calibrated: {measured.problem}; judged by the tolerance")
+    elif spreads is not None:
+        report.notes.append(calibration_note(spreads, report.dtype))
+    found = compare_runs(
+        judged, records, judge_tol, spatial_size=s, allow_nonfinite=allow, spreads=spreads
+    )
     report.mismatches, report.stats = found.mismatches, found.stats
     if not case.vacuous_ok:
         report.mismatches[:0] = check_vacuous(case.label, judged, records, s)

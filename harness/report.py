@@ -195,6 +195,24 @@ class EquivalenceReport:
         s = self.stats.get(quantity)
         return s.max_rel if s and s.compared else None
 
+    def spread_multiple(self, quantity: Quantity | str) -> float | None:
+        """The largest error of a calibrated check's ``quantity`` as a multiple of its
+        entry's rounding spread (``None``: not judged by rounding)."""
+        s = self.stats.get(Quantity(quantity))
+        if s is None or math.isnan(s.spread_multiple):
+            return None
+        return s.spread_multiple
+
+    def spread_text(self) -> str:
+        """``"loss 0.9x, grad 3.8x, ..."``: each calibrated quantity's worst multiple of its
+        rounding spread; empty where the check was judged by a tolerance."""
+        parts = []
+        for q in NUMERIC:
+            multiple = self.spread_multiple(q)
+            if multiple is not None:
+                parts.append(f"{q} {multiple:.2g}x")
+        return ", ".join(parts)
+
     def summary_row(self) -> SummaryRow:
         """A picklable summary for terminal tables (one row per check)."""
         return {
@@ -219,7 +237,9 @@ class EquivalenceReport:
             worst = ", ".join(
                 f"{q} {self.worst(q):.1e}" for q in NUMERIC if self.worst(q) is not None
             )
-            verdict = head + f"equivalent to the reference (worst relative error: {worst})"
+            verdict = head + f"equivalent to the reference (worst relative error: {worst}"
+            spread = self.spread_text()
+            verdict += f"; worst multiple of the rounding spread: {spread})" if spread else ")"
             located = self._located()
             rolled = self.rollout.lines() if self.rollout is not None else []
             return "\n".join([verdict, *(f"Note: {n}" for n in self.notes), *rolled, *located])
@@ -245,7 +265,8 @@ class EquivalenceReport:
                 lines += ["  " + line for line in m.detail.rstrip().splitlines()[-40:]]
         lines.append("")
         if self.tolerance is not None:
-            lines.append(f"Tolerance: {_tol_text(self.tolerance)}")
+            judged = " (where not judged by rounding)" if self.spread_text() else ""
+            lines.append(f"Tolerance{judged}: {_tol_text(self.tolerance)}")
         lines.append("What to do:")
         if self.first_divergence is not None:
             lines.append(

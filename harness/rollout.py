@@ -22,18 +22,18 @@ What runs ``predict`` (here, in the ensemble and on the ranks) is the rank side'
 from __future__ import annotations
 
 import math
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harness._rank.nudge import NUDGE_ULPS
 from harness._rank.predict import (
-    NUDGE_ULPS,
     _rollout_entry,
     autocast_context,
     run_prediction,
 )
+from harness._overlap import Background, in_other_processes
 from harness._records import FieldRecord, StepRecord
 from harness._rollout_record import RolloutPoint, RolloutRecord
 from harness.compare import Bound, Mismatch, Quantity
@@ -330,7 +330,7 @@ def check_rollout(
     # RankPool's ranks are other processes, so they run while this process computes the
     # serial rollouts instead of after them (the ranks mostly wait on gloo; see OVERLAP).
     # A runner that runs the function in this very process (torchrun, srun) goes after.
-    ranks_run = _Background(pool, call, timeout) if _overlaps(pool) else None
+    ranks_run = Background(pool, call, timeout) if _overlaps(pool) else None
     threads = torch.get_num_threads()
     torch.set_num_threads(SERIAL_THREADS)
     t_serial = time.perf_counter()
@@ -364,37 +364,8 @@ def check_rollout(
 
 
 def _overlaps(pool: Runner) -> bool:
-    """Whether ``pool`` runs its ranks in other processes (a ``RankPool``), so that its run
-    can overlap the serial rollouts of this process."""
-    from harness.pool import RankPool
-
-    return OVERLAP and isinstance(pool, RankPool)
-
-
-class _Background:
-    """``pool.run(*call)`` in a thread: its results, or what it raised, from ``result()``."""
-
-    def __init__(self, pool: Runner, call: tuple[Any, ...], timeout: float | None) -> None:
-        self._out: list[Any] = []
-        self._error: BaseException | None = None
-
-        def target() -> None:
-            try:
-                self._out = pool.run(*call, timeout=timeout)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
-                self._error = exc
-
-        self._thread = threading.Thread(target=target, name="harness-rollout-ranks", daemon=True)
-        self._thread.start()
-
-    def join(self) -> None:
-        self._thread.join()
-
-    def result(self) -> list[Any]:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._out
+    """Whether ``pool``'s run can overlap the serial rollouts of this process."""
+    return OVERLAP and in_other_processes(pool)
 
 
 def _has_predict(case: SpatialCase) -> None:

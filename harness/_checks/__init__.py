@@ -49,6 +49,7 @@ from harness._checks.shards import (
     ParamShards,
     check_param_shards,
 )
+from harness._checks.spread import Spreads, allowance, entry_spread, spreads_of
 from harness._checks.values import (
     SEED_HINT,
     check_buffers,
@@ -74,6 +75,10 @@ __all__ = [
     "SHARD_HINT",
     "SHARD_INIT_HINT",
     "Comparison",
+    "Spreads",
+    "allowance",
+    "entry_spread",
+    "spreads_of",
     "Judge",
     "Layout",
     "ParamShards",
@@ -142,13 +147,16 @@ def compare_runs(
     *,
     spatial_size: int | None = None,
     allow_nonfinite: bool = False,
+    spreads: Spreads | None = None,
 ) -> Comparison:
-    """Judge every rank's record against the reference's, quantity by quantity."""
+    """Judge every rank's record against the reference's, quantity by quantity: values by
+    ``tolerance``, or where ``spreads`` are given (a calibrated check), each entry within
+    their factor of its rounding spread (``harness._checks.spread``)."""
     reference, records = plain_record(reference), [plain_record(r) for r in records]
     layout = Layout(len(records), spatial_size or records[0].spatial_size)
     out = Comparison()
     seen = diagnose(out.diagnoses, "the float32 evidence", "", float32_evidence, reference, records)
-    judge = Judge(tolerance, layout, out.stats, seen, out.diagnoses)
+    judge = Judge(tolerance, layout, out.stats, seen, out.diagnoses, spreads)
     m = out.mismatches
     if not allow_nonfinite:
         m += check_nonfinite_init(reference, records)

@@ -61,6 +61,9 @@ def check_fields(
                 data_part(ref_field.values, g, layout.data_size),
                 shards[first : first + layout.spatial_size],
                 first,
+                judge.spread(
+                    Quantity.FIELD, step, name, lambda s, g=g: data_part(s, g, layout.data_size)
+                ),
             )
             found += more
             errors += [error] if error else []
@@ -104,8 +107,12 @@ def _replicated_field(
     layout = judge.layout
     found = []
     for rank, f in enumerate(fields):
-        expected = data_part(ref, rank // layout.spatial_size, layout.data_size)
-        m = judge.numeric(Quantity.FIELD, name, step, rank, f.values, expected)
+        group = rank // layout.spatial_size
+        expected = data_part(ref, group, layout.data_size)
+        spread = judge.spread(
+            Quantity.FIELD, step, name, lambda s, g=group: data_part(s, g, layout.data_size)
+        )
+        m = judge.numeric(Quantity.FIELD, name, step, rank, f.values, expected, None, spread)
         if m and m.where.startswith("shape") and layout.spatial_size > 1:
             m.where = (
                 f"a plain tensor of shape {tuple(f.values.shape)} where the reference's "
@@ -149,6 +156,7 @@ class _Assembly:
     unit: str
     found: list[Mismatch] = field(default_factory=list)
     claims: list[np.ndarray] = field(default_factory=list)
+    spread: torch.Tensor | None = None  # each entry's rounding spread, where calibrated
     placed: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def refuse(self, quantity: Quantity, rank: int | None, where: str, hint: str = "") -> None:
@@ -165,8 +173,10 @@ def assemble_field(
     ref: torch.Tensor,
     shards: list[FieldRecord],
     first: int,
+    spread: torch.Tensor | None = None,
 ) -> tuple[list[Mismatch], FieldError | None]:
-    """Reassemble one data group's shards and compare with the reference's part.
+    """Reassemble one data group's shards and compare with the reference's part (within
+    ``spread``'s multiple, where the check is calibrated: ``Judge.numeric``).
 
     Coverage first: every global position must be owned by exactly one rank; then each
     shard's shape; then the values of the reassembled field.
@@ -174,9 +184,12 @@ def assemble_field(
     grid = next((f.grid for f in shards if f.grid), None)
     if grid is not None and tuple(ref.shape[-2:]) == tuple(grid):
         ref = ref.reshape(*ref.shape[:-2], -1)
+        if spread is not None and tuple(spread.shape[-2:]) == tuple(grid):
+            spread = spread.reshape(*spread.shape[:-2], -1)
     dims = {(f.dim or 0) % max(ref.dim(), 1) for f in shards if f.sharded}
     dim = next(iter(dims), 0)
     job = _Assembly(name, step, ref, dim, ref.shape[dim] if ref.dim() else 1, grid, shards[0].unit)
+    job.spread = spread
     if len(dims) > 1:
         job.refuse(
             Quantity.FIELD,
@@ -267,22 +280,30 @@ def _compare_assembled(
         return f"{lead}{job.position(pos)} on rank {int(owners[pos])}"
 
     m = judge.numeric(
-        Quantity.FIELD, job.name, job.step, None, out, ref, where if ref.dim() else None
+        Quantity.FIELD, job.name, job.step, None, out, ref, where if ref.dim() else None, job.spread
     )
     if m is None:
         return [], None
     # the largest error (and reference magnitude) at each position, over the other dims; a
     # scalar is one position
-    err = (out - ref).abs().to(torch.float64).movedim(dim, -1).reshape(-1, size).amax(0)
-    mag = ref.abs().to(torch.float64).movedim(dim, -1).reshape(-1, size).amax(0)
-    bound = judge.tolerance.field
+    diff = (out - ref).abs().to(torch.float64)
+    err = diff.movedim(dim, -1).reshape(-1, size).amax(0)
+    if m.calibrated and job.spread is not None:  # over its own bound, entry by entry
+        from harness._checks.spread import allowance
+
+        share = diff / allowance(job.spread, ref, m.spread_factor).reshape(diff.shape)
+        over, allowed = share.movedim(dim, -1).reshape(-1, size).amax(0), 1.0
+    else:
+        mag = ref.abs().to(torch.float64).movedim(dim, -1).reshape(-1, size).amax(0)
+        bound = judge.tolerance.field
+        over, allowed = err, bound.atol + bound.rtol * mag
     where_hint = judge.diagnose(
         f"a boundary hint for field '{job.name}'",
         "",
         boundary_hint,
-        err,
+        over,
         owners,
-        bound.atol + bound.rtol * mag,
+        allowed,
         job.grid,
         job.unit,
     )

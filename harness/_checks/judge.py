@@ -4,9 +4,10 @@ how positions and values are written in reports."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -14,6 +15,9 @@ import torch
 from harness._hints import precision_hint, scale_hint
 from harness.compare import Mismatch, Quantity, QuantityStats, Tolerance, compare_tensors
 from harness.errors import exception_summary
+
+if TYPE_CHECKING:
+    from harness._checks.spread import Spreads
 
 T = TypeVar("T")
 
@@ -49,8 +53,12 @@ class Judge:
         stats: dict[str, QuantityStats],
         float32_seen: str = "",
         diagnoses: list[str] | None = None,
+        spreads: Spreads | None = None,
     ):
         self.tolerance, self.layout, self.stats = tolerance, layout, stats
+        #: each entry's rounding spread (a calibrated check, ``harness._checks.spread``):
+        #: where given, a value is judged by it instead of by the tolerance's bound
+        self.spreads = spreads
         self.diagnoses = diagnoses if diagnoses is not None else []
         #: where a float32 value was seen on the path (``hints.float32_evidence``): without
         #: it, errors of float32's size are no evidence of float32 rounding
@@ -65,10 +73,27 @@ class Judge:
         actual: torch.Tensor,
         expected: torch.Tensor,
         where: Callable[[int], str] | None = None,
+        spread: torch.Tensor | None = None,
     ) -> Mismatch | None:
-        d = compare_tensors(actual, expected, self.tolerance.bound(quantity), allow_nonfinite=True)
+        """``actual`` against ``expected`` under the quantity's bound, or, given the
+        entries' rounding ``spread`` (``expected``'s shape), within the spreads' factor of
+        it (``harness._checks.spread``)."""
+        allowed, factor = None, math.nan
+        if spread is not None and self.spreads is not None and spread.shape == expected.shape:
+            from harness._checks.spread import allowance
+
+            factor = self.spreads.factor
+            allowed = allowance(spread, expected, factor)
+        d = compare_tensors(
+            actual,
+            expected,
+            self.tolerance.bound(quantity),
+            allow_nonfinite=True,
+            allowed=allowed,
+        )
+        multiple = factor * d.of_allowed
         if not d.problem:
-            self.stats[quantity].add(d)
+            self.stats[quantity].add(d, multiple)
         if d.ok:
             return None
         if d.problem:
@@ -79,6 +104,31 @@ class Judge:
             loc = where(d.worst)
         else:
             loc = index_text(expected.shape, d.worst)
+        hint = self._hint(quantity, name, actual, expected, bool(d.problem))
+        return Mismatch(
+            quantity,
+            name,
+            step,
+            rank,
+            d.max_abs,
+            d.max_rel,
+            loc,
+            d.count,
+            d.total,
+            hint=hint,
+            spread_multiple=multiple,
+            spread_factor=factor,
+        )
+
+    def _hint(
+        self,
+        quantity: Quantity,
+        name: str,
+        actual: torch.Tensor,
+        expected: torch.Tensor,
+        problem: bool,
+    ) -> str:
+        """The likely cause of one pair's difference, if the evidence says."""
         hint = ""
         bound = self.tolerance.bound(quantity)
         what = f"a hint for {quantity} '{name}'"
@@ -88,13 +138,26 @@ class Judge:
             )
         # not a parameter after a step: its error is the gradient's scaled by lr and diluted
         # by the parameter's size, small for any bug; the gradient speaks for it
-        if not hint and not d.problem and quantity != Quantity.PARAM:
+        if not hint and not problem and quantity != Quantity.PARAM:
             hint = self.diagnose(
                 what, "", precision_hint, actual, expected, bound.atol, self.float32_seen
             )
-        return Mismatch(
-            quantity, name, step, rank, d.max_abs, d.max_rel, loc, d.count, d.total, hint=hint
-        )
+        return hint
+
+    def spread(
+        self,
+        quantity: Quantity,
+        step: int,
+        name: str,
+        cut: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
+        """The rounding spread of ``name``'s ``quantity`` at ``step``, cut as its reference
+        is (``cut``: a data group's part, a shard's positions); ``None`` where the check is
+        not calibrated or the spread was not measured."""
+        if self.spreads is None:
+            return None
+        s = self.spreads.of(quantity, step, name)
+        return s if s is None or cut is None else cut(s)
 
     def diagnose(self, what: str, default: T, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)``, a diagnosis: should it raise, ``default``, and a ``Not located``

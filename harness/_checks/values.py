@@ -201,9 +201,10 @@ def check_loss(judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord]
                 Quantity.LOSS, "loss (vs spatial rank 0)", step, rank, st.loss, steps[lead].loss
             )
             found += [m] if m else []
+    spread = judge.spread(Quantity.LOSS, step, "loss")
     if layout.data_size == 1:
         for rank, st in enumerate(steps):
-            m = judge.numeric(Quantity.LOSS, "loss", step, rank, st.loss, ref.loss)
+            m = judge.numeric(Quantity.LOSS, "loss", step, rank, st.loss, ref.loss, None, spread)
             found += [m] if m else []
         return found
     losses = [steps[g * layout.spatial_size].loss for g in range(layout.data_size)]
@@ -215,7 +216,9 @@ def check_loss(judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord]
         )
         return found
     mean = torch.stack(losses).mean(0)
-    m = judge.numeric(Quantity.LOSS, "loss (mean over data groups)", step, None, mean, ref.loss)
+    m = judge.numeric(
+        Quantity.LOSS, "loss (mean over data groups)", step, None, mean, ref.loss, None, spread
+    )
     return found + ([m] if m else [])
 
 
@@ -243,8 +246,12 @@ def check_grads(
             if g is None or r is None:
                 found += _grad_presence(name, step, rank, g, r)
                 continue
-            expected, where = part(r, shards.held(name, rank), g.shape)
-            m = judge.numeric(Quantity.GRAD, name, step, rank, g, expected, where)
+            held = shards.held(name, rank)
+            expected, where = part(r, held, g.shape)
+            spread = judge.spread(
+                Quantity.GRAD, step, name, lambda s, h=held, n=g.shape: part(s, h, n)[0]
+            )
+            m = judge.numeric(Quantity.GRAD, name, step, rank, g, expected, where, spread)
             found += [m] if m else []
     return found
 
@@ -304,7 +311,10 @@ def check_params(
                 found.append(_sync_mismatch(judge, name, step, rank, p, q, said))
             if name in ref.params:
                 expected, where = part(ref.params[name], shard, p.shape)
-                m = judge.numeric(Quantity.PARAM, name, step, rank, p, expected, where)
+                spread = judge.spread(
+                    Quantity.PARAM, step, name, lambda s, h=shard, n=p.shape: part(s, h, n)[0]
+                )
+                m = judge.numeric(Quantity.PARAM, name, step, rank, p, expected, where, spread)
                 found += [m] if m else []
     return found
 

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harness._records import FieldRecord, map_tensors
+from harness._rank.nudge import NUDGE_ULPS, Nudge, nudge_unit
+from harness._records import FieldRecord
 from harness.errors import ConfigError
 from harness.topology import Topology
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
 
-#: each member's nudge: every floating value times (1 +- NUDGE_ULPS * eps), as ``harness._locate``
-NUDGE_ULPS = 4.0
+__all__ = ["NUDGE_ULPS", "autocast_context", "run_prediction"]
 
 
 def autocast_context(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
@@ -31,39 +31,8 @@ def autocast_context(dtype: torch.dtype | None) -> contextlib.AbstractContextMan
     return torch.autocast("cpu", dtype=dtype)
 
 
-def _nudged(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-        return t
-    real = {torch.complex128: torch.float64, torch.complex64: torch.float32}.get(t.dtype, t.dtype)
-    sign = torch.randint(0, 2, t.shape, generator=generator).to(real) * 2 - 1
-    return t * (1 + NUDGE_ULPS * torch.finfo(real).eps * sign)
-
-
-class _Nudge:
-    """One ensemble member: its inputs (the parameters as built, the batch) nudged once.
-
-    Only the inputs: nudging every module's input at every call too (as locating does for
-    one step) made the spread of the Lorenz-96 ring 2-3x wider still, while the partitioned
-    run's own rounding is already 5-100x inside the input-only spread there; the looser
-    envelope would only hide bugs."""
-
-    def __init__(self, member: int) -> None:
-        self.generator = torch.Generator().manual_seed(20_261_204 + 7919 * member)
-        self.handles: list[Any] = []
-
-    def attach(self, model: torch.nn.Module) -> None:
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.is_floating_point():
-                    p.copy_(_nudged(p, self.generator))
-
-    def batch(self, batch: Any) -> Any:
-        return map_tensors(batch, lambda t: _nudged(t, self.generator))
-
-    def detach(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+#: an ensemble member (its older, private name; ``harness._rank.nudge.Nudge``)
+_Nudge = Nudge
 
 
 def run_prediction(
@@ -88,7 +57,7 @@ def run_prediction(
     if case.dtype is not None:
         torch.set_default_dtype(case.dtype)
     model: torch.nn.Module | None = None
-    nudge = None if member is None else _Nudge(member)
+    nudge = None if member is None else Nudge(member, nudge_unit(autocast))
     phase = "rollout build"
     try:
         if progress is not None:
@@ -117,8 +86,6 @@ def run_prediction(
                 case.teardown(model, topo)
         raise
     finally:
-        if nudge is not None:
-            nudge.detach()
         saved.restore()
 
 

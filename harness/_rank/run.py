@@ -28,6 +28,7 @@ from harness._declared import (
 )
 from harness._mutation.catalogue import MutantKind
 from harness._rank.dtypes import OutputDtypes, collective_dtypes
+from harness._rank.nudge import Nudge
 from harness._rank.state import CallerState
 from harness._records import ParamShard, RunRecord, StepRecord, detached
 from harness._values import is_distributed, placed, plain
@@ -71,6 +72,7 @@ def run_case(
     progress: Progress | None = None,
     reference_init: dict[str, torch.Tensor] | None = None,
     watch: Watch | None = None,
+    nudge: Nudge | None = None,
 ) -> RunRecord:
     """Build, then ``steps`` times: batch, forward, backward, record, SGD step.
 
@@ -81,7 +83,9 @@ def run_case(
     exception leaves with that phase in ``exc.harness_phase``. With ``reference_init`` (a
     rank of a case with ``load_reference_shards``), the reference's initial values are
     copied into the rank's parameter shards after build. ``watch`` (locating) is given
-    the model after build and told each phase too.
+    the model after build and told each phase too. ``nudge`` (a nudged rerun of the
+    reference, ``harness._calibrate``) moves the parameters as built and every batch by a
+    few units of rounding.
     """
     # long: the phases in order inside one try, so every failure carries its phase
     phase: list[Any] = ["build", None]
@@ -113,6 +117,8 @@ def run_case(
         if not topo.is_reference:
             check_partition(case, topo)
         loaded = _load_reference(case, model, topo, shards, reference_init)
+        if nudge is not None:
+            nudge.attach(model)
         record = RunRecord(init=_param_values(params, shards))
         record.param_shards, record.loaded_shards = shards, loaded
         outputs = OutputDtypes(model)  # evidence for precision hints: what came out of modules
@@ -120,7 +126,9 @@ def run_case(
         try:
             for step in range(steps):
                 record.steps.append(
-                    _train_step(case, model, topo, step, lr, seed, enter, mutation, shards)
+                    _train_step(
+                        case, model, topo, step, lr, seed, enter, mutation, shards, nudge
+                    )
                 )
                 if answers is not None:  # the first step's answers are the evidence
                     answers.close()
@@ -156,6 +164,7 @@ def _train_step(
     enter: Callable[[str, int], None],
     mutation: dict[str, MutantKind] | None = None,
     shards: dict[str, ParamShard] | None = None,
+    nudge: Nudge | None = None,
 ) -> StepRecord:
     """One step: batch, forward, backward, plain SGD; what it recorded."""
     shards = shards or {}
@@ -165,6 +174,8 @@ def _train_step(
     per_rank = topo.rank + 1 if mutation.get("batch") == MutantKind.RNG_PER_RANK else 0
     _seed(_step_seed(seed, step) + per_rank)
     batch = _check_batch(case, case.batch(topo, step), step)
+    if nudge is not None:
+        batch = nudge.batch(batch)
     model.zero_grad(set_to_none=True)
     buffers = {n: (b, b._version, detached(plain(b))) for n, b in model.named_buffers()}
     enter(f"step {step} forward", step)

@@ -1,0 +1,133 @@
+"""A check judged by the model's own rounding: the reference rerun ``MEMBERS`` times, nudged
+by a few units of rounding, while the ranks run; each entry of every loss, gradient, field
+and parameter then judged within ``FACTOR`` times the spread the reruns reach there
+(``harness._checks.spread``, the rule; docs/precision.md, the measurements behind it).
+
+On by default where a check runs below float64 and no tolerance was given (``tolerance=`` or
+``SpatialCase.tolerance`` stay the user's explicit override); ``check_equivalence(...,
+calibrate=False)`` turns it off. Under autocast the ratio rule judges the values
+(``harness._autocast``): the serial run under autocast is already a draw of the model's own
+rounding there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from harness._checks.spread import Spreads, spreads_of
+from harness._rank.nudge import Nudge
+from harness._rank.run import run_case
+from harness._records import RunRecord
+from harness.topology import Topology
+
+if TYPE_CHECKING:
+    from harness.case import SpatialCase
+
+#: Nudged reruns of the reference that measure each entry's rounding spread; each costs one
+#: serial training run, run while the ranks run.
+MEMBERS = 4
+#: An entry fails when the partitioned run is further from the reference than FACTOR times
+#: its spread. Measured on correct float32 runs of the built-in steppers and a halo model
+#: (docs/precision.md): at most 5x; a halo one row short whose dropped weights move the
+#: fields by a few units of rounding at the block edges: 19x-47x. 10 is twice the worst
+#: correct run seen.
+FACTOR = 10.0
+#: Each rerun's nudge, in units of rounding (each value times 1 +- ULPS * eps). One, not the
+#: rollout's four: a correct partitioned training step stays within a few units of rounding
+#: of each entry, and a wider nudge widens every entry's spread, and the bound, with it.
+#: Measured (docs/precision.md): the halo bug at 6-12x the spread with 4, at 19-47x with 1,
+#: while the correct runs' worst rose from 3x to 5x.
+ULPS = 1.0
+#: torch threads for the reruns in the calling process, as every rank runs (the rollout's
+#: SERIAL_THREADS: many small operations, where intra-op threads cost more than they give)
+SERIAL_THREADS = 1
+
+
+def calibrates(
+    dtype: torch.dtype,
+    *,
+    asked: bool | None,
+    tolerance_given: bool,
+    autocast: torch.dtype | None,
+) -> bool:
+    """Whether a check is judged by its rounding spread: as ``asked``, else by default
+    where it runs below float64 without a tolerance of the user's or autocast."""
+    if asked is not None:
+        return asked and autocast is None
+    if tolerance_given or autocast is not None:
+        return False
+    real = {torch.complex128: torch.float64, torch.complex64: torch.float32}.get(dtype, dtype)
+    return real.is_floating_point and real != torch.float64
+
+
+@dataclass
+class Calibration:
+    """What the reruns measured: the spreads, how long they took, what went wrong."""
+
+    spreads: Spreads | None = None
+    seconds: float = 0.0
+    problem: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def spread_runs(
+    case: SpatialCase,
+    steps: int,
+    lr: float,
+    seed: int,
+    *,
+    members: int = MEMBERS,
+    unit: float | None = None,
+) -> list[RunRecord]:
+    """The reference rerun ``members`` times, each nudged by ``ULPS`` units of
+    rounding (``unit``: of the autocast dtype; default each tensor's own) with a generator
+    of its own, in this process with ``SERIAL_THREADS`` torch threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SERIAL_THREADS)
+    try:
+        return [
+            run_case(case, Topology.single(), steps, lr, seed, nudge=Nudge(j, unit, ULPS))
+            for j in range(members)
+        ]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def calibrate(
+    case: SpatialCase,
+    reference: RunRecord,
+    steps: int,
+    lr: float,
+    seed: int,
+    *,
+    members: int = MEMBERS,
+    factor: float = FACTOR,
+) -> Calibration:
+    """Each entry's spread over ``members`` nudged reruns of ``reference``; a rerun that
+    raises leaves the check on its fixed tolerance, said in ``problem``."""
+    from harness.errors import exception_summary
+
+    t0 = time.perf_counter()
+    out = Calibration()
+    try:
+        runs = spread_runs(case, steps, lr, seed, members=members)
+    except Exception as exc:  # noqa: BLE001 - the check falls back to its tolerance, saying why
+        out.problem = f"a nudged rerun of the reference raised ({exception_summary(exc)})"
+    else:
+        out.spreads = spreads_of(reference, runs, factor)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def note(spreads: Spreads, dtype: str) -> str:
+    """The report's line on how its values were judged, and what it cannot see."""
+    return (
+        f"judged by rounding: each entry of every loss, gradient, field and parameter within "
+        f"{spreads.factor:g}x its rounding spread ({spreads.members} reruns of the reference "
+        f"nudged by {ULPS:g} {dtype} ulp); an error below {spreads.factor:g}x an "
+        "entry's rounding is not visible to this check (tolerance= judges by a fixed bound)"
+    )

@@ -1,0 +1,48 @@
+"""A pool's run in a thread of the calling process, so that serial work (a rollout's
+reference and ensemble, a calibrated check's nudged reruns) runs while the ranks do."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from harness.pool import Runner
+
+
+def in_other_processes(pool: Runner) -> bool:
+    """Whether ``pool`` runs its ranks in other processes (a ``RankPool``), so that its run
+    can overlap serial work of this process; a runner that runs the function in this very
+    process (torchrun, srun) cannot."""
+    from harness.pool import RankPool
+
+    return isinstance(pool, RankPool)
+
+
+class Background:
+    """``pool.run(*call, timeout=timeout, **kwargs)`` in a thread: its results, or what it
+    raised, from ``result()``."""
+
+    def __init__(
+        self, pool: Runner, call: tuple[Any, ...], timeout: float | None, **kwargs: Any
+    ) -> None:
+        self._out: list[Any] = []
+        self._error: BaseException | None = None
+
+        def target() -> None:
+            try:
+                self._out = pool.run(*call, timeout=timeout, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=target, name="harness-ranks", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> list[Any]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out
