@@ -82,7 +82,7 @@ class Judge:
         if spread is not None and self.spreads is not None and spread.shape == expected.shape:
             from harness._checks.spread import allowance
 
-            factor = self.spreads.factor
+            factor = self.spreads.factor_of(quantity)
             allowed = allowance(spread, expected, factor)
         d = compare_tensors(
             actual,

@@ -5,10 +5,11 @@ A fixed float32 tolerance (``rtol 1e-5``: ~100 units of rounding) lets a halo th
 row short pass where the rows it drops carry small weights: the fields move by a few units
 of rounding at the block edges only. What rounding alone does to each entry is measured
 instead: the reference rerun ``members`` times with its parameters and batches nudged by a
-few units of rounding (``harness._rank.nudge``). An entry's **spread** is the furthest any
-rerun lands from the reference there, and at least one unit of rounding of the entry itself
-(where every rerun happened to land on the reference, the partitioned run may still round
-its last bit the other way). An entry **fails** when the partitioned run is further from the
+unit of rounding (``harness._rank.nudge``). An entry's **spread** is the furthest any rerun
+lands from the reference there, and at least one unit of rounding of the entry itself and
+of the tensor's mean magnitude (where every rerun happened to land on the reference, the
+partitioned run may still round its last bit the other way; an entry that cancels rounds
+like the terms it was summed from). An entry **fails** when the partitioned run is further from the
 reference than ``factor`` times its spread (an exact zero, which no nudge moves, by more than
 one unit of rounding of the quantity's largest value).
 
@@ -39,26 +40,37 @@ def _eps(t: torch.Tensor) -> float:
 
 
 def entry_spread(reference: torch.Tensor, members: list[torch.Tensor]) -> torch.Tensor | None:
-    """Each entry's rounding spread: the furthest member from ``reference`` there, and at
-    least one unit of rounding of the entry (float64, ``reference``'s shape); ``None``
-    where the reference is not floating, or a member's shape differs (nothing to measure).
+    """Each entry's rounding spread (float64, ``reference``'s shape): the furthest member
+    from ``reference`` there, and at least one unit of rounding of the entry and of the
+    tensor's mean magnitude; ``None`` where the reference is not floating, a member's shape
+    differs, or a member is not finite where the reference is (nothing to measure).
 
-    >>> r = torch.tensor([1.0, 0.0, 8.0], dtype=torch.float32)
+    The mean magnitude's unit is for entries that cancel: an entry summed from terms of the
+    tensor's usual size that nearly cancel rounds like those terms, not like its own small
+    value, and one-ulp nudges can leave it almost in place (a correct float32 SFNO: an
+    output of 1.6e-3 among values ~1, 2.5 units of rounding of 1.0 off in the partitioned
+    run, its members 100x closer).
+
+    >>> r = torch.tensor([1.0, 0.0, 8.0], dtype=torch.float32)  # mean magnitude 3
     >>> m = [r + torch.tensor([1e-6, 0.0, 0.0]), r - torch.tensor([3e-6, 0.0, 0.0])]
     >>> [f"{v:.2g}" for v in entry_spread(r, m).tolist()]
-    ['3e-06', '0', '9.5e-07']
+    ['3e-06', '3.6e-07', '9.5e-07']
     """
     if not (reference.is_floating_point() or reference.is_complex()):
         return None
     if any(m.shape != reference.shape for m in members):
         return None
     r = _as64(reference)
-    unit = _eps(reference) * r.abs()
+    size = r.abs()
+    finite = size[torch.isfinite(size)]
+    typical = float(finite.mean()) if finite.numel() else 0.0
+    unit = _eps(reference) * size.clamp_min(typical)
     if not members:
         return unit
     away = torch.stack([(_as64(m) - r).abs() for m in members]).amax(0)
-    # a member that went non-finite where the reference did not measures nothing there
-    return torch.maximum(away.nan_to_num(nan=math.inf), unit)
+    if not bool(torch.isfinite(away[torch.isfinite(r)]).all()):
+        return None
+    return torch.maximum(away, unit)
 
 
 def _as64(t: torch.Tensor) -> torch.Tensor:
@@ -92,6 +104,12 @@ class Spreads:
     record: RunRecord
     members: int
     factor: float
+    #: a quantity's own factor where it is not ``factor`` (gradients: their sums cancel more)
+    factors: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def factor_of(self, quantity: Quantity) -> float:
+        """The multiple of its spread that ``quantity``'s entries may reach."""
+        return self.factors.get(str(quantity), self.factor)
 
     def of(self, quantity: Quantity, step: int, name: str) -> torch.Tensor | None:
         """The spread of ``name``'s ``quantity`` at ``step`` (``None``: not measured)."""
@@ -110,8 +128,14 @@ class Spreads:
         return None
 
 
-def spreads_of(reference: RunRecord, members: list[RunRecord], factor: float) -> Spreads:
-    """Every entry's spread over ``members`` (nudged reruns of ``reference``)."""
+def spreads_of(
+    reference: RunRecord,
+    members: list[RunRecord],
+    factor: float,
+    factors: dict[str, float] | None = None,
+) -> Spreads:
+    """Every entry's spread over ``members`` (nudged reruns of ``reference``), judged
+    within ``factor`` (``factors``: per quantity, where another)."""
     steps = []
     for k, ref in enumerate(reference.steps):
         mine = [m.steps[k] for m in members if k < len(m.steps)]
@@ -141,7 +165,7 @@ def spreads_of(reference: RunRecord, members: list[RunRecord], factor: float) ->
             )
         )
     record = RunRecord(init={}, steps=steps)
-    return Spreads(record, len(members), factor)
+    return Spreads(record, len(members), factor, dict(factors or {}))
 
 
 __all__ = ["Spreads", "allowance", "entry_spread", "spreads_of"]
