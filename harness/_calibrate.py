@@ -84,16 +84,14 @@ def spread_runs(
     seed: int,
     *,
     members: int = MEMBERS,
-    unit: float | None = None,
 ) -> list[RunRecord]:
-    """The reference rerun ``members`` times, each nudged by ``ULPS`` units of
-    rounding (``unit``: of the autocast dtype; default each tensor's own) with a generator
-    of its own, in this process with ``SERIAL_THREADS`` torch threads."""
+    """The reference rerun ``members`` times, each nudged by ``ULPS`` units of rounding
+    with a generator of its own, in this process with ``SERIAL_THREADS`` torch threads."""
     threads = torch.get_num_threads()
     torch.set_num_threads(SERIAL_THREADS)
     try:
         return [
-            run_case(case, Topology.single(), steps, lr, seed, nudge=Nudge(j, unit, ULPS))
+            run_case(case, Topology.single(), steps, lr, seed, nudge=Nudge(j, ULPS))
             for j in range(members)
         ]
     finally:

@@ -26,6 +26,9 @@ class RolloutPoint:
     spread: float
     envelope: float
     scale: float  # the reference's max abs at this step (for a relative reading)
+    #: under autocast: the reference's distance from its rollout without autocast (max abs),
+    #: a multiple of which the bound also allows (``judge_rollout``); 0 without autocast
+    precision: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -59,6 +62,15 @@ class RolloutRecord:
         """The first divergent step (the earliest field of it, in the reference's order)."""
         return next((p for p in self.curve if p.divergent), None)
 
+    def _floor(self, point: RolloutPoint) -> str:
+        """What else the bound of ``point`` is at least."""
+        if not point.precision:
+            return "the check's field tolerance"
+        return (
+            f"the check's field tolerance and 4x the serial {self.autocast or 'autocast'} "
+            f"run's distance from the high-precision one ({point.precision:.3g}):"
+        )
+
     def field_curve(self, name: str) -> list[RolloutPoint]:
         return [p for p in self.curve if p.name == name]
 
@@ -71,7 +83,7 @@ class RolloutRecord:
                 f"First divergent step: step {first.step} of {self.steps}, field "
                 f"'{first.name}': max abs {first.error:.3g}, {ratio}x the rounding spread "
                 f"({first.spread:.3g} over {self.members} nudged reruns; bound "
-                f"{self.factor:g}x, at least the check's field tolerance {first.envelope:.3g})"
+                f"{self.factor:g}x, at least {self._floor(first)} {first.envelope:.3g})"
             )
         elif self.curve:
             worst = max(self.curve, key=lambda p: p.ratio if p.spread > 0 else 0.0)

@@ -158,9 +158,14 @@ def judge_rollout(
     *,
     spatial_size: int,
     factor: float = FACTOR,
+    high: list[dict[str, FieldRecord]] | None = None,
+    ratio: float = 4.0,
 ) -> RolloutRecord:
     """Judge every step and field of the ranks' rollout against the reference's, within
-    ``factor`` times the members' spread (and at least the fixed ``bound``)."""
+    ``factor`` times the members' spread (and at least the fixed ``bound``). Under autocast,
+    ``high``: the reference's rollout without it; the bound is then at least ``ratio`` times
+    the reference's distance from it (the reduced precision's own rounding, which nudges of
+    the inputs do not reach: ``harness._autocast``'s ratio rule, step by step)."""
     from harness._checks import Judge, Layout
     from harness.compare import NUMERIC, QuantityStats, Tolerance
 
@@ -183,6 +188,8 @@ def judge_rollout(
             shards = [fs[n] for fs in rank_fields]
             others = [m[k][n] for m in members]
             point = _point(record, k, n, ref_field, shards, others, bound, factor, spatial_size)
+            if point is not None and high is not None and n in high[k]:
+                _precision(point, ref_field, high[k][n], shards, ratio)
             if point is None:
                 stopped.add(n)
             else:
@@ -282,6 +289,21 @@ def _point(
     return RolloutPoint(k, n, _max_abs(got, ref_values), spread, max(factor * spread, floor), scale)
 
 
+def _precision(
+    point: RolloutPoint,
+    ref_field: FieldRecord,
+    high_field: FieldRecord,
+    shards: list[FieldRecord],
+    ratio: float,
+) -> None:
+    """Widen ``point``'s bound to ``ratio`` times the reference's distance from its
+    high-precision rollout there (under autocast: what the reduced precision rounds)."""
+    distance = _max_abs(_flat(ref_field, shards), _flat(high_field, shards))
+    if math.isfinite(distance):
+        point.precision = distance
+        point.envelope = max(point.envelope, ratio * distance)
+
+
 def _first_divergent(record: RolloutRecord, factor: float) -> None:
     """The rollout's one mismatch: its first divergent step and field, if any."""
     first = record.first
@@ -336,6 +358,9 @@ def check_rollout(
     t_serial = time.perf_counter()
     try:
         reference = run_prediction(case, Topology.single(), steps, seed, autocast=autocast)
+        high = None
+        if autocast is not None:  # the reduced precision's own rounding, measured
+            high = run_prediction(case, Topology.single(), steps, seed)
         ensemble = [
             run_prediction(case, Topology.single(), steps, seed, member=j, autocast=autocast)
             for j in range(members)
@@ -351,8 +376,17 @@ def check_rollout(
         ranks = ranks_run.result()
     else:
         ranks = pool.run(*call, timeout=timeout)
+    from harness._autocast import RATIO
+
     record = judge_rollout(
-        reference, ensemble, ranks, bound, spatial_size=spatial_size, factor=factor
+        reference,
+        ensemble,
+        ranks,
+        bound,
+        spatial_size=spatial_size,
+        factor=factor,
+        high=high,
+        ratio=RATIO,
     )
     record.autocast = "" if autocast is None else str(autocast).replace("torch.", "")
     from harness._samples import RolloutSamples

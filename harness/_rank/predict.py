@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from harness._rank.nudge import NUDGE_ULPS, Nudge, nudge_unit
+from harness._rank.nudge import NUDGE_ULPS, Nudge
 from harness._records import FieldRecord
 from harness.errors import ConfigError
 from harness.topology import Topology
@@ -57,7 +57,11 @@ def run_prediction(
     if case.dtype is not None:
         torch.set_default_dtype(case.dtype)
     model: torch.nn.Module | None = None
-    nudge = None if member is None else Nudge(member, nudge_unit(autocast))
+    # nudged in each tensor's own precision, under autocast too: nudges of bf16 units moved
+    # the members so far that a rank doubling its share of a global sum passed a bf16
+    # rollout (docs/precision.md); the bf16 rounding itself is measured by the rollout
+    # without autocast (harness.rollout.judge_rollout's ``high``)
+    nudge = None if member is None else Nudge(member)
     phase = "rollout build"
     try:
         if progress is not None:
