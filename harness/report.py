@@ -381,7 +381,7 @@ def _step_cell(m: Mismatch) -> str:
 
     >>> _step_cell(Mismatch("error", "c", None, 1, phase="rollout step 2 predict"))
     'rollout 2'
-    >>> _step_cell(Mismatch("error", "c", None, 1, phase="rollout predict (3 model calls so far, rollout of 4 steps)"))
+    >>> _step_cell(Mismatch("error", "c", None, 1, phase="rollout predict (3 model calls so far)"))
     'rollout'
     """
     if m.step is not None:

@@ -222,6 +222,8 @@ def _structure(
     fields they broke come back."""
     from harness._checks import check_fields
 
+    odd = _odd_shapes(record, k, plain, rank_fields, loose.layout.data_size)
+    plain = {n: f for n, f in plain.items() if n not in odd}
     zero = torch.zeros(())
     found, _ = check_fields(
         loose,
@@ -237,7 +239,75 @@ def _structure(
     for m in found:
         m.where = f"rollout step {k} of {record.steps}: {m.where}"
     record.mismatches += found
-    return {m.name for m in found}
+    return {m.name for m in found} | odd
+
+
+def _rest(f: FieldRecord, values: torch.Tensor) -> tuple[int, ...]:
+    """A field's shape but for the dim its shard splits (a whole tensor: all of it)."""
+    if not f.sharded:
+        return tuple(values.shape)
+    shape = list(values.shape)
+    if shape:
+        del shape[(f.dim if f.dim is not None else -1) % len(shape)]
+    return tuple(shape)
+
+
+def _odd_shapes(
+    record: RolloutRecord,
+    k: int,
+    plain: dict[str, FieldRecord],
+    rank_fields: list[dict[str, FieldRecord]],
+    groups: int,
+) -> set[str]:
+    """Fields of step ``k`` whose shape (but for the split dim) a few ranks changed, and
+    the reference with them: the reference runs the code of spatial rank 0 of a group of
+    one, so a shape that only rank 0 gets wrong, the reference gets wrong too. Judged
+    against the reference, every other rank would be blamed, and the odd rank's shape
+    called the reference's: instead, where a majority of the ranks agree on a shape the
+    reference does not have, the ranks that differ from the majority are named (the
+    structure check, which blames whoever differs from the reference, is skipped). With
+    ``groups`` data groups, the reference's part is a group's share of its samples."""
+    from harness._checks import data_part
+
+    odd: set[str] = set()
+    for n, ref in plain.items():
+        if any(n not in fs or fs[n].keyed for fs in rank_fields):
+            continue  # a missing field is the structure check's
+        shards = [fs[n] for fs in rank_fields]
+        rests = [_rest(f, f.values) for f in shards]
+        majority = max(set(rests), key=rests.count)
+        if rests.count(majority) * 2 <= len(rests) or rests.count(majority) == len(rests):
+            continue  # no majority to judge by, or every rank agrees
+        theirs = _rest(shards[0], data_part(_flat(ref, shards), 0, groups))
+        if theirs == majority:
+            continue  # the reference agrees with the majority: blamed as usual
+        many = [r for r, x in enumerate(rests) if x == majority]
+        for r, (f, rest) in enumerate(zip(shards, rests)):
+            if rest == majority:
+                continue
+            record.mismatches.append(
+                Mismatch(
+                    Quantity.FIELD,
+                    n,
+                    k,
+                    r,
+                    where=f"rollout step {k} of {record.steps}: rank {r} gives shape "
+                    f"{tuple(f.values.shape)} where ranks {_ranks(many)} give "
+                    f"{tuple(shards[many[0]].values.shape)}; the reference's "
+                    f"{tuple(ref.values.shape)} agrees with rank {r} but for the split dim, "
+                    "so it is no yardstick here: look at what only rank "
+                    f"{r} and the reference run (the reference is spatial rank 0 of one)",
+                )
+            )
+        odd.add(n)
+    return odd
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``0-3`` for a run of ranks, ``0,2`` otherwise."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
 
 
 def _point(
