@@ -103,8 +103,8 @@ def test_a_yielding_predict_gives_the_records_a_listing_one_does():
     assert [r["x"].values.tolist() for r in listed] == [r["x"].values.tolist() for r in yielded]
 
 
-def test_a_predict_that_yields_on_is_taken_for_the_steps_asked_and_closed():
-    closed = []
+def test_a_predict_that_yields_on_is_taken_for_the_steps_asked_and_closed_before_teardown():
+    said = []
 
     class Endless(Rolled):
         def predict(self, model, batch, topo, steps):
@@ -113,10 +113,13 @@ def test_a_predict_that_yields_on_is_taken_for_the_steps_asked_and_closed():
                     batch = model(batch)
                     yield {"x": batch}
             finally:
-                closed.append(True)
+                said.append("closed")
+
+        def teardown(self, model, topo):
+            said.append("teardown")
 
     assert len(run_prediction(Endless(), Topology.single(), 3, 0)) == 3
-    assert closed == [True]
+    assert said == ["closed", "teardown"]  # its own clean-up runs before the case's
 
 
 def test_a_predict_that_yields_too_few_steps_is_one_clear_error_at_the_missing_step():
@@ -258,3 +261,6 @@ def test_a_shape_one_rank_changed_alone_is_judged_against_the_reference():
 def test_ranks_split_evenly_over_two_shapes_are_judged_against_the_reference():
     found = judged(1, [1, 1, 2, 2]).mismatches
     assert sorted(m.rank for m in found) == [2, 3]  # no majority: the reference decides
+    found = judged(3, [1, 1, 2, 2]).mismatches
+    assert sorted(m.rank for m in found) == [0, 1, 2, 3]  # none is the reference's shape
+    assert all("where the reference gives" in m.where for m in found)
