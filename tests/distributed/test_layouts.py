@@ -27,6 +27,7 @@ class ReturnlessStencil(StencilCase):
             return model
         return None
 
+
 #: (world size, grid) of every layout up to 4 ranks where each bug shows (the docstring of
 #: stencil.py says why); with a batch of 2, 3 and 4 data groups of 1 rank are refused
 SHOWS_ON = {
@@ -209,6 +210,4 @@ def test_a_build_that_returns_none_on_some_ranks_fails_those_layouts_not_refuses
 def test_a_sweep_of_one_rank_split_nothing_and_fails_as_vacuous(spatial):
     report = check_layouts(StencilCase(), max_ranks=1, pools=spatial.pool, locate=False)
     assert len(report.passed) == 1 and report.vacuous and not report.ok, report
-    assert "no layout run split the domain (every one has spatial size 1): vacuous" in str(
-        report
-    )
+    assert "no layout run split the domain (every one has spatial size 1): vacuous" in str(report)

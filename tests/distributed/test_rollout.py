@@ -208,6 +208,8 @@ def test_a_rank_leaving_a_listing_predict_is_named_in_the_rollout_and_the_waiter
     assert by_rank.pop(1) == "rollout of 4 steps", report
     # the others wait inside their third model call: calls, not steps, are what is known
     assert set(by_rank.values()) == {"rollout predict (3 model calls so far, rollout of 4 steps)"}
-    assert report.mismatches[0].headline().startswith(
-        "rank 1: deadlock 'lorenz96-ring' in rollout of 4 steps: returned after"
+    assert (
+        report.mismatches[0]
+        .headline()
+        .startswith("rank 1: deadlock 'lorenz96-ring' in rollout of 4 steps: returned after")
     )

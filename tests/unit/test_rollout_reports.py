@@ -57,7 +57,7 @@ class Rolled(SpatialCase):
 
 
 def phase_of(case, steps=4, progress=None):
-    with pytest.raises(BaseException) as caught:
+    with pytest.raises((RuntimeError, ConfigError)) as caught:
         run_prediction(case, Topology.single(), steps, 0, progress=progress)
     return caught.value, caught.value.harness_phase
 
@@ -235,7 +235,13 @@ def judged(ref_rows: int, rows: list[int]):
 
     ref = [{"state": FieldRecord(torch.ones(ref_rows, 8, dtype=torch.float64))}]
     ranks = [
-        [{"state": FieldRecord(torch.ones(n, 2, dtype=torch.float64), torch.arange(2 * r, 2 * r + 2), -1)}]
+        [
+            {
+                "state": FieldRecord(
+                    torch.ones(n, 2, dtype=torch.float64), torch.arange(2 * r, 2 * r + 2), -1
+                )
+            }
+        ]
         for r, n in enumerate(rows)
     ]
     return judge_rollout(ref, [ref], ranks, Bound(0.0, 0.0), spatial_size=len(rows))
