@@ -195,7 +195,8 @@ class SpatialCase:
         """An autoregressive rollout of ``steps`` steps from ``batch`` (step 0's): a list with
         one ``{name: Shard | tensor}`` dict per step, this rank's part of each field as in
         ``forward``. Run by rollout checks in eval mode under ``torch.no_grad()`` on the model
-        as built, on the reference and on every rank (``harness.rollout``)."""
+        as built, on the reference and on every rank (``harness.rollout``). It may ``yield``
+        each step's dict instead: a failure then names the step it was computing."""
         raise no_predict(self)
 
     def block_variants(self, mesh: tuple[int, ...]) -> dict[str, SpatialCase]:
