@@ -29,7 +29,7 @@ from harness._rank.predict import autocast_context
 from harness._records import FieldRecord, RunRecord
 from harness.compare import NUMERIC, Mismatch, Quantity, Tolerance
 from harness.errors import ConfigError
-from harness.rollout import _assemble, _flat
+from harness._checks.fields import assemble_whole, flat_like
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
@@ -92,8 +92,8 @@ def _pairs(
             got: list[FieldRecord] = [st.fields[n] for st in steps]
             if f.keyed or any(x.keyed for x in got) or n not in s.fields:
                 continue
-            p = _assemble(n, f.values, got, spatial_size)
-            yield Quantity.FIELD, n, k, None, _flat(f, got), _flat(s.fields[n], got), p
+            p = assemble_whole(n, f.values, got, spatial_size)
+            yield Quantity.FIELD, n, k, None, flat_like(f, got), flat_like(s.fields[n], got), p
         for rank, st in enumerate(steps):
             for n, v in h.params.items():
                 if n not in sharded and n in st.params and n in s.params:

@@ -25,37 +25,41 @@ from harness.topology import Topology
 # ---------------------------------------------------------------------- fields
 
 
-def _field_record(case: SpatialCase, name: str, value: object) -> FieldRecord:
+def _field_record(case: SpatialCase, name: str, value: object, origin: str = "") -> FieldRecord:
+    """Field ``name`` as a record. ``origin``: who returned it, for the errors
+    (``"ring.predict step 2"``); ``forward``'s ``Outputs`` by default."""
     if isinstance(value, Shard) and isinstance(value.values, torch.Tensor):
         # the case placed a DTensor's values itself: the ones this rank holds
         value = dataclasses.replace(value, values=plain(value.values))
     if isinstance(value, Shard) and (value.keys is not None or value.index is None):
-        return _keyed_record(case, name, value)
+        return _keyed_record(case, name, value, origin)
     if isinstance(value, Shard):
         index = value.index
         if not isinstance(index, slice):
-            index = detached(_shard_index(case, name, value))
+            index = detached(_shard_index(case, name, value, origin))
         return FieldRecord(detached(value.values), index, value.dim, value.grid_shape, value.unit)
     if isinstance(value, torch.Tensor):
         at = placed(value)  # a DTensor: as its placements place it (a plain tensor: whole)
         if at.dim is None:
             return FieldRecord(detached(at.values))
         return FieldRecord(detached(at.values), at.index, at.dim)
+    what = f"field {name!r}" if origin else f"Outputs.fields[{name!r}]"
     raise ConfigError(
-        f"{case.label}.forward: Outputs.fields[{name!r}] is a {type(value).__name__}; give a "
+        f"{origin or case.label + '.forward'}: {what} is a {type(value).__name__}; give a "
         "torch.Tensor (the whole field) or a harness.Shard (this rank's part of it)"
     )
 
 
-def _keyed_record(case: SpatialCase, name: str, shard: Shard) -> FieldRecord:
+def _keyed_record(case: SpatialCase, name: str, shard: Shard, origin: str = "") -> FieldRecord:
     """A keyed shard's record, its keys as an ``(items, width)`` LongTensor; anything else is
     one clear error naming the field (the rank is named by the failure that carries it)."""
+    origin = origin or f"{case.label}.forward"
     if shard.keys is None:
         raise ConfigError(
-            f"{case.label}.forward: Shard of field {name!r} has no index (None); give "
+            f"{origin}: Shard of field {name!r} has no index (None); give "
             f"Shard(values, index, dim) for positions, or {KEYED_FORM}"
         )
-    where = f"{case.label}.forward: Shard.keyed of field {name!r}"
+    where = f"{origin}: Shard.keyed of field {name!r}"
     values = shard.values
     if not isinstance(values, torch.Tensor) or values.dim() == 0:
         got = "a 0-d tensor" if isinstance(values, torch.Tensor) else type(values).__name__
@@ -98,11 +102,11 @@ def _keyed_record(case: SpatialCase, name: str, shard: Shard) -> FieldRecord:
     return FieldRecord(detached(values), None, 0, None, shard.unit, detached(keys.long()), column)
 
 
-def _shard_index(case: SpatialCase, name: str, shard: Shard) -> torch.Tensor:
+def _shard_index(case: SpatialCase, name: str, shard: Shard, origin: str = "") -> torch.Tensor:
     """A shard's index as a 1-D LongTensor of non-negative positions, one per value along
     ``dim``; anything else is one clear error naming the field (the rank is named by the
     failure that carries it)."""
-    where = f"{case.label}.forward: Shard of field {name!r}"
+    where = f"{origin or case.label + '.forward'}: Shard of field {name!r}"
     index = _integer_index(where, shard.index)
     if index.dim() != 1:
         raise ConfigError(

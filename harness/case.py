@@ -11,6 +11,7 @@ nothing of the pool, the ranks' watchers or the mutants (``tests/unit/test_layer
 from __future__ import annotations
 
 import difflib
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,16 @@ class Shard:
     keys: Any = None  # Shard.keyed: one integer key (or key row) per item along dim 0
     cell_column: int | None = None  # Shard.keyed: the key column that holds a HEALPix cell
 
+    def __post_init__(self) -> None:
+        # refused where the Shard is made, in the case's own line: later, a list's missing
+        # .dim() was a bare AttributeError from inside the harness
+        _shard_values("Shard", self.values)
+        if isinstance(self.dim, bool) or not isinstance(self.dim, numbers.Integral):
+            raise ConfigError(
+                f"Shard: dim={self.dim!r} (a {type(self.dim).__name__}); give the int "
+                "dimension of values that index runs along, e.g. dim=-1"
+            )
+
     @classmethod
     def grid(
         cls,
@@ -71,6 +82,7 @@ class Shard:
                 f"Shard.grid: axes={axes!r} must be two names without commas, one per grid "
                 'dimension, e.g. axes=("l", "m")'
             )
+        _shard_values("Shard.grid", values)
         r = torch.arange(nrows)[rows]
         c = torch.arange(ncols)[cols]
         if tuple(values.shape[-2:]) != (len(r), len(c)):
@@ -98,6 +110,15 @@ class Shard:
         """
         unit = "position" if cell_column is None else "cell"
         return cls(values, None, 0, None, unit, keys=keys, cell_column=cell_column)
+
+
+def _shard_values(where: str, values: object) -> None:
+    """A Shard's values must be a tensor (a DTensor's local part counts): one clear error."""
+    if not isinstance(values, torch.Tensor):
+        raise ConfigError(
+            f"{where}: values is a {type(values).__name__}; give this rank's part of the field "
+            "as a torch.Tensor (torch.as_tensor(values) for a list or an array)"
+        )
 
 
 @dataclass
@@ -174,7 +195,8 @@ class SpatialCase:
         """An autoregressive rollout of ``steps`` steps from ``batch`` (step 0's): a list with
         one ``{name: Shard | tensor}`` dict per step, this rank's part of each field as in
         ``forward``. Run by rollout checks in eval mode under ``torch.no_grad()`` on the model
-        as built, on the reference and on every rank (``harness.rollout``)."""
+        as built, on the reference and on every rank (``harness.rollout``). It may ``yield``
+        each step's dict instead: a failure then names the step it was computing."""
         raise no_predict(self)
 
     def block_variants(self, mesh: tuple[int, ...]) -> dict[str, SpatialCase]:

@@ -316,6 +316,7 @@ def _roll_out(
     run that raised, crashed or hung: its traceback says more)."""
     from harness.rollout import check_rollout
 
+    report.rollout_steps = n_rollout
     if report.quantities & set(FAILURES):
         report.notes.append(f"rollout of {n_rollout} steps not run: the training run failed")
         return
@@ -331,12 +332,22 @@ def _roll_out(
             autocast=amp,
         )
     except RankFailure as failure:
-        report.mismatches += failure_mismatches(failure, run.case.label)
+        report.mismatches += _rollout_failure(failure, run.case.label, n_rollout)
         report.likely = report.likely or culprit_hint(failure)
     except Exception as exc:  # noqa: BLE001 - the reference's rollout raised: a verdict
-        report.mismatches.append(_reference_error(run.case.label, exc, "rollout predict", None))
+        phase = getattr(exc, "harness_phase", None) or "rollout"
+        report.mismatches.append(_reference_error(run.case.label, exc, phase, None))
     else:
         report.mismatches += report.rollout.mismatches
+
+
+def _rollout_failure(failure: RankFailure, label: str, steps: int) -> list[Mismatch]:
+    """A rollout's failed run, as ``failure_mismatches``; a rank that returned (the
+    culprit of a hang) said to be in the rollout, not "after build"."""
+    found = failure_mismatches(failure, label)
+    for m in found:
+        m.phase = m.phase or f"rollout of {steps} steps"
+    return found
 
 
 def _locate(run: _Run, report: EquivalenceReport, step: int) -> None:

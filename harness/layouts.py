@@ -11,9 +11,13 @@ the wrong longitude never shows on h x 1. So every layout is run: every world si
 them (``SpatialCase.block_variants``), each grid also runs with uneven blocks and with a
 rank owning nothing (``Layout.blocks``), right after the even layouts of its size.
 
-A layout the case refuses (a ``ConfigError`` raised while building or batching on the
-ranks: a batch that does not split over 3 data groups, a grid too small for 8 polar ranks)
-is not run, and is listed with the case's reason; it is neither a pass nor a failure. The
+A layout the case refuses (a ``ConfigError`` its own code raised while building or batching
+on the ranks: a batch that does not split over 3 data groups, a grid too small for 8 polar
+ranks) is not run, and is listed with the case's reason; it is neither a pass nor a failure.
+What the harness refuses in what build or batch returned (``None``: a missing ``return``)
+is the case's bug on that layout, a failure. A sweep in which no layout that ran split the
+domain (``max_ranks=1``; every spatial size 1) checked nothing of the parallel code: it
+fails as ``vacuous`` unless the case says why with ``vacuous_ok``. The
 smallest failing layout is the one with the fewest ranks, then the simplest: fewest ranks
 splitting the domain, then even blocks before uneven before an empty rank, then fewest
 split grid axes, then the first axis split first (``Layout.order``).
@@ -203,6 +207,8 @@ class LayoutsReport:
     mesh_dims: int
     results: list[LayoutResult] = field(default_factory=list)
     seconds: float = 0.0
+    #: the case's ``vacuous_ok``: a sweep that split nothing may pass, for this reason
+    vacuous_ok: str | None = None
 
     @property
     def failing(self) -> list[LayoutResult]:
@@ -217,10 +223,18 @@ class LayoutsReport:
         return [r for r in self.results if r.status == "n/a"]
 
     @property
+    def vacuous(self) -> bool:
+        """Layouts passed, but none of them split the domain (each of spatial size 1): the
+        sweep proved nothing about the parallel code (``max_ranks=1``, say)."""
+        return bool(self.passed) and all(r.layout.spatial_size == 1 for r in self.passed)
+
+    @property
     def ok(self) -> bool:
-        """Every layout run passed, and at least one ran (a sweep that ran nothing proves
-        nothing)."""
-        return not self.failing and bool(self.passed)
+        """Every layout run passed, at least one ran (a sweep that ran nothing proves
+        nothing), and one that passed split the domain (else ``vacuous``), unless the case
+        is replicated on purpose (``vacuous_ok``)."""
+        split = not self.vacuous or bool(self.vacuous_ok)
+        return not self.failing and bool(self.passed) and split
 
     def __bool__(self) -> bool:
         return self.ok
@@ -314,6 +328,14 @@ class LayoutsReport:
             return head + f"; smallest failing layout: {smallest}"
         if not self.passed:
             return head + "; no layout ran, so nothing was checked"
+        if self.vacuous:
+            why = (
+                f" (vacuous_ok: {self.vacuous_ok})"
+                if self.vacuous_ok
+                else ": vacuous, nothing about the parallel code was checked; sweep layouts "
+                "that split the domain (max_ranks=2 or more)"
+            )
+            return head + "; no layout run split the domain (every one has spatial size 1)" + why
         return head + "; every layout run is equivalent to the reference"
 
     def __str__(self) -> str:
@@ -339,7 +361,8 @@ class LayoutsReport:
         return str(self)
 
     def raise_if_failed(self) -> None:
-        """An ``AssertionError`` carrying the whole report, if any layout failed or none ran."""
+        """An ``AssertionError`` carrying the whole report, if any layout failed, none ran
+        or none that ran split the domain."""
         __tracebackhide__ = True
         if not self.ok:
             raise AssertionError(str(self))
@@ -358,11 +381,19 @@ _REFUSING_PHASES = ("build", "batch")
 
 def refusal(report: EquivalenceReport) -> str:
     """The case's reason when it refused the layout (a ``ConfigError`` on the rank that
-    failed first, raised while building or batching), else ``""``."""
+    failed first, raised by the case's own code while building or batching), else ``""``.
+
+    Raised by the case's code: its traceback holds a frame of the case (its ``build``, or a
+    helper it called there). The harness's own checks of what build and batch returned
+    (``None``: a missing ``return model``), of the partition and shards it declares, leave
+    none (``user_traceback`` drops the harness's frames): those are the case's bug on this
+    layout, and counting them as a refusal let a sweep of a broken case pass."""
     first = next((m for m in report.mismatches if m.quantity is Quantity.ERROR), None)
     if first is None or not first.where.startswith("ConfigError"):
         return ""
     if not any(p in first.phase for p in _REFUSING_PHASES):
+        return ""
+    if not first.detail.startswith("Traceback"):  # no frame of the case's: the harness's
         return ""
     return first.where.removeprefix("ConfigError: ")
 
@@ -396,7 +427,9 @@ def check_layouts(
 
         pools = shared_registry().get
     t0 = time.perf_counter()
-    out = LayoutsReport(case=case.label, max_ranks=max_ranks, mesh_dims=dims)
+    out = LayoutsReport(
+        case=case.label, max_ranks=max_ranks, mesh_dims=dims, vacuous_ok=case.vacuous_ok
+    )
     cases = _cases(case, layouts(max_ranks, dims, world_sizes))
     reference = _reference(case, kwargs)  # the same for every layout: run once
     given = kwargs.pop("timeout", None)

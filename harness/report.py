@@ -160,6 +160,9 @@ class EquivalenceReport:
     diagnoses: list[str] = field(default_factory=list)
     #: the inference rollout's per-step error curve (``check_equivalence(..., rollout=N)``)
     rollout: RolloutRecord | None = None
+    #: the steps of the rollout asked for (0: none); set also where it failed and ``rollout``
+    #: is ``None``, so the header says both runs' steps
+    rollout_steps: int = 0
 
     @property
     def ok(self) -> bool:
@@ -232,6 +235,9 @@ class EquivalenceReport:
         if self.partition and self.partition != layout:
             layout += f", {self.partition}"
         steps = f"{self.steps} step" + ("" if self.steps == 1 else "s")
+        if self.rollout_steps:  # "2 steps" alone reads as the rollout's when it failed
+            steps = f"{self.steps} training step" + ("" if self.steps == 1 else "s")
+            steps += f" and a rollout of {self.rollout_steps}"
         head = f"{self.case} on {self.ranks} ranks ({layout}), {steps}, {self.dtype}: "
         if self.ok:
             worst = ", ".join(
@@ -390,6 +396,26 @@ def format_table(
     return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
 
 
+def _step_cell(m: Mismatch) -> str:
+    """The table's step: the training step; else where the failure was (``build``,
+    ``teardown``; a rollout's ``rollout``, ``rollout 2`` where its step is known).
+
+    >>> _step_cell(Mismatch("error", "c", None, 1, phase="rollout step 2 predict"))
+    'rollout 2'
+    >>> _step_cell(Mismatch("error", "c", None, 1, phase="rollout predict (3 model calls so far)"))
+    'rollout'
+    """
+    if m.step is not None:
+        return str(m.step)
+    words = m.phase.split()
+    if not words or words[0] == "build":
+        return "build"
+    if words[0] == "rollout":
+        at = words[2] if len(words) > 2 and words[1] == "step" else ""
+        return f"rollout {at}".strip()
+    return words[0].rstrip(",:")
+
+
 def mismatch_table(mismatches: Sequence[Mismatch]) -> list[str]:
     """The report's table: one row per quantity, name and step; ranks collapsed."""
     header = ("quantity", "name", "step", "rank", "max abs", "max rel", "over tol", "worst at")
@@ -404,7 +430,7 @@ def mismatch_table(mismatches: Sequence[Mismatch]) -> list[str]:
             (
                 m.quantity,
                 m.label,
-                "build" if m.step is None else str(m.step),
+                _step_cell(m),
                 m.run or _rank_text(ranks),
                 _fmt(m.max_abs),
                 _fmt(m.max_rel),

@@ -33,6 +33,7 @@ from harness._rank.predict import (
     autocast_context,
     run_prediction,
 )
+from harness._checks.fields import assemble_whole, flat_like
 from harness._overlap import Background, in_other_processes
 from harness._records import FieldRecord, StepRecord
 from harness._rollout_record import RolloutPoint, RolloutRecord
@@ -98,47 +99,6 @@ OVERLAP = True
 
 
 # ---------------------------------------------------------------------- judging
-
-
-def _assemble(
-    name: str, ref: torch.Tensor, recs: list[FieldRecord], spatial_size: int
-) -> torch.Tensor:
-    """The partitioned field in the reference's layout (a grid shard's field flattened as
-    ``Shard.grid`` does), each data group's spatial ranks placed in that group's samples.
-    Structure (coverage, shapes) was checked by ``checks.check_fields`` before this."""
-    groups = len(recs) // spatial_size
-    parts = []
-    grid = next((f.grid for f in recs if f.grid), None)
-    if grid is not None and tuple(ref.shape[-2:]) == tuple(grid):
-        ref = ref.reshape(*ref.shape[:-2], -1)
-    for g in range(groups):
-        shards = recs[g * spatial_size : (g + 1) * spatial_size]
-        if not any(f.sharded for f in shards):
-            parts.append(shards[0].values)
-            continue
-        dim = (shards[0].dim or 0) % max(ref.dim(), 1)
-        n = ref.shape[dim] if ref.dim() else 1
-        from harness._checks import data_part
-
-        out = torch.zeros_like(data_part(ref, g, groups))
-        for f in shards:
-            idx = f.positions(n)
-            if ref.dim():
-                out.index_copy_(dim, idx, f.values.to(out.dtype))
-            elif idx.numel():
-                out.copy_(f.values.reshape(()))
-        parts.append(out)
-    return parts[0] if groups == 1 else torch.cat(parts, dim=0)
-
-
-def _flat(whole: FieldRecord, recs: list[FieldRecord]) -> torch.Tensor:
-    """A whole field (the reference's, a member's) in the layout ``_assemble`` gives the
-    ranks' shards ``recs``: flattened lat x lon where they are ``Shard.grid`` blocks."""
-    v = whole.values
-    grid = next((f.grid for f in recs if f.grid), None)
-    if grid is not None and tuple(v.shape[-2:]) == tuple(grid):
-        v = v.reshape(*v.shape[:-2], -1)
-    return v
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -229,6 +189,8 @@ def _structure(
     fields they broke come back."""
     from harness._checks import check_fields
 
+    odd = _odd_shapes(record, k, plain, rank_fields, loose.layout.data_size)
+    plain = {n: f for n, f in plain.items() if n not in odd}
     zero = torch.zeros(())
     found, _ = check_fields(
         loose,
@@ -244,7 +206,75 @@ def _structure(
     for m in found:
         m.where = f"rollout step {k} of {record.steps}: {m.where}"
     record.mismatches += found
-    return {m.name for m in found}
+    return {m.name for m in found} | odd
+
+
+def _rest(f: FieldRecord, values: torch.Tensor) -> tuple[int, ...]:
+    """A field's shape but for the dim its shard splits (a whole tensor: all of it)."""
+    if not f.sharded:
+        return tuple(values.shape)
+    shape = list(values.shape)
+    if shape:
+        del shape[(f.dim if f.dim is not None else -1) % len(shape)]
+    return tuple(shape)
+
+
+def _odd_shapes(
+    record: RolloutRecord,
+    k: int,
+    plain: dict[str, FieldRecord],
+    rank_fields: list[dict[str, FieldRecord]],
+    groups: int,
+) -> set[str]:
+    """Fields of step ``k`` whose shape (but for the split dim) a few ranks changed, and
+    the reference with them: the reference runs the code of spatial rank 0 of a group of
+    one, so a shape that only rank 0 gets wrong, the reference gets wrong too. Judged
+    against the reference, every other rank would be blamed, and the odd rank's shape
+    called the reference's: instead, where a majority of the ranks agree on a shape the
+    reference does not have, the ranks that differ from the majority are named (the
+    structure check, which blames whoever differs from the reference, is skipped). With
+    ``groups`` data groups, the reference's part is a group's share of its samples."""
+    from harness._checks import data_part
+
+    odd: set[str] = set()
+    for n, ref in plain.items():
+        if any(n not in fs or fs[n].keyed for fs in rank_fields):
+            continue  # a missing field is the structure check's
+        shards = [fs[n] for fs in rank_fields]
+        rests = [_rest(f, f.values) for f in shards]
+        majority = max(set(rests), key=rests.count)
+        if rests.count(majority) * 2 <= len(rests) or rests.count(majority) == len(rests):
+            continue  # no majority to judge by, or every rank agrees
+        theirs = _rest(shards[0], data_part(flat_like(ref, shards), 0, groups))
+        if theirs == majority:
+            continue  # the reference agrees with the majority: blamed as usual
+        many = [r for r, x in enumerate(rests) if x == majority]
+        for r, (f, rest) in enumerate(zip(shards, rests)):
+            if rest == majority:
+                continue
+            record.mismatches.append(
+                Mismatch(
+                    Quantity.FIELD,
+                    n,
+                    k,
+                    r,
+                    where=f"rollout step {k} of {record.steps}: rank {r} gives shape "
+                    f"{tuple(f.values.shape)} where ranks {_ranks(many)} give "
+                    f"{tuple(shards[many[0]].values.shape)}; the reference's "
+                    f"{tuple(ref.values.shape)} agrees with rank {r} but for the split dim, "
+                    "so it is no yardstick here: look at what only rank "
+                    f"{r} and the reference run (the reference is spatial rank 0 of one)",
+                )
+            )
+        odd.add(n)
+    return odd
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``0-3`` for a run of ranks, ``0,2`` otherwise."""
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
 
 
 def _point(
@@ -261,7 +291,7 @@ def _point(
     """Field ``n`` at step ``k``: its error, spread and envelope; ``None`` (said on the
     record) where the reference or a member stopped being finite, so nothing after it can be
     judged."""
-    ref_values = _flat(ref_field, shards)
+    ref_values = flat_like(ref_field, shards)
     if not bool(torch.isfinite(ref_values).all()):
         record.mismatches.append(
             Mismatch(
@@ -276,8 +306,8 @@ def _point(
             )
         )
         return None
-    got = _assemble(n, ref_field.values, shards, spatial_size)
-    spread = max((_max_abs(_flat(m, shards), ref_values) for m in members), default=0.0)
+    got = assemble_whole(n, ref_field.values, shards, spatial_size)
+    spread = max((_max_abs(flat_like(m, shards), ref_values) for m in members), default=0.0)
     if math.isinf(spread):
         record.not_compared.append(
             f"field '{n}' from step {k} on: a nudged rerun of the reference was not "
@@ -298,7 +328,7 @@ def _precision(
 ) -> None:
     """Widen ``point``'s bound to ``ratio`` times the reference's distance from its
     high-precision rollout there (under autocast: what the reduced precision rounds)."""
-    distance = _max_abs(_flat(ref_field, shards), _flat(high_field, shards))
+    distance = _max_abs(flat_like(ref_field, shards), flat_like(high_field, shards))
     if math.isfinite(distance):
         point.precision = distance
         point.envelope = max(point.envelope, ratio * distance)
@@ -353,24 +383,13 @@ def check_rollout(
     # serial rollouts instead of after them (the ranks mostly wait on gloo; see OVERLAP).
     # A runner that runs the function in this very process (torchrun, srun) goes after.
     ranks_run = Background(pool, call, timeout) if _overlaps(pool) else None
-    threads = torch.get_num_threads()
-    torch.set_num_threads(SERIAL_THREADS)
     t_serial = time.perf_counter()
     try:
-        reference = run_prediction(case, Topology.single(), steps, seed, autocast=autocast)
-        high = None
-        if autocast is not None:  # the reduced precision's own rounding, measured
-            high = run_prediction(case, Topology.single(), steps, seed)
-        ensemble = [
-            run_prediction(case, Topology.single(), steps, seed, member=j, autocast=autocast)
-            for j in range(members)
-        ]
+        reference, high, ensemble = _serial(case, steps, seed, members, autocast)
     except BaseException:
         if ranks_run is not None:
             ranks_run.join()  # never leave the ranks running behind a verdict
         raise
-    finally:
-        torch.set_num_threads(threads)
     serial = time.perf_counter() - t_serial
     if ranks_run is not None:
         ranks = ranks_run.result()
@@ -395,6 +414,31 @@ def check_rollout(
     record.seconds = time.perf_counter() - t0
     record.serial_seconds = serial
     return record
+
+
+Steps = list[dict[str, FieldRecord]]
+
+
+def _serial(
+    case: SpatialCase, steps: int, seed: int, members: int, autocast: torch.dtype | None
+) -> tuple[Steps, Steps | None, list[Steps]]:
+    """The serial rollouts, with ``SERIAL_THREADS`` torch threads: the reference, under
+    autocast also without it (the reduced precision's own rounding, measured), and the
+    nudged members."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SERIAL_THREADS)
+    try:
+        reference = run_prediction(case, Topology.single(), steps, seed, autocast=autocast)
+        high = None
+        if autocast is not None:
+            high = run_prediction(case, Topology.single(), steps, seed)
+        ensemble = [
+            run_prediction(case, Topology.single(), steps, seed, member=j, autocast=autocast)
+            for j in range(members)
+        ]
+        return reference, high, ensemble
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _overlaps(pool: Runner) -> bool:

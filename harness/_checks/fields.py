@@ -337,3 +337,45 @@ def _shard_position(f: FieldRecord) -> Callable[[int], str] | None:
         return lead + position_text(pos, f.grid, f.unit)
 
     return where
+
+
+# ---------------------------------------------------------------------- whole fields
+
+
+def assemble_whole(
+    name: str, ref: torch.Tensor, recs: list[FieldRecord], spatial_size: int
+) -> torch.Tensor:
+    """The partitioned field in the reference's layout (a grid shard's field flattened as
+    ``Shard.grid`` does), each data group's spatial ranks placed in that group's samples.
+    Structure (coverage, shapes) was checked by ``check_fields`` before this."""
+    groups = len(recs) // spatial_size
+    parts = []
+    grid = next((f.grid for f in recs if f.grid), None)
+    if grid is not None and tuple(ref.shape[-2:]) == tuple(grid):
+        ref = ref.reshape(*ref.shape[:-2], -1)
+    for g in range(groups):
+        shards = recs[g * spatial_size : (g + 1) * spatial_size]
+        if not any(f.sharded for f in shards):
+            parts.append(shards[0].values)
+            continue
+        dim = (shards[0].dim or 0) % max(ref.dim(), 1)
+        n = ref.shape[dim] if ref.dim() else 1
+        out = torch.zeros_like(data_part(ref, g, groups))
+        for f in shards:
+            idx = f.positions(n)
+            if ref.dim():
+                out.index_copy_(dim, idx, f.values.to(out.dtype))
+            elif idx.numel():
+                out.copy_(f.values.reshape(()))
+        parts.append(out)
+    return parts[0] if groups == 1 else torch.cat(parts, dim=0)
+
+
+def flat_like(whole: FieldRecord, recs: list[FieldRecord]) -> torch.Tensor:
+    """A whole field (the reference's, a member's) in the layout ``assemble_whole`` gives the
+    ranks' shards ``recs``: flattened lat x lon where they are ``Shard.grid`` blocks."""
+    v = whole.values
+    grid = next((f.grid for f in recs if f.grid), None)
+    if grid is not None and tuple(v.shape[-2:]) == tuple(grid):
+        v = v.reshape(*v.shape[:-2], -1)
+    return v

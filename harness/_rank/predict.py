@@ -8,7 +8,7 @@ Rank-side code: imports no pytest, nothing of the pool.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +35,41 @@ def autocast_context(dtype: torch.dtype | None) -> contextlib.AbstractContextMan
 _Nudge = Nudge
 
 
+class _Where:
+    """Where a rollout is, as a failure names it and the board shows it (a hang's report).
+
+    ``predict`` returns its steps at the end, so the step a failure inside it was in is
+    known only where predict says it: a predict that ``yield``s each step's fields is in
+    ``rollout step k predict`` while it computes step k. One that returns a list is in
+    ``rollout predict``, with what can be seen honestly: the calls of the model itself
+    (``3 model calls so far``), which are not steps (a step may call it twice, or not at all)."""
+
+    def __init__(self, steps: int, progress: Callable[[str, int | None], None] | None) -> None:
+        self.steps, self.progress = steps, progress
+        self.phase = "rollout build"
+        self.calls = 0
+
+    def enter(self, phase: str) -> None:
+        self.phase = phase
+        if self.progress is not None:
+            self.progress(phase, None)  # no step: a training step's number would mislead
+
+    def predicting(self) -> None:
+        self.enter(self._predict())
+
+    def called(self, *_: Any) -> None:
+        """A forward pre-hook of the model: one more call of it."""
+        self.calls += 1
+        if self.phase.startswith("rollout predict"):
+            self.enter(self._predict())
+
+    def _predict(self) -> str:
+        # calls begun, not steps: a failure between calls is after the last one counted
+        n = self.calls
+        calls = f"{n} model call{'s' if n != 1 else ''} so far, " if n else ""
+        return f"rollout predict ({calls}rollout of {self.steps} steps)"
+
+
 def run_prediction(
     case: SpatialCase,
     topo: Topology,
@@ -48,7 +83,8 @@ def run_prediction(
     """Build the case (seeded as a check's build), take step 0's batch, and roll out
     ``steps`` steps with ``case.predict`` in eval mode under ``torch.no_grad()`` (and
     ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge.
-    Leaves the caller's RNG states, default dtype and grad mode as it found them."""
+    Leaves the caller's RNG states, default dtype and grad mode as it found them. A
+    failure leaves with its phase in ``exc.harness_phase`` (``_Where``)."""
     from harness._declared import _check_batch, _check_model
     from harness._rank.run import _mark_phase, _seed, _step_seed
     from harness._rank.state import CallerState
@@ -62,60 +98,84 @@ def run_prediction(
     # rollout (docs/precision.md); the bf16 rounding itself is measured by the rollout
     # without autocast (harness.rollout.judge_rollout's ``high``)
     nudge = None if member is None else Nudge(member)
-    phase = "rollout build"
+    where = _Where(steps, progress)
+    hook = None
     try:
-        if progress is not None:
-            progress(phase, None)
+        where.enter("rollout build")
         _seed(seed)
         model = _check_model(case, case.build(topo))
         model.eval()
+        where.enter("rollout batch")
         _seed(_step_seed(seed, 0))
         batch = _check_batch(case, case.batch(topo, 0), 0)
         if nudge is not None:
             nudge.attach(model)
             batch = nudge.batch(batch)
-        phase = "rollout predict"
-        if progress is not None:
-            progress(phase, None)
+        with contextlib.suppress(RuntimeError):  # a module that takes no hooks: no counts
+            hook = model.register_forward_pre_hook(where.called)
+        where.predicting()
         with torch.no_grad(), autocast_context(autocast):
             out = case.predict(model, batch, topo, steps)
-        records = _step_records(case, out, steps)
-        phase = "teardown"
+            records = _step_records(case, out, steps, where)  # a generator runs in here
+        where.enter("teardown")
         case.teardown(model, topo)
         return records
     except BaseException as exc:
-        _mark_phase(exc, phase)
-        if phase != "teardown":
+        _mark_phase(exc, where.phase)
+        if where.phase != "teardown":
             with contextlib.suppress(Exception):
                 case.teardown(model, topo)
         raise
     finally:
+        if hook is not None:
+            hook.remove()
         saved.restore()
 
 
-def _step_records(case: SpatialCase, out: Any, steps: int) -> list[dict[str, FieldRecord]]:
+def _step_records(
+    case: SpatialCase, out: Any, steps: int, where: _Where | None = None
+) -> list[dict[str, FieldRecord]]:
+    """``predict``'s steps as records: a list or tuple of one dict per step, or an
+    iterator (a generator that ``yield``s them), of which the first ``steps`` are taken,
+    each step's phase entered before it is computed."""
     from harness._declared import _field_record
 
-    where = f"{case.label}.predict"
-    if not isinstance(out, (list, tuple)):
+    where = where or _Where(steps, None)
+    label = f"{case.label}.predict"
+    if isinstance(out, (list, tuple)):
+        if len(out) != steps:
+            raise ConfigError(
+                f"{label} returned {len(out)} step(s) for a rollout of {steps}; return one "
+                "{name: Shard | tensor} dict per step (steps numbered from 0)"
+            )
+        given: Any = iter(out)
+    elif isinstance(out, Iterator):
+        given = out
+    else:
         raise ConfigError(
-            f"{where} returned a {type(out).__name__}; return a list with one "
-            "{name: Shard | tensor} dict per step of the rollout"
-        )
-    if len(out) != steps:
-        raise ConfigError(
-            f"{where} returned {len(out)} step(s) for a rollout of {steps}; return one "
-            "{name: Shard | tensor} dict per step (steps numbered from 0)"
+            f"{label} returned a {type(out).__name__}; return a list with one "
+            "{name: Shard | tensor} dict per step of the rollout (or yield each step's)"
         )
     records = []
-    for k, fields in enumerate(out):
+    listed, end = isinstance(out, (list, tuple)), object()
+    for k in range(steps):
+        where.enter(f"rollout step {k} {'fields' if listed else 'predict'}")
+        fields = next(given, end)
+        if fields is end:
+            raise ConfigError(
+                f"{label} yielded {k} step(s) for a rollout of {steps}; yield one "
+                "{name: Shard | tensor} dict per step (steps numbered from 0)"
+            )
         if not isinstance(fields, dict) or not fields:
             got = "an empty dict" if isinstance(fields, dict) else f"a {type(fields).__name__}"
             raise ConfigError(
-                f"{where}: step {k} of the rollout is {got}; give each step a non-empty "
+                f"{label}: step {k} of the rollout is {got}; give each step a non-empty "
                 "{name: Shard | tensor} dict of its fields"
             )
-        records.append({str(n): _field_record(case, str(n), v) for n, v in fields.items()})
+        origin = f"{label} step {k}"
+        records.append({str(n): _field_record(case, str(n), v, origin) for n, v in fields.items()})
+    if isinstance(out, Generator):
+        out.close()  # a predict that yields on: the rollout asked for is taken, no more
     return records
 
 

@@ -16,6 +16,18 @@ from harness.steppers.mlp import CoupledMLPCase
 from harness.steppers.sfno import SFNOCase
 from tests.distributed.stencil import SMALLEST, StencilCase
 
+
+class ReturnlessStencil(StencilCase):
+    """A stencil whose build forgets ``return model`` on every rank but spatial rank 0 (so
+    the reference, spatial rank 0 of one, builds; module level: the ranks import it)."""
+
+    def build(self, topo):
+        model = super().build(topo)
+        if topo.spatial_rank == 0:
+            return model
+        return None
+
+
 #: (world size, grid) of every layout up to 4 ranks where each bug shows (the docstring of
 #: stencil.py says why); with a batch of 2, 3 and 4 data groups of 1 rank are refused
 SHOWS_ON = {
@@ -182,3 +194,20 @@ def test_a_built_in_fault_of_some_layouts_fails_on_those_only(spatial, key):
     failing = {(r.layout.world_size, r.layout.mesh, r.layout.blocks) for r in report.failing}
     assert failing == STEPPER_SHOWS_ON[key], report
     assert len(report.passed) >= 8, report  # the others ran, and passed
+
+
+@pytest.mark.spatial_pool  # pools of 1 and 2 ranks: a launcher of 4 runs its own 4
+def test_a_build_that_returns_none_on_some_ranks_fails_those_layouts_not_refuses_them(spatial):
+    report = check_layouts(ReturnlessStencil(), max_ranks=2, pools=spatial.pool, locate=False)
+    assert not report.ok and not report.refused, report
+    assert {r.layout.mesh for r in report.failing} == {(2, 1), (1, 2)}
+    first = report.smallest_report.mismatches[0]
+    assert (first.quantity, first.rank, first.phase) == ("error", 1, "build")
+    assert first.where.startswith("ConfigError: stencil.build returned None; it must return")
+
+
+@pytest.mark.spatial_pool  # a pool of 1 rank: a launcher of 4 runs its own 4
+def test_a_sweep_of_one_rank_split_nothing_and_fails_as_vacuous(spatial):
+    report = check_layouts(StencilCase(), max_ranks=1, pools=spatial.pool, locate=False)
+    assert len(report.passed) == 1 and report.vacuous and not report.ok, report
+    assert "no layout run split the domain (every one has spatial size 1): vacuous" in str(report)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import ConfigError, Tolerance, check_equivalence
+from harness import ConfigError, Shard, Tolerance, check_equivalence
 from harness.steppers.mlp import CoupledMLPCase
 from tests.distributed.ring import RingCase
 
@@ -114,7 +114,8 @@ class RaisingReferenceRing(RingCase):
 def test_a_reference_whose_rollout_raises_is_an_error_of_the_reference(spatial):
     report = check_equivalence(RaisingReferenceRing(), ranks=4, pool=spatial.pool(4), rollout=3)
     [error] = [m for m in report.mismatches if m.quantity == "error"]
-    assert (error.run, error.phase) == ("reference", "rollout predict"), report
+    # raised before predict called the model: no model call to count
+    assert (error.run, error.phase) == ("reference", "rollout predict (rollout of 3 steps)")
     assert "RuntimeError: the serial forcing reader is broken" in error.where
 
 
@@ -124,5 +125,91 @@ def test_a_rank_that_raises_in_predict_is_an_error_naming_the_rank_and_phase(spa
     report = check_equivalence(RaisingRing(), ranks=4, pool=spatial.pool(4), rollout=3)
     assert "error" in report.quantities, report
     error = next(m for m in report.mismatches if m.quantity == "error")
-    assert error.rank == 2 and error.phase == "rollout predict"
+    assert error.rank == 2 and error.phase == "rollout predict (rollout of 3 steps)"
     assert "no forcing file for this tile" in error.detail
+    row = next(line for line in str(report).splitlines() if line.startswith("error"))
+    assert row.split()[2] == "rollout", report  # the table's step: not "build"
+    assert str(report).startswith(
+        "lorenz96-ring on 4 ranks (spatial 4, ring of 40), 2 training steps and a rollout of 3"
+    )
+
+
+class StepwiseRing(RingCase):
+    """A ring whose predict yields each step's fields; at step 2, ``how`` goes wrong on
+    spatial rank 1: it raises, exits, or waits for a message rank 0 never sends (rank 0
+    waits for its halo in turn), or
+    the shape of the state changes on spatial rank 0 (the reference is one too)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def predict(self, model, batch, topo, steps):
+        import os
+
+        x, _ = batch
+        for k in range(steps):
+            if k == 2 and topo.spatial_rank == 1 and not topo.is_reference:
+                if self.how == "raise":
+                    raise RuntimeError("no forcing file for step 2")
+                if self.how == "exit":
+                    os._exit(3)
+                if self.how == "recv":  # from rank 0, which sends nothing: a cycle
+                    torch.distributed.recv(torch.zeros(1), src=0)
+            x = model(x, topo)
+            state = self.shard(x, topo)
+            if k == 2 and topo.spatial_rank == 0 and self.how == "shape":
+                state = Shard(state.values[:1], state.index, state.dim)
+            yield {"state": state}
+
+
+# rank 1 raises, dies or leaves while the others exchange halos: in place that takes pytest
+@pytest.mark.spatial_pool
+@pytest.mark.parametrize(
+    ("how", "quantity"), [("raise", "error"), ("exit", "crash"), ("recv", "deadlock")]
+)
+def test_a_rank_failing_in_a_yielding_predict_is_named_with_its_rollout_step(
+    spatial, how, quantity
+):
+    report = check_equivalence(StepwiseRing(how), ranks=4, pool=spatial.pool(4), rollout=4)
+    assert report.quantities == {quantity}, report
+    culprit = next(m for m in report.mismatches if m.rank == 1)
+    assert culprit.phase == "rollout step 2 predict", report
+    assert culprit.step is None  # a rollout step is not a training step
+    if how == "recv":  # every rank waits, each naming the step it waits in
+        assert {m.phase for m in report.mismatches} == {"rollout step 2 predict"}, report
+        assert "waits in recv" in culprit.where, report
+
+
+def test_a_shape_only_rank_0_and_the_reference_get_wrong_is_blamed_on_rank_0(spatial):
+    report = check_equivalence(StepwiseRing("shape"), ranks=4, pool=spatial.pool(4), rollout=4)
+    [m] = [m for m in report.mismatches if m.quantity == "field"]
+    assert (m.name, m.step, m.rank) == ("state", 2, 0), report
+    assert "rank 0 gives shape (1, 10) where ranks 1-3 give (2, 10)" in m.where
+
+
+class LeavingRing(RingCase):
+    """A ring whose listing predict returns early on spatial rank 1, padding the missing
+    steps with its last state, while its peers wait for its halo at step 2."""
+
+    def predict(self, model, batch, topo, steps):
+        out = super().predict(model, batch, topo, 2 if topo.spatial_rank == 1 else steps)
+        return out + out[-1:] * (steps - len(out))
+
+
+@pytest.mark.spatial_pool  # ranks stuck in a collective: the pool replaces them
+def test_a_rank_leaving_a_listing_predict_is_named_in_the_rollout_and_the_waiters_by_calls(
+    spatial,
+):
+    report = check_equivalence(LeavingRing(), ranks=4, pool=spatial.pool(4), rollout=4)
+    assert report.quantities == {"deadlock"}, report
+    by_rank = {m.rank: m.phase for m in report.mismatches}
+    # the culprit returned: its phase is the rollout's, not "after build"
+    assert by_rank.pop(1) == "rollout of 4 steps", report
+    # the others wait inside their third model call: calls, not steps, are what is known
+    assert set(by_rank.values()) == {"rollout predict (3 model calls so far, rollout of 4 steps)"}
+    assert (
+        report.mismatches[0]
+        .headline()
+        .startswith("rank 1: deadlock 'lorenz96-ring' in rollout of 4 steps: returned after")
+    )

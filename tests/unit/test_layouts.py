@@ -288,9 +288,24 @@ def loss_off(rank: int) -> Mismatch:
     return Mismatch("loss", "loss", 0, rank, max_abs=1.0, max_rel=1.0, count=1, total=1)
 
 
+#: a rank's traceback through the case's own build (``user_traceback``: its frames kept)
+CASES_TRACEBACK = (
+    "Traceback (most recent call last):\n"
+    '  File "/src/demo_case.py", line 12, in build\n'
+    '    raise ConfigError("embed=8 is too small")\n'
+    "harness.errors.ConfigError: embed=8 is too small\n"
+)
+
+
 def refused_error() -> Mismatch:
     return Mismatch(
-        "error", "demo", None, 0, where="ConfigError: embed=8 is too small", phase="build"
+        "error",
+        "demo",
+        None,
+        0,
+        where="ConfigError: embed=8 is too small",
+        detail=CASES_TRACEBACK,
+        phase="build",
     )
 
 
@@ -327,7 +342,7 @@ def test_the_text_leads_with_the_smallest_failing_report_then_the_map():
 
 
 def test_a_layout_the_case_refuses_is_listed_with_its_reason_and_is_no_failure():
-    fine, refused = Layout(1, 1, 1, (1, 1)), Layout(3, 1, 3, (1, 1))
+    fine, refused = Layout(2, 2, 1, (2, 1)), Layout(3, 1, 3, (1, 1))
     report = sweep(
         [LayoutResult(fine, report_of(fine)), LayoutResult(refused, None, "embed=8 is too small")]
     )
@@ -350,12 +365,60 @@ def test_a_sweep_that_ran_nothing_is_not_ok():
 def test_a_config_error_while_building_is_a_refusal_but_one_in_forward_is_a_failure():
     layout = Layout(2, 2, 1, (2, 1))
     assert refusal(report_of(layout, refused_error())) == "embed=8 is too small"
-    in_batch = Mismatch("error", "demo", 0, 1, where="ConfigError: 2 samples", phase="step 0 batch")
+    in_batch = Mismatch(
+        "error",
+        "demo",
+        0,
+        1,
+        where="ConfigError: 2 samples",
+        detail=CASES_TRACEBACK,
+        phase="step 0 batch",
+    )
     assert refusal(report_of(layout, in_batch)) == "2 samples"
     shard = Mismatch("error", "demo", 0, 1, where="ConfigError: Shard.grid", phase="step 0 forward")
     assert refusal(report_of(layout, shard)) == ""
     other = Mismatch("error", "demo", None, 0, where="ValueError: no", phase="build")
     assert refusal(report_of(layout, other)) == ""
+
+
+def test_what_the_harness_refuses_in_what_build_or_batch_returned_is_a_failure_not_a_refusal():
+    layout = Layout(2, 2, 1, (2, 1))
+    # user_traceback of the harness's own check: no frame of the case's, the message alone
+    for phase, what in [("build", "build returned None"), ("step 0 batch", "batch returned None")]:
+        junk = Mismatch(
+            "error",
+            "demo",
+            None,
+            1,
+            where=f"ConfigError: demo.{what}; it must return ...",
+            detail=f"harness.errors.ConfigError: demo.{what}; it must return ...\n",
+            phase=phase,
+        )
+        assert refusal(report_of(layout, junk)) == ""
+
+
+def test_a_sweep_whose_layouts_split_nothing_is_vacuous_not_equivalent():
+    one, data = Layout(1, 1, 1, (1,)), Layout(2, 1, 2, (1,))
+    report = sweep([LayoutResult(one, report_of(one)), LayoutResult(data, report_of(data))])
+    assert report.vacuous and not report.ok
+    assert report.summary().endswith(
+        "2 passed, 0 failed, 0 refused by the case (0.0 s); no layout run split the domain "
+        "(every one has spatial size 1): vacuous, nothing about the parallel code was "
+        "checked; sweep layouts that split the domain (max_ranks=2 or more)"
+    )
+    with pytest.raises(AssertionError, match="vacuous"):
+        report.raise_if_failed()
+    split = Layout(2, 2, 1, (2,))
+    report.results.append(LayoutResult(split, report_of(split)))
+    assert report.ok and not report.vacuous
+
+
+def test_a_sweep_that_split_nothing_passes_where_the_case_says_why_it_is_replicated():
+    one = Layout(1, 1, 1, (1,))
+    report = sweep([LayoutResult(one, report_of(one))])
+    report.vacuous_ok = "replicated on purpose"
+    assert report.ok
+    assert report.summary().endswith("(vacuous_ok: replicated on purpose)")
 
 
 def test_check_layouts_refuses_the_arguments_it_chooses_itself():
