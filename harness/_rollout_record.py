@@ -85,6 +85,16 @@ class RolloutRecord:
                 f"({first.spread:.3g} over {self.members} nudged reruns; bound "
                 f"{self.factor:g}x, at least {self._floor(first)} {first.envelope:.3g})"
             )
+        elif self.curve and any(p.precision for p in self.curve):
+            # under autocast the bound is mostly the reduced precision's: say how near it
+            worst = max(self.curve, key=lambda p: p.error / p.envelope if p.envelope else 0.0)
+            share = worst.error / worst.envelope if worst.envelope else 0.0
+            out.append(
+                f"Rollout: {self.steps} steps within their bound ({self.factor:g}x the rounding "
+                f"spread of {self.members} nudged reruns, or 4x the serial {self.autocast} "
+                f"run's distance from the high-precision one; worst {share:.2g} of it at step "
+                f"{worst.step}, field '{worst.name}')"
+            )
         elif self.curve:
             worst = max(self.curve, key=lambda p: p.ratio if p.spread > 0 else 0.0)
             out.append(
