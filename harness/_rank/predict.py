@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -37,6 +37,14 @@ def _nudged(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     real = {torch.complex128: torch.float64, torch.complex64: torch.float32}.get(t.dtype, t.dtype)
     sign = torch.randint(0, 2, t.shape, generator=generator).to(real) * 2 - 1
     return t * (1 + NUDGE_ULPS * torch.finfo(real).eps * sign)
+
+
+class _Watch(Protocol):
+    """What ``run_prediction`` tells an observer (``harness._locate_rollout``'s recorder)."""
+
+    def attach(self, model: torch.nn.Module) -> None: ...
+
+    def detach(self) -> None: ...
 
 
 class _Nudge:
@@ -75,11 +83,14 @@ def run_prediction(
     member: int | None = None,
     autocast: torch.dtype | None = None,
     progress: Callable[[str, int | None], None] | None = None,
+    watch: _Watch | None = None,
 ) -> list[dict[str, FieldRecord]]:
     """Build the case (seeded as a check's build), take step 0's batch, and roll out
     ``steps`` steps with ``case.predict`` in eval mode under ``torch.no_grad()`` (and
     ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge.
-    Leaves the caller's RNG states, default dtype and grad mode as it found them."""
+    ``watch`` (locating a rollout) is given the model in eval mode before ``predict`` and
+    let go of after it. Leaves the caller's RNG states, default dtype and grad mode as it
+    found them."""
     from harness._declared import _check_batch, _check_model
     from harness._rank.run import _mark_phase, _seed, _step_seed
     from harness._rank.state import CallerState
@@ -101,11 +112,15 @@ def run_prediction(
         if nudge is not None:
             nudge.attach(model)
             batch = nudge.batch(batch)
+        if watch is not None:
+            watch.attach(model)
         phase = "rollout predict"
         if progress is not None:
             progress(phase, None)
         with torch.no_grad(), autocast_context(autocast):
             out = case.predict(model, batch, topo, steps)
+        if watch is not None:
+            watch.detach()  # what teardown runs is no step of the rollout
         records = _step_records(case, out, steps)
         phase = "teardown"
         case.teardown(model, topo)
@@ -117,8 +132,9 @@ def run_prediction(
                 case.teardown(model, topo)
         raise
     finally:
-        if nudge is not None:
-            nudge.detach()
+        for hooks in (nudge, watch):
+            if hooks is not None:
+                hooks.detach()
         saved.restore()
 
 
