@@ -493,4 +493,6 @@ def locate(
 def rerun_failed(failure: RankFailure) -> str:
     """Why a hooked rerun on the ranks gave nothing to judge: the first rank that failed."""
     first = next((p for p in failure.problems if p.kind != "stopped"), None)
-    return f"the hooked rerun failed on rank {first.rank}: {first.summary}" if first else str(failure)
+    return (
+        f"the hooked rerun failed on rank {first.rank}: {first.summary}" if first else str(failure)
+    )

@@ -108,8 +108,10 @@ class RolloutDivergence(Divergence):
     of: int = 0
 
     def line(self) -> str:
-        return super().line().replace(
-            f", step {self.step}", f", rollout step {self.step} of {self.of}", 1
+        return (
+            super()
+            .line()
+            .replace(f", step {self.step}", f", rollout step {self.step} of {self.of}", 1)
         )
 
 

@@ -11,7 +11,7 @@ import harness._locate_rollout as locate_rollout
 from harness import check_equivalence
 from harness.collectives import all_gather_uneven, spatial_sum, sync_gradients
 from harness.steppers.catalogue import inference_matrix
-from tests.distributed.ring import N, Lorenz96, RingCase
+from tests.distributed.ring import Lorenz96, N, RingCase
 
 pytestmark = pytest.mark.assumes_ranks(4)
 
