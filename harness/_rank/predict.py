@@ -87,10 +87,9 @@ def run_prediction(
 ) -> list[dict[str, FieldRecord]]:
     """Build the case (seeded as a check's build), take step 0's batch, and roll out
     ``steps`` steps with ``case.predict`` in eval mode under ``torch.no_grad()`` (and
-    ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge.
-    ``watch`` (locating a rollout) is given the model in eval mode before ``predict`` and
-    let go of after it. Leaves the caller's RNG states, default dtype and grad mode as it
-    found them."""
+    ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge;
+    ``watch``: hooks on the model around ``predict`` (locating a rollout). Leaves the
+    caller's RNG states, default dtype and grad mode as it found them."""
     from harness._declared import _check_batch, _check_model
     from harness._rank.run import _mark_phase, _seed, _step_seed
     from harness._rank.state import CallerState
@@ -132,9 +131,8 @@ def run_prediction(
                 case.teardown(model, topo)
         raise
     finally:
-        for hooks in (nudge, watch):
-            if hooks is not None:
-                hooks.detach()
+        for hooks in [h for h in (nudge, watch) if h is not None]:
+            hooks.detach()
         saved.restore()
 
 
