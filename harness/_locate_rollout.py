@@ -108,11 +108,8 @@ class RolloutDivergence(Divergence):
     of: int = 0
 
     def line(self) -> str:
-        return (
-            super()
-            .line()
-            .replace(f", step {self.step}", f", rollout step {self.step} of {self.of}", 1)
-        )
+        training = f", step {self.step}"  # the training rule's words for its step
+        return super().line().replace(training, f", rollout step {self.step} of {self.of}", 1)
 
 
 #: what made a module's input that departs outside every module call, in a rollout: not the
