@@ -169,15 +169,12 @@ def locate_rollout(
     else:
         location.problem = (
             f"{where} rerun with hooks on every module: no module's input or output, nor a "
-            f"field, departs beyond {DEPART:g}x its noise floor (the largest {_x(location)}); "
-            "what leaves the envelope is smaller than locating's floors"
+            f"field, departs beyond {DEPART:g}x its noise floor (the largest "
+            f"{location.worst_multiple:.3g}x, of {location.compared} compared); what leaves "
+            "the envelope is smaller than locating's floors"
         )
     location.seconds = _since(t0)
     return location
-
-
-def _x(location: Location) -> str:
-    return f"{location.worst_multiple:.3g}x, of {location.compared} compared"
 
 
 def _since(t0: float) -> float:

@@ -159,3 +159,24 @@ def test_a_rollout_locating_that_raises_is_a_not_located_line_under_the_verdict(
         "First divergence: not located: rollout step 1 of 4: judging the hooked rerun raised "
         "RuntimeError: boom" in str(report)
     ), report
+
+
+def test_a_rollout_whose_departure_is_under_locatings_floors_says_so_and_the_verdict_stands(
+    spatial, monkeypatch
+):
+    real = locate_rollout.first_divergence
+    # no quantity departs: what a bug inside the envelope's 10x but under 1000x floors gives
+    monkeypatch.setattr(
+        locate_rollout,
+        "first_divergence",
+        lambda *args, **kwargs: real(*args, **{**kwargs, "depart": float("inf")}),
+    )
+    report = check_equivalence(RingCase("stale-halo"), ranks=4, pool=spatial.pool(4), rollout=4)
+    assert report.quantities == {"rollout"}, report
+    assert report.first_divergence is None
+    assert report.location is not None and report.location.compared > 0, report
+    assert (
+        "First divergence: not located: rollout step 1 of 4 rerun with hooks on every module: "
+        "no module's input or output, nor a field, departs beyond 1000x its noise floor"
+        in str(report)
+    ), report
