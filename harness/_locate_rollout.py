@@ -38,6 +38,7 @@ from harness._locate import Recorder, finish_trace, rerun_failed
 from harness._rank.predict import run_prediction
 from harness.divergence import DEPART, Divergence, Location, Trace, first_divergence
 from harness.errors import RankFailure
+from harness.rollout import SERIAL_THREADS
 from harness.topology import Topology
 
 if TYPE_CHECKING:
@@ -143,7 +144,9 @@ def locate_rollout(
     and every rank; judge it. What cannot be located is ``Location.problem``."""
     t0 = time.perf_counter()
     where = f"rollout step {step} of {steps}"
+    threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(SERIAL_THREADS)  # as the rollout's serial runs: many small steps
         reference, skip = traced_prediction(case, Topology.single(), step, seed, autocast=autocast)
         nudged, _ = traced_prediction(
             case, Topology.single(), step, seed, nudge=True, skip=skip, autocast=autocast
@@ -157,6 +160,8 @@ def locate_rollout(
         problem = f"the hooked rerun of the reference's predict raised {exc!r}"
     else:
         problem = next((t.problem for t in (reference, *ranks) if t.problem), "")
+    finally:
+        torch.set_num_threads(threads)
     if problem:
         return Location(step=step, problem=f"{where}: {problem}", seconds=_since(t0))
     try:
