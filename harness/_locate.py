@@ -376,7 +376,6 @@ def _traced(
     reference_init: dict[str, torch.Tensor] | None = None,
 ) -> Trace:
     from harness._rank.run import run_case
-    from harness.case import _strip
 
     recorder = Recorder(case, topo, step, nudge=nudge, backward=backward)
     record = run_case(case, topo, step + 1, lr, seed, watch=recorder, reference_init=reference_init)
@@ -385,7 +384,17 @@ def _traced(
     # the loss is computed after the forward, before the backward
     after = (i for i, e in enumerate(trace.events) if e.kind in _BACKWARD)
     trace.events.insert(next(after, len(trace.events)), Event("", "", 0, "loss", "loss", st.loss))
-    for name, f in st.fields.items():
+    return finish_trace(trace, case, topo, st.fields)
+
+
+def finish_trace(
+    trace: Trace, case: SpatialCase, topo: Topology, fields: dict[str, FieldRecord]
+) -> Trace:
+    """``trace`` with the step's ``fields`` as its last events (placed as their shards say)
+    and where its rank sits; a training step's and a rollout step's alike."""
+    from harness.case import _strip
+
+    for name, f in fields.items():
         placement: Placement | str | None = None
         if f.keyed:  # items named by key, in any order: the check itself names them by key
             placement = "skip"
@@ -466,12 +475,7 @@ def locate(
                 **({"mesh": mesh} if mesh else {}),
             )
         except RankFailure as failure:
-            first = next((p for p in failure.problems if p.kind != "stopped"), None)
-            problem = (
-                f"the hooked rerun failed on rank {first.rank}: {first.summary}"
-                if first
-                else str(failure)
-            )
+            problem = rerun_failed(failure)
             continue
         except Exception as exc:  # noqa: BLE001 - a model that breaks under the hooks
             problem = f"the hooked rerun of the reference raised {exc!r}"
@@ -484,3 +488,11 @@ def locate(
         location.seconds = time.perf_counter() - t0
         return location
     return Location(step=step, problem=problem, seconds=time.perf_counter() - t0)
+
+
+def rerun_failed(failure: RankFailure) -> str:
+    """Why a hooked rerun on the ranks gave nothing to judge: the first rank that failed."""
+    first = next((p for p in failure.problems if p.kind != "stopped"), None)
+    return (
+        f"the hooked rerun failed on rank {first.rank}: {first.summary}" if first else str(failure)
+    )

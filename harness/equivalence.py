@@ -96,7 +96,8 @@ def check_equivalence(
 
     When the check fails (or always, with ``locate=True``; never with ``locate=False``) the
     first failing step is rerun with hooks on every module to find where the partitioned
-    run first departs (``report.first_divergence``, ``harness._locate``). A run that raised,
+    run first departs (``report.first_divergence``, ``harness._locate``; where only the
+    rollout failed, its first divergent step: ``harness._locate_rollout``). A run that raised,
     crashed or hung is not rerun: its traceback says where. Locating is a diagnosis: if it
     fails, a ``Not located:`` line says so and the verdict stands.
 
@@ -161,16 +162,7 @@ def check_equivalence(
     report.seconds = time.perf_counter() - t0
     # locating reruns a training step without autocast: it would see nothing of bf16's
     if _should_locate(locate if amp is None else bool(locate), report):
-        trained = [m for m in report.mismatches if m.quantity is not Quantity.ROLLOUT]
-        step = min((m.step for m in trained if m.step is not None), default=0)
-        try:
-            _locate(run, report, step)
-        except Exception as exc:  # noqa: BLE001 - a diagnosis never takes the verdict down
-            report.location = None
-            report.first_divergence = None
-            report.diagnoses.append(
-                f"Not located: the first divergence at step {step} ({exception_summary(exc)})"
-            )
+        _locate_first(run, report, amp)
     return report
 
 
@@ -350,6 +342,52 @@ def _rollout_failure(failure: RankFailure, label: str, steps: int) -> list[Misma
     return found
 
 
+def _locate_first(run: _Run, report: EquivalenceReport, amp: torch.dtype | None) -> None:
+    """Locate the first failing training step or, where only the rollout failed, the
+    rollout's first divergent step; should locating raise, a ``Not located:`` line."""
+    rolled = report.rollout.mismatches if report.rollout is not None else []
+    trained = [m for m in report.mismatches if not any(m is r for r in rolled)]
+    divergent = report.rollout.first if report.rollout is not None else None
+    rollout_only = divergent is not None and not trained  # its divergent step is rerun
+    step = min((m.step for m in trained if m.step is not None), default=0)
+    if divergent is not None and rollout_only:
+        step = divergent.step
+    where = f"rollout step {step}" if rollout_only else f"step {step}"
+    try:
+        if rollout_only:
+            _locate_rollout(run, report, step, amp)
+        else:
+            _locate(run, report, step)
+    except Exception as exc:  # noqa: BLE001 - a diagnosis never takes the verdict down
+        report.location = None
+        report.first_divergence = None
+        report.diagnoses.append(
+            f"Not located: the first divergence at {where} ({exception_summary(exc)})"
+        )
+
+
+def _locate_rollout(
+    run: _Run, report: EquivalenceReport, step: int, amp: torch.dtype | None
+) -> None:
+    """Locate the first divergence inside rollout step ``step`` into ``report``
+    (``harness._locate_rollout``)."""
+    from harness._locate_rollout import locate_rollout
+
+    assert report.rollout is not None
+    report.location = locate_rollout(
+        run.case,
+        run.pool,
+        spatial_size=run.spatial_size,
+        step=step,
+        steps=report.rollout.steps,
+        seed=run.seed,
+        timeout=run.timeout,
+        autocast=amp,
+    )
+    report.first_divergence = report.location.first
+    report.location.lines()  # rendered now: a line it cannot write is said here, not in str()
+
+
 def _locate(run: _Run, report: EquivalenceReport, step: int) -> None:
     """Locate the first divergence of training step ``step`` into ``report``
     (``harness._locate``)."""
@@ -428,14 +466,12 @@ def _loaded_note(records: list[RunRecord], every: bool = False) -> list[str]:
 
 
 def _should_locate(locate: bool | None, report: EquivalenceReport) -> bool:
-    """Locate on request, or by default when a check failed in its numbers; never on a run
-    that raised or hung, nor in a mutant's rerun (``MutantMode.verdict_only``: the one
-    place that says so, whoever asked for locating)."""
+    """Locate on request, or by default when a check failed in its numbers (a training
+    step's or a rollout step's); never on a run that raised or hung, nor in a mutant's rerun
+    (``MutantMode.verdict_only``: the one place that says so, whoever asked for locating)."""
     if locate is False or report.quantities & set(FAILURES) or mutant_mode().verdict_only:
         return False
-    if locate is None:  # a rollout's divergence is not a training step's: it is not rerun
-        return any(m.quantity is not Quantity.ROLLOUT for m in report.mismatches)
-    return True
+    return locate is True or bool(report.mismatches)
 
 
 _culprit = culprit_hint  # its older, private name

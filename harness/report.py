@@ -318,6 +318,12 @@ def located_remedy(found: Divergence) -> str:
             "Shard says the rank holds (index, order, grid)."
         )
     if found.module is None:
+        if found.name.startswith("predict's code"):  # harness._locate_rollout.PREDICT_CODE
+            return (
+                "the module calls before it match and this input does not: look at what "
+                "predict (or a model method it calls outside a module) does between the "
+                "modules: what it feeds back, adds, draws or keeps across steps."
+            )
         if "batch" in found.name:
             return "the model's input differs: look at which part of the batch a rank reads."
         if found.direction == "forward":

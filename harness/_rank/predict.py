@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -33,6 +33,14 @@ def autocast_context(dtype: torch.dtype | None) -> contextlib.AbstractContextMan
 
 #: an ensemble member (its older, private name; ``harness._rank.nudge.Nudge``)
 _Nudge = Nudge
+
+
+class _Watch(Protocol):
+    """What ``run_prediction`` tells an observer (``harness._locate_rollout``'s recorder)."""
+
+    def attach(self, model: torch.nn.Module) -> None: ...
+
+    def detach(self) -> None: ...
 
 
 class _Where:
@@ -79,12 +87,14 @@ def run_prediction(
     member: int | None = None,
     autocast: torch.dtype | None = None,
     progress: Callable[[str, int | None], None] | None = None,
+    watch: _Watch | None = None,
 ) -> list[dict[str, FieldRecord]]:
     """Build the case (seeded as a check's build), take step 0's batch, and roll out
     ``steps`` steps with ``case.predict`` in eval mode under ``torch.no_grad()`` (and
-    ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge.
-    Leaves the caller's RNG states, default dtype and grad mode as it found them. A
-    failure leaves with its phase in ``exc.harness_phase`` (``_Where``)."""
+    ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge;
+    ``watch``: hooks on the model around ``predict`` (locating a rollout). Leaves the
+    caller's RNG states, default dtype and grad mode as it found them. A failure leaves
+    with its phase in ``exc.harness_phase`` (``_Where``)."""
     from harness._declared import _check_batch, _check_model
     from harness._rank.run import _mark_phase, _seed, _step_seed
     from harness._rank.state import CallerState
@@ -93,11 +103,6 @@ def run_prediction(
     if case.dtype is not None:
         torch.set_default_dtype(case.dtype)
     model: torch.nn.Module | None = None
-    # nudged in each tensor's own precision, under autocast too: nudges of bf16 units moved
-    # the members so far that a rank doubling its share of a global sum passed a bf16
-    # rollout (docs/precision.md); the bf16 rounding itself is measured by the rollout
-    # without autocast (harness.rollout.judge_rollout's ``high``)
-    nudge = None if member is None else Nudge(member)
     where = _Where(steps, progress)
     hook = None
     try:
@@ -107,16 +112,17 @@ def run_prediction(
         model.eval()
         where.enter("rollout batch")
         _seed(_step_seed(seed, 0))
-        batch = _check_batch(case, case.batch(topo, 0), 0)
-        if nudge is not None:
-            nudge.attach(model)
-            batch = nudge.batch(batch)
+        batch = _nudged(member, model, _check_batch(case, case.batch(topo, 0), 0))
         with contextlib.suppress(RuntimeError):  # a module that takes no hooks: no counts
             hook = model.register_forward_pre_hook(where.called)
+        if watch is not None:
+            watch.attach(model)
         where.predicting()
         with torch.no_grad(), autocast_context(autocast):
             out = case.predict(model, batch, topo, steps)
             records = _step_records(case, out, steps, where)  # a generator runs in here
+        if watch is not None:
+            watch.detach()  # what teardown runs is no step of the rollout
         where.enter("teardown")
         case.teardown(model, topo)
         return records
@@ -129,7 +135,23 @@ def run_prediction(
     finally:
         if hook is not None:
             hook.remove()
+        if watch is not None:
+            watch.detach()
         saved.restore()
+
+
+def _nudged(member: int | None, model: torch.nn.Module, batch: Any) -> Any:
+    """An ensemble member's model (nudged in place) and batch; the reference's as they are.
+
+    Nudged in each tensor's own precision, under autocast too: nudges of bf16 units moved
+    the members so far that a rank doubling its share of a global sum passed a bf16
+    rollout (docs/precision.md); bf16's own rounding is measured by the reference's
+    rollout without autocast (``harness.rollout.judge_rollout``'s ``high``)."""
+    if member is None:
+        return batch
+    nudge = Nudge(member)
+    nudge.attach(model)
+    return nudge.batch(batch)
 
 
 def _step_records(

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from harness import Outputs, Shard, SpatialCase, Topology
+from harness import Outputs, Positions, Shard, SpatialCase, Topology
 from harness.collectives import all_gather_uneven, reduce_loss, spatial_sum, sync_gradients
 
 N, BATCH, DT = 40, 2, 0.05
@@ -125,6 +125,11 @@ class RingCase(SpatialCase):
     def shard(self, x: torch.Tensor, topo: Topology) -> Shard:
         a = arc(topo)
         return Shard(x, torch.arange(a.start, a.stop), dim=-1)
+
+    def partition(self, topo: Topology) -> Positions:
+        """This rank's arc of the ring: where locating places a module's tensors."""
+        a = arc(topo)
+        return Positions(N, range(a.start, a.stop), unit="variable")
 
     def describe(self, topo: Topology | None = None) -> str:
         return f"ring of {N}"
