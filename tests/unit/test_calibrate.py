@@ -229,7 +229,7 @@ def test_the_report_says_how_it_was_judged_and_the_worst_multiple_of_each_quanti
     assert report.spread_multiple("grad") == pytest.approx(2.0, rel=0.01)
     text = str(report)
     assert "worst multiple of the rounding spread: loss 0x, grad 2x, field 0x, param 0x" in text
-    assert "within 10x (gradients 16x) its rounding spread (1 reruns" in text
+    assert "within 10x (gradients 24x) its rounding spread (1 reruns" in text
     plain = EquivalenceReport(
         case="c", ranks=1, spatial_size=1, partition="", steps=1, dtype="float64",
         tolerance=None, stats=compare_runs(ref, [rank], Tolerance.uniform(1, 1)).stats,
