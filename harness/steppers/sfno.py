@@ -19,6 +19,10 @@ use ``dist.all_to_all``, which gloo refuses for chunks of unequal shape, so on t
 are routed through ``all_to_all_single`` (``harness._compat.use_uneven_transposes``; same
 numbers).
 
+Under ``torch.autocast`` the SHT and its inverse (serial and distributed) run in float32 with
+autocast off, as makani's and fme's SFNOs run theirs; the pointwise layers stay under
+autocast. Outside autocast nothing changes: float32 and float64 runs are bit-identical.
+
 Everything that must be identical on every rank is made so by construction: parameters are
 full size on every rank (the spectral weights are sliced to the rank's (l, m) modes in
 forward), noise is drawn for the whole globe and batch from one seeded generator and sliced,
@@ -223,7 +227,8 @@ class SFNOStepper(nn.Module):
         ):
             # partial removal keeps the (0, 0) mode, whose gradient would otherwise be rounding
             y = x + gain[:, None, None] * self.global_mean(x, block)
-            y = self.isht(spectral(self.sht(y)))  # (B, E, lat, lon) -> (B, E, l, m) -> back
+            coeffs = _untouched_by_autocast(self.sht, y)  # (B, E, lat, lon) -> (B, E, l, m)
+            y = _untouched_by_autocast(self.isht, spectral(coeffs))  # -> (B, E, lat, lon)
             x = x + mlp(F.gelu(y))
         out: torch.Tensor = state + self.decoder(x)
         return out
@@ -375,6 +380,23 @@ class SFNOStepper(nn.Module):
         if self.topo.spatial_group is None:
             return local
         return Shard.grid(local, self.lat_slice, self.lon_slice, self.config.nlat, self.config.nlon)
+
+
+def _untouched_by_autocast(transform: Any, x: torch.Tensor) -> torch.Tensor:
+    """``transform(x)``; under autocast, with autocast off and ``x`` at least float32
+    (complex64), as production SFNOs run their SHTs (makani's ``SpectralConv`` and fme's
+    ``SpectralConvS2`` wrap both transforms in ``autocast(enabled=False)`` on a float32 input).
+
+    The transforms' contractions are quadratures over every latitude: in bfloat16 they lose
+    the coefficients' low bits, and torch-harmonics 0.9's compiled SHT cannot build a complex
+    tensor from bfloat16 halves at all. Outside autocast this calls ``transform(x)`` as is,
+    so float32 and float64 runs (and their goldens) are untouched.
+    """
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return cast(torch.Tensor, transform(x))
+    with torch.autocast(device, enabled=False):
+        return cast(torch.Tensor, transform(x.to(torch.promote_types(x.dtype, torch.float32))))
 
 
 def _make_transforms(cfg: SFNOConfig, topo: Topology, h: int, w: int) -> tuple[Any, Any]:

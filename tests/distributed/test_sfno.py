@@ -128,6 +128,67 @@ def test_a_train_step_leaves_the_sht_legendre_tables_untouched(request, partitio
         assert r == {"sht.weights": (True, True), "isht.pct": (True, True)}
 
 
+def transforms_under_bf16_autocast(config: SFNOConfig, partitioned: bool):
+    """One float32 train step under bf16 autocast, recording what each SHT / inverse SHT call
+    got and gave and whether autocast was on in it and in the pointwise layers; then each
+    call redone outside autocast on the same input (same order on every rank: the
+    distributed transforms communicate)."""
+    topo = Topology.create() if partitioned else Topology.single()
+    torch.manual_seed(0)
+    model = SFNOStepper(config, topo)
+    calls, pointwise = [], []
+    for transform in (model.sht, model.isht):
+        transform.register_forward_hook(
+            lambda m, args, out: calls.append((m, args[0], out, torch.is_autocast_enabled("cpu")))
+        )
+    for layer in (model.encoder, *model.mlps, model.decoder):
+        layer.register_forward_hook(
+            lambda m, args, out: pointwise.append(torch.is_autocast_enabled("cpu"))
+        )
+    torch.manual_seed(1)
+    state = torch.randn(2, config.forward_steps + 1, config.channels, config.nlat, config.nlon)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.train_on_batch({"state": model.scatter(state)})
+    seen = []
+    with torch.no_grad():
+        for m, x, out, autocast in calls:
+            again = m.forward(x)  # autocast off here; forward: not the hook again
+            seen.append((x.dtype, autocast, torch.equal(out, again)))
+    return {"transforms": seen, "pointwise_autocast": pointwise}
+
+
+@pytest.mark.parametrize("partitioned", [False, True], ids=["reference", "h2w2"])
+def test_under_bf16_autocast_the_shts_run_in_float32_and_the_pointwise_layers_in_bf16(
+    request, partitioned
+):
+    # as makani's and fme's SFNOs do: their transforms are quadratures over every latitude,
+    # which bf16 would round (torch-harmonics 0.8) or cannot run at all (0.9 raises)
+    config = SFNOConfig(nlat=12, nlon=20, h=2, w=2, embed=4)
+    if partitioned:  # only this variant uses the ranks (else: SpatialUnusedWarning, rightly)
+        spatial = request.getfixturevalue("spatial")
+        results = spatial.run(transforms_under_bf16_autocast, config, True, ranks=4)
+    else:
+        results = [transforms_under_bf16_autocast(config, False)]
+    for r in results:
+        # 2 forward steps x 2 blocks x (SHT, inverse SHT); each bit-equal to float32's
+        assert r["transforms"] == [(torch.float32, False, True), (torch.complex64, False, True)] * 4
+        assert r["pointwise_autocast"] == [True] * 2 * (1 + config.blocks + 1)
+
+
+def test_under_autocast_a_bf16_field_enters_the_sht_as_float32_and_a_float64_one_as_is():
+    import torch_harmonics as th
+
+    from harness.steppers.sfno import _untouched_by_autocast
+
+    sht = th.RealSHT(12, 20, lmax=11, mmax=11)
+    field = torch.randn(2, 12, 20)
+    for x, expected in ((field.bfloat16(), torch.complex64), (field.double(), torch.complex128)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = _untouched_by_autocast(sht, x)
+        assert out.dtype == expected
+        assert torch.equal(out, sht(x.to(torch.promote_types(x.dtype, torch.float32))))
+
+
 # ---------------------------------------------------------------- check_equivalence
 
 LAYOUTS = [
