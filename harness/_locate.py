@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd.function import FunctionCtx
 from torch.utils.hooks import RemovableHandle
 
+from harness._backward import first_hook, functions_to
 from harness._records import FieldRecord, detached, map_tensors
 from harness._values import block, is_distributed, plain
 from harness.collectives import apply
@@ -117,6 +119,9 @@ class Recorder:
         self.last_backward: dict[str, int] = {}
         #: parameter -> where in the events its gradient was accumulated (complete)
         self.accumulated: dict[str, int] = {}
+        #: parameter -> its gradient before any synchronisation (``None``: none arrived)
+        self.presync: dict[str, torch.Tensor | None] = {}
+        self.taps: dict[tuple[str, int], list[object]] = {}  # a call's inputs' tap nodes
         self.generator = torch.Generator().manual_seed(20_251_204)
 
     # ------------------------------------------------------------ run_case's watch protocol
@@ -135,6 +140,8 @@ class Recorder:
                     except (AttributeError, RuntimeError):  # an older torch, a subclass
                         continue
                     self.handles.append(hook)
+            if not self.topo.is_reference:  # the reference has no synchronisation
+                self._before_sync(model)
         if self.nudge:
             with torch.no_grad():
                 for p in model.parameters():
@@ -158,6 +165,24 @@ class Recorder:
         self.active = False
 
     # ------------------------------------------------------------ hooks
+
+    def _before_sync(self, model: torch.nn.Module) -> None:
+        """A hook ahead of the case's on every parameter: its gradient before any sync."""
+        for pname, p in model.named_parameters():
+            name = pname[len("module.") :] if pname.startswith("module.") else pname
+            if not p.requires_grad or is_distributed(p):
+                continue
+
+            def hook(grad: torch.Tensor, name: str = name) -> None:
+                if self.active:
+                    held = self.presync.get(name)
+                    grad = detached(grad)
+                    self.presync[name] = grad if held is None else held + grad
+
+            handle = first_hook(p, hook)
+            if handle is not None:
+                self.handles.append(handle)
+                self.presync[name] = None
 
     def _nudged(self, t: torch.Tensor) -> torch.Tensor:
         if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
@@ -233,6 +258,7 @@ class Recorder:
                 t = self._nudged(t)
             if self.backward and t.requires_grad and torch.is_grad_enabled():
                 t = apply(_Tap, t, self._sink(module, call, slot))
+                self.taps.setdefault((name, call), []).append(t.grad_fn)
             return t
 
         return map_tensors((args, kwargs), wrap)
@@ -267,6 +293,22 @@ class Recorder:
             self.outputs[id(t)] = (name, call, t)
             if self.backward and t.requires_grad:
                 t.register_hook(self._grad_output(module, call, slot))
+        self._functions(module, name, call, output)
+
+    def _functions(self, module: torch.nn.Module, name: str, call: int, output: object) -> None:
+        """On a rank: the autograd Functions between this call's output and its own
+        parameters (what its backward runs through), where it owns parameters."""
+        taps = self.taps.pop((name, call), [])
+        own = dict(module.named_parameters(recurse=False))
+        if self.topo.is_reference or not self.backward or not own:
+            return
+        prefix = f"{name}." if name else ""
+        if prefix.startswith("module."):
+            prefix = prefix[len("module.") :]
+        outputs = [t for _, t in _tensors(output) if t.requires_grad]
+        ids = {id(p): prefix + n for n, p in own.items()}
+        for pname, found in functions_to(outputs, ids, taps, (_Tap,)).items():
+            self.trace.functions.setdefault(pname, found)
 
     def _grad_output(
         self, module: torch.nn.Module, call: int, slot: str
@@ -311,6 +353,10 @@ class Recorder:
                 index, dim = sharded[name]
                 event.placement = shard_placement(index, dim, grad.dim(), None)
             inserts.setdefault(at, []).append(event)
+            if name in self.presync and grad is not None:  # None: no gradient arrived
+                before = self.presync[name]
+                before = torch.zeros_like(grad) if before is None else before
+                self.trace.presync[name] = replace(event, tensor=before)
         merged: list[Event] = []
         for i in range(len(events) + 1):
             merged += inserts.get(i, [])

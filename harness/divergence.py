@@ -39,8 +39,18 @@ from dataclasses import replace
 
 import torch
 
-from harness._measure import DEPART, MIN_ULPS, _judge, _plain_type, _Verdict
-from harness._placement import Axis, Placement, Positions, axes_of, place, shard_placement
+from harness._measure import DEPART, MIN_ULPS, _judge, _placement, _plain_type, _Verdict
+from harness._placement import (
+    Axis,
+    Placement,
+    Positions,
+    axes_of,
+    block_of,
+    place,
+    same_positions,
+    shard_placement,
+    span,
+)
 from harness._trace import Calibration, Divergence, Event, Location, Trace
 
 __all__ = [
@@ -124,14 +134,136 @@ def first_divergence(
             held = (e, worst)
             continue
         out.first = _divergence(e, worst, reference.step, calls, types, parents, upstream)
+        if e.kind == "field":
+            out.first = _misplaced(out.first, e, noisy.get(e.key), verdicts, ranks, by_rank, depart)
         break
     if out.first is None and held is not None:
-        out.first = _divergence(*held, reference.step, calls, types, parents, upstream)
-        if activation_grads:  # they were compared, and matched: only the sync is left
-            out.first = replace(out.first, cause="synchronisation", name=held[0].slot)
+        first = _divergence(*held, reference.step, calls, types, parents, upstream)
+        noise = noisy.get(held[0].key)
+        out.first = _parameter(first, held[0], noise, ranks, activation_grads > 0, depart)
+    if out.first is not None and out.first.module is not None and out.first.rank < len(ranks):
+        out.first = replace(out.first, rank_type=_rank_type(ranks[out.first.rank], out.first))
     out.not_compared = {label: sorted(set(v)) for label, v in out.not_compared.items()}
     out.path_dtypes = tuple(d for d in path if d != "-")
     return out
+
+
+def _parameter(
+    d: Divergence, e: Event, nudged: Event | None, ranks: Sequence[Trace], matched: bool,
+    depart: float,
+) -> Divergence:
+    """A parameter's gradient departs and no activation gradient after it does: its
+    synchronisation when the ranks' gradients before it add up to the reference's, the
+    backward of its module (through the Functions it ran through) when they do not, and
+    either, said so, when nothing before the synchronisation was recorded but every
+    activation gradient compared matched."""
+    trace = ranks[d.rank] if d.rank < len(ranks) else None
+    function = trace.functions.get(e.slot, ()) if trace is not None else ()
+    evidence = _before_sync(e, nudged, ranks, depart)
+    if evidence == "sync":
+        return replace(d, cause="synchronisation", name=e.slot)
+    if evidence == "backward":
+        return replace(d, cause="backward", name=e.slot, function=function)
+    if matched:
+        return replace(d, cause="undecided", name=e.slot, function=function)
+    return replace(d, function=function)
+
+
+def _before_sync(e: Event, nudged: Event | None, ranks: Sequence[Trace], depart: float) -> str:
+    """``"sync"`` when the ranks' gradients of a parameter before any synchronisation are
+    the reference's (each as it is: reduced inside the graph; or summed over the ranks
+    holding the same part, averaged over the data groups), ``"backward"`` when they are not,
+    ``""`` when they were not recorded on every rank."""
+    mine = [t.presync.get(e.slot) for t in ranks]
+    if e.tensor is None or not ranks or any(m is None for m in mine):
+        return ""
+    readings: list[list[_Verdict | None]] = []
+    try:
+        readings.append([_judge(e, nudged, m, t, r) for r, (m, t) in enumerate(zip(mine, ranks))])
+        readings.append(_summed_before_sync(e, nudged, [m for m in mine if m], ranks))
+    except Exception:  # noqa: BLE001 - a diagnosis never takes a verdict down: no evidence
+        return ""
+    judged = [[v for v in vs if v is not None] for vs in readings if vs and None not in vs]
+    if not judged:
+        return ""
+    return "sync" if any(_worst(vs) <= depart for vs in judged if vs) else "backward"
+
+
+def _summed_before_sync(
+    e: Event, nudged: Event | None, mine: Sequence[Event], ranks: Sequence[Trace]
+) -> list[_Verdict | None]:
+    """Per part of a parameter (the whole, or a shard several ranks hold), the sum of the
+    gradients of the ranks holding it over the data groups' count, judged."""
+    groups: dict[object, list[int]] = {}
+    for r, m in enumerate(mine):
+        p = m.placement
+        key = (
+            tuple(None if i is None else tuple(i.tolist()) for i in p.index)
+            if isinstance(p, Placement)
+            else None
+        )
+        groups.setdefault(key, []).append(r)
+    out: list[_Verdict | None] = []
+    for members in groups.values():
+        tensors = [mine[r].tensor for r in members]
+        if any(x is None or x.shape != tensors[0].shape for x in tensors):  # type: ignore[union-attr]
+            return [None]
+        total = torch.stack(tensors).sum(0) / ranks[members[0]].data_size  # type: ignore[arg-type]
+        summed = replace(mine[members[0]], tensor=total.to(tensors[0].dtype))  # type: ignore[union-attr]
+        out.append(_judge(e, nudged, summed, ranks[members[0]], members[0]))
+    return out
+
+
+def _misplaced(
+    d: Divergence,
+    e: Event,
+    nudged: Event | None,
+    verdicts: list[_Verdict],
+    ranks: Sequence[Trace],
+    by_rank: list[dict[tuple[str, int, str, str], Event]],
+    depart: float,
+) -> Divergence:
+    """A field that departs: the first departing rank whose values are the reference's at
+    another block (another rank's, as that rank placed it or as its partition gives it)
+    holds them misplaced, and the divergence says where they belong."""
+    assert e.tensor is not None
+    for v in sorted(verdicts, key=lambda v: v.rank):
+        mine = by_rank[v.rank].get(e.key)
+        if v.multiple <= depart or mine is None or mine.tensor is None:
+            continue
+        trace = ranks[v.rank]
+        said = _placement(e, mine, mine.tensor, e.tensor, trace)
+        if said is None:
+            continue
+        blocks = [o.placement for ev in by_rank if isinstance(o := ev.get(e.key), Event)]
+        blocks += [block_of(t.axes, tuple(mine.tensor.shape), tuple(e.tensor.shape), said) for t in ranks]
+        for p in blocks:
+            if not isinstance(p, Placement) or same_positions(p, said):
+                continue
+            there = _judge(e, nudged, replace(mine, placement=p), trace, v.rank)
+            if there is not None and there.multiple <= depart:
+                return replace(
+                    d,
+                    rank=v.rank,
+                    max_abs=v.max_abs,
+                    max_rel=v.max_rel,
+                    where=v.where,
+                    noise=v.noise,
+                    multiple=v.multiple,
+                    zero=v.zero,
+                    cause="misplaced",
+                    belongs=span(p, trace.axes),
+                    said=span(said, trace.axes),
+                )
+    return d
+
+
+def _rank_type(trace: Trace, d: Divergence) -> str:
+    """The class the rank ran as the divergence's module (``""``: not seen)."""
+    for e in trace.events:
+        if e.module == d.module and e.kind in ("input", "output") and e.type:
+            return e.type
+    return ""
 
 
 #: kinds recorded outside any module call (their module name is the model's, ``""``)

@@ -275,10 +275,24 @@ def located_remedy(found: Divergence) -> str:
     parameter, the loss, a field), never of a particular model."""
     if found.cause == "synchronisation":
         return (
-            f"every activation gradient matches and the gradient of {found.name!r} does "
-            "not: look where it is synchronised (summed over the spatial group once: not "
-            "averaged, not twice, not over other groups; a sharded parameter's gradient is "
-            "its own shard's, never summed with the others')."
+            f"the ranks' gradients of {found.name!r} add up to the reference's before its "
+            "synchronisation and depart after it: look where it is synchronised (summed over "
+            "the spatial group once: not averaged, not twice, not over other groups; a sharded "
+            "parameter's gradient is its own shard's, never summed with the others')."
+        )
+    if found.cause in ("backward", "undecided"):
+        where = f" ({', '.join(found.function)}'s backward)" if found.function else ""
+        sync = "" if found.cause == "backward" else "where it is synchronised, and "
+        return (
+            f"the gradient of {found.name!r} departs: look {sync}at the backward of "
+            f"{found.module!r}{where}: every part of the gradient each rank owes the parameter "
+            "(a hop of a ring, a block sent back to the rank that owns it) summed in once."
+        )
+    if found.cause == "misplaced":
+        return (
+            f"rank {found.rank} holds the reference's values of {found.belongs} and says "
+            f"they are at {found.said}: look at the positions its Shard names (index, order, "
+            "rows and columns)."
         )
     if found.cause == "absent":
         return (
