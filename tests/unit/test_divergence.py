@@ -611,3 +611,59 @@ def test_a_parameter_gradient_is_not_blamed_on_its_sync_when_no_activation_gradi
     assert (
         d.first is not None and d.first.cause == "" and d.first.located == "backward of 'dec' (Lin)"
     )
+
+
+def test_a_module_the_ranks_run_as_another_class_is_named_with_both_classes():
+    ranks_events = model_events(dec_out=t(5, 7))
+    for e in ranks_events:
+        if e.module == "dec":
+            e.type = "DistributedLin"
+    d = first_divergence(*_traces(model_events(), ranks_events)).first
+    assert d is not None and d.located == (
+        "forward of 'dec' (DistributedLin on the ranks, Lin in the reference)"
+    )
+    same = first_divergence(*_traces(model_events(), model_events(dec_out=t(5, 7)))).first
+    assert same is not None and same.located == "forward of 'dec' (Lin)"
+
+
+def _field_traces(blocks):
+    """A field of 8 positions on two ranks holding 0:4 and 4:8; ``blocks``: the positions
+    each rank says it holds."""
+    from harness.divergence import shard_placement
+
+    values = t(*range(10, 18))
+    ref = Trace(0, [ev("", "field", values, slot="y")])
+    ranks = []
+    for r, said in enumerate(blocks):
+        mine = ev("", "field", values[4 * r : 4 * r + 4], slot="y")
+        mine.placement = shard_placement(torch.arange(*said), 0, 1, None)
+        own = torch.arange(4 * r, 4 * r + 4)
+        ranks.append(Trace(0, [mine], spatial_rank=r, axes=[Axis(8, own, "position")]))
+    return ref, ref, ranks
+
+
+def test_a_field_block_said_to_be_at_other_positions_is_named_with_where_it_belongs():
+    d = first_divergence(*_field_traces([(4, 8), (0, 4)])).first  # the two blocks swapped
+    assert d is not None and (d.cause, d.rank, d.located) == ("misplaced", 0, "field 'y'")
+    assert (d.belongs, d.said) == ("(position 0:4)", "(position 4:8)")
+    assert d.line().startswith(
+        "First divergence: field 'y', step 0: rank 0's values are the reference's at "
+        "(position 0:4), not at (position 4:8) where it puts them; at (position 4:8): max rel"
+    )
+
+
+def test_a_field_block_that_matches_nowhere_is_a_field_divergence_without_a_place():
+    ref, _, ranks = _field_traces([(0, 4), (4, 8)])
+    ranks[1].events[0].tensor = ranks[1].events[0].tensor + 1  # wrong values, not a block
+    d = first_divergence(ref, ref, ranks).first
+    assert d is not None and (d.cause, d.rank, d.located) == ("", 1, "field 'y'")
+    assert "values are the reference's at" not in d.line()
+
+
+def test_positions_are_named_as_ranges_or_their_first_few():
+    from harness._placement import Placement, span
+
+    grid = Placement((None, torch.tensor([4, 5, 20, 21])), ("", "position"), flatten=(4, 16))
+    assert span(grid) == "(lat 0:2, lon 4:6)"
+    scattered = Placement((torch.tensor([1, 5, 9, 13]),), ("cell",))
+    assert span(scattered) == "(cell 1, 5, 9, ... (4))"
