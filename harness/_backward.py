@@ -31,9 +31,7 @@ from torch.utils.hooks import RemovableHandle
 WALK_LIMIT = 20_000
 
 
-def first_hook(
-    p: torch.Tensor, hook: Callable[[torch.Tensor], None]
-) -> RemovableHandle | None:
+def first_hook(p: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> RemovableHandle | None:
     """``hook`` on ``p``'s incoming gradient, run before every hook already on it (those a
     case registered in ``build``: a synchronisation); ``None`` where it cannot be put first.
 
@@ -41,7 +39,7 @@ def first_hook(
     an ``OrderedDict``'s ``move_to_end`` order), so the dict is rebuilt with ``hook`` first.
     """
     try:
-        handle = p.register_hook(hook)
+        handle: RemovableHandle = p.register_hook(hook)
         hooks = p._backward_hooks
         if not isinstance(hooks, dict):
             handle.remove()
@@ -70,9 +68,7 @@ def functions_to(
     reach: dict[int, frozenset[str]] = {}
     order: list[Any] = []  # post-order: a node after everything below it
     stop = {id(n) for n in inputs if n is not None}
-    stack: list[tuple[Any, bool]] = [
-        (t.grad_fn, False) for t in outputs if t.grad_fn is not None
-    ]
+    stack: list[tuple[Any, bool]] = [(t.grad_fn, False) for t in outputs if t.grad_fn is not None]
     while stack:
         node, done = stack.pop()
         if done:

@@ -292,7 +292,9 @@ def span(p: Placement, axes: Sequence[Axis] = ()) -> str:
         if index is None:
             continue
         if p.flatten is not None and d == len(p.index) - 1:
-            names = [a.unit for a in axes if a.dim == -2][:1] + [a.unit for a in axes if a.dim == -1][:1]
+            names = [a.unit for a in axes if a.dim == -2][:1] + [
+                a.unit for a in axes if a.dim == -1
+            ][:1]
             names = names if len(names) == 2 else ["lat", "lon"]
             ncols = p.flatten[1]
             parts += [f"{names[0]} {_range(index // ncols)}", f"{names[1]} {_range(index % ncols)}"]

@@ -92,12 +92,11 @@ def first_divergence(
     """Walk the reference's events in order; the first that departs on some rank, judged
     by the rule of this module's docstring.
 
-    A parameter's gradient that departs is held while the rest of the backward is judged:
-    a parameter's gradient feeds no activation gradient, so if one departs later it is the
-    module bug (and may explain the parameter's); if none does, the parameter's gradient
-    departs with every activation gradient matching, and its synchronisation is blamed.
-    A module call that no rank made (the ranks compute it another way, e.g. a functional
-    call with the module's parameters) is skipped and listed, never taken as departing.
+    A parameter's gradient that departs is held while the rest of the backward is judged
+    (it feeds no activation gradient: one departing later is the module bug); if none
+    does, the ranks' gradients before the synchronisation tell it from the backward. A
+    module call that no rank made (e.g. a functional call with the module's parameters)
+    is skipped and listed, never taken as departing.
     """
     out = Location(step=reference.step, forward_only=any(t.forward_only for t in ranks))
     noisy = {e.key: e for e in nudged.events} if nudged is not None else {}
@@ -134,22 +133,30 @@ def first_divergence(
             held = (e, worst)
             continue
         out.first = _divergence(e, worst, reference.step, calls, types, parents, upstream)
-        if e.kind == "field":
-            out.first = _misplaced(out.first, e, noisy.get(e.key), verdicts, ranks, by_rank, depart)
+        out.first = _misplaced(out.first, e, noisy.get(e.key), verdicts, ranks, by_rank, depart)
         break
     if out.first is None and held is not None:
         first = _divergence(*held, reference.step, calls, types, parents, upstream)
-        noise = noisy.get(held[0].key)
-        out.first = _parameter(first, held[0], noise, ranks, activation_grads > 0, depart)
-    if out.first is not None and out.first.module is not None and out.first.rank < len(ranks):
-        out.first = replace(out.first, rank_type=_rank_type(ranks[out.first.rank], out.first))
-    out.not_compared = {label: sorted(set(v)) for label, v in out.not_compared.items()}
-    out.path_dtypes = tuple(d for d in path if d != "-")
+        out.first = _parameter(first, held[0], noisy, ranks, activation_grads > 0, depart)
+    _finish(out, ranks, path)
     return out
 
 
+def _finish(out: Location, ranks: Sequence[Trace], path: dict[str, None]) -> None:
+    """The class the departing rank ran, and what was not compared and the dtypes seen,
+    in order."""
+    if out.first is not None:
+        out.first = replace(out.first, rank_type=_rank_type(ranks, out.first))
+    out.not_compared = {label: sorted(set(v)) for label, v in out.not_compared.items()}
+    out.path_dtypes = tuple(d for d in path if d != "-")
+
+
 def _parameter(
-    d: Divergence, e: Event, nudged: Event | None, ranks: Sequence[Trace], matched: bool,
+    d: Divergence,
+    e: Event,
+    noisy: dict[tuple[str, int, str, str], Event],
+    ranks: Sequence[Trace],
+    matched: bool,
     depart: float,
 ) -> Divergence:
     """A parameter's gradient departs and no activation gradient after it does: its
@@ -159,7 +166,7 @@ def _parameter(
     activation gradient compared matched."""
     trace = ranks[d.rank] if d.rank < len(ranks) else None
     function = trace.functions.get(e.slot, ()) if trace is not None else ()
-    evidence = _before_sync(e, nudged, ranks, depart)
+    evidence = _before_sync(e, noisy.get(e.key), ranks, depart)
     if evidence == "sync":
         return replace(d, cause="synchronisation", name=e.slot)
     if evidence == "backward":
@@ -226,7 +233,8 @@ def _misplaced(
     """A field that departs: the first departing rank whose values are the reference's at
     another block (another rank's, as that rank placed it or as its partition gives it)
     holds them misplaced, and the divergence says where they belong."""
-    assert e.tensor is not None
+    if e.kind != "field" or e.tensor is None:
+        return d
     for v in sorted(verdicts, key=lambda v: v.rank):
         mine = by_rank[v.rank].get(e.key)
         if v.multiple <= depart or mine is None or mine.tensor is None:
@@ -236,7 +244,9 @@ def _misplaced(
         if said is None:
             continue
         blocks = [o.placement for ev in by_rank if isinstance(o := ev.get(e.key), Event)]
-        blocks += [block_of(t.axes, tuple(mine.tensor.shape), tuple(e.tensor.shape), said) for t in ranks]
+        blocks += [
+            block_of(t.axes, tuple(mine.tensor.shape), tuple(e.tensor.shape), said) for t in ranks
+        ]
         for p in blocks:
             if not isinstance(p, Placement) or same_positions(p, said):
                 continue
@@ -258,9 +268,11 @@ def _misplaced(
     return d
 
 
-def _rank_type(trace: Trace, d: Divergence) -> str:
-    """The class the rank ran as the divergence's module (``""``: not seen)."""
-    for e in trace.events:
+def _rank_type(ranks: Sequence[Trace], d: Divergence) -> str:
+    """The class the departing rank ran as the divergence's module (``""``: not seen)."""
+    if d.module is None or d.rank >= len(ranks):
+        return ""
+    for e in ranks[d.rank].events:
         if e.module == d.module and e.kind in ("input", "output") and e.type:
             return e.type
     return ""

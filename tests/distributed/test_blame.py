@@ -41,7 +41,9 @@ class _RingAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(C)) v for this rank's queries against every rank's keys."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topology, bug: str | None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topology, bug: Any
+    ) -> torch.Tensor:
         size = topo.spatial_size if topo.spatial_group is not None else 1
         me = topo.spatial_rank if topo.spatial_group is not None else 0
         ks, vs = [k], [v]  # after hop h, the block of rank me - h

@@ -204,7 +204,9 @@ def test_the_correct_model_passes_with_nothing_departing_when_asked_to_locate(sp
 def test_a_block_reported_at_another_ranks_position_is_named_with_where_it_belongs(spatial):
     # rank 1 holds lat 0:4, lon 8:16 and labels it rank 2's lat 4:8, lon 0:8: every module
     # matches, and its values are the reference's exactly, at the block it holds
-    report = check_equivalence(EmulatorCase(shard="elsewhere"), ranks=RANKS, pool=spatial.pool(RANKS))
+    report = check_equivalence(
+        EmulatorCase(shard="elsewhere"), ranks=RANKS, pool=spatial.pool(RANKS)
+    )
     assert not report.ok
     found = report.first_divergence
     assert found is not None, report

@@ -237,7 +237,10 @@ def test_a_parameter_gradient_already_wrong_before_its_sync_is_its_modules_backw
 def test_without_a_gradient_from_before_the_sync_both_suspects_are_named():
     d = first_divergence(*_synced(t(4.5, 4.5), before=None, functions=["_Ring"])).first
     assert d is not None and d.cause == "undecided"
-    assert d.located == "gradient synchronisation of 'dec.weight' or backward of 'dec' (Lin) through _Ring"
+    assert (
+        d.located
+        == "gradient synchronisation of 'dec.weight' or backward of 'dec' (Lin) through _Ring"
+    )
     assert "no gradient before its synchronisation was recorded to tell the two apart" in d.line()
 
 
