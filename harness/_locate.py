@@ -111,6 +111,7 @@ class Recorder:
         self.trace = Trace(step, forward_only=not backward)
         self.active = False
         self.model: torch.nn.Module | None = None
+        self.root: torch.nn.Module | None = None
         self.handles: list[RemovableHandle] = []
         self.names: dict[int, str] = {}
         self.counts: dict[str, int] = {}
@@ -128,6 +129,8 @@ class Recorder:
 
     def attach(self, model: torch.nn.Module) -> None:
         self.model = model
+        # under DDP the model is the wrapper's: its modules named as the reference's
+        self.root = model = _unwrapped(model)
         for name, module in model.named_modules():
             self.names[id(module)] = name
             self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -323,19 +326,19 @@ class Recorder:
     def _parameter_gradients(self) -> None:
         """Each parameter's gradient, after the last backward event of the module owning
         it (where its gradient is complete), or at the end."""
-        assert self.model is not None
+        assert self.root is not None
         owner: dict[str, tuple[str, str]] = {}
-        for mname, module in self.model.named_modules():
+        for mname, module in self.root.named_modules():
             for pname, _ in module.named_parameters(recurse=False):
                 full = f"{mname}.{pname}" if mname else pname
                 owner.setdefault(full, (mname, type(module).__name__))
         events = self.trace.events
         inserts: dict[int, list[Event]] = {}
         sharded = self._parameter_shards()
-        for full, p in self.model.named_parameters():
+        for full, p in self.root.named_parameters():
             if not p.requires_grad:
                 continue
-            mname, mtype = owner.get(full, ("", type(self.model).__name__))
+            mname, mtype = owner.get(full, ("", type(self.root).__name__))
             name = full[len("module.") :] if full.startswith("module.") else full
             # complete once accumulated and once its module's backward is over: a gradient
             # judged earlier would be judged before the code that makes it (a parameter of
@@ -376,6 +379,13 @@ class Recorder:
             name: (shard.index, shard.dim)
             for name, shard in parameter_shards(self.case, self.model, self.topo).items()
         }
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a ``DistributedDataParallel`` wraps (its reference runs it unwrapped)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _as_placed(t: torch.Tensor) -> tuple[Placement | None, torch.Tensor]:

@@ -127,8 +127,8 @@ class AttentionModel(torch.nn.Module):
 class AttentionCase(SpatialCase):
     name, dtype = "ring-attention", torch.float64
 
-    def __init__(self, bug: str | None = None, *, embed: bool = False) -> None:
-        self.bug, self.embed = bug, embed
+    def __init__(self, bug: str | None = None, *, embed: bool = False, ddp: bool = False) -> None:
+        self.bug, self.embed, self.ddp = bug, embed, ddp
 
     def positions(self, topo: Topology) -> range:
         n = NPOS // topo.spatial_size
@@ -139,6 +139,11 @@ class AttentionCase(SpatialCase):
 
     def build(self, topo: Topology) -> torch.nn.Module:
         model = AttentionModel(topo, self.bug, self.embed)
+        if self.ddp and topo.spatial_group is not None:
+            # wrong for a split domain: DDP averages over the group where the parts must sum
+            return torch.nn.parallel.DistributedDataParallel(
+                model, process_group=topo.spatial_group, broadcast_buffers=False
+            )
         sync_gradients(model, topo)  # right: every parameter's gradient summed over the ranks
         return model
 
@@ -193,3 +198,15 @@ def test_the_same_bug_under_a_layer_with_parameters_is_the_attentions_input_grad
     found = report.first_divergence
     assert found is not None, report
     assert (found.located, found.quantity) == ("backward of 'attn' (RingAttention)", "grad_input")
+
+
+def test_gradients_averaged_by_ddp_over_the_spatial_group_are_the_synchronisation(spatial):
+    # the hook that records a gradient before its synchronisation runs before DDP's reducer
+    # (which fires after accumulation): the ranks' own gradients add up to the reference's;
+    # the wrapped model's modules are named as the reference's ('head', not 'module.head')
+    report = check_equivalence(AttentionCase(ddp=True), ranks=RANKS, pool=spatial.pool(RANKS))
+    assert not report.ok
+    found = report.first_divergence
+    assert found is not None, report
+    assert found.cause == "synchronisation", found.line()
+    assert found.located == "gradient synchronisation of 'head.weight'", found.line()
