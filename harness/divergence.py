@@ -15,10 +15,19 @@ The rule, in the reference's execution order:
   *at its output* matched (``backward of 'decoder'``); a gradient at an output that departs
   first was made by the code that consumed it (the enclosing module, or the loss); a
   parameter's gradient is judged where it is complete (accumulated, and its module's
-  backward over), and one that departs with every activation gradient matching is its
-  synchronisation (``gradient synchronisation of 'decoder.weight'``); a module call no
-  rank made (the ranks use its parameters in a functional call) is skipped and listed;
-- then the fields as the case reported them (a shard at the wrong positions).
+  backward over); one that departs with no activation gradient departing after it is its
+  synchronisation (``gradient synchronisation of 'decoder.weight'``) when the ranks'
+  gradients before the synchronisation (recorded ahead of every hook on it) add up to the
+  reference's, and the backward of the module owning it when they do not (named with the
+  user's autograd Functions on the graph between them: ``backward of 'attn'
+  (RingAttention) through _RingAttention``); without that record, both are named. A module
+  call no rank made (the ranks use its parameters in a functional call) is skipped and
+  listed;
+- then the fields as the case reported them: a rank whose values are the reference's at
+  another block (another rank's, or its own partition's) holds them misplaced, and the
+  line says where they belong.
+
+A module the ranks run as another class than the reference's is named with both.
 
 "Departs" is measured, not guessed: each quantity's noise floor is how far the nudged
 reference moved it (at least a few units of rounding of its magnitude); a quantity departs
