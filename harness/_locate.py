@@ -310,8 +310,12 @@ class Recorder:
             prefix = prefix[len("module.") :]
         outputs = [t for _, t in _tensors(output) if t.requires_grad]
         ids = {id(p): prefix + n for n, p in own.items()}
-        for pname, found in functions_to(outputs, ids, taps, (_Tap,)).items():
-            self.trace.functions.setdefault(pname, found)
+        try:
+            found = functions_to(outputs, ids, taps, (_Tap,))
+        except Exception:  # noqa: BLE001 - a graph it cannot walk: its Functions unnamed
+            return
+        for pname, names in found.items():
+            self.trace.functions.setdefault(pname, names)
 
     def _grad_output(
         self, module: torch.nn.Module, call: int, slot: str

@@ -244,6 +244,22 @@ def _misplaced(
     holds them misplaced, and the divergence says where they belong."""
     if e.kind != "field" or e.tensor is None:
         return d
+    try:
+        return _elsewhere(d, e, nudged, verdicts, ranks, by_rank, depart)
+    except Exception:  # noqa: BLE001 - a diagnosis never takes a verdict down: the field's
+        return d
+
+
+def _elsewhere(
+    d: Divergence,
+    e: Event,
+    nudged: Event | None,
+    verdicts: list[_Verdict],
+    ranks: Sequence[Trace],
+    by_rank: list[dict[tuple[str, int, str, str], Event]],
+    depart: float,
+) -> Divergence:
+    assert e.tensor is not None
     for v in sorted(verdicts, key=lambda v: v.rank):
         mine = by_rank[v.rank].get(e.key)
         if v.multiple <= depart or mine is None or mine.tensor is None:

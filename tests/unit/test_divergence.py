@@ -670,3 +670,14 @@ def test_positions_are_named_as_ranges_or_their_first_few():
     assert span(grid) == "(lat 0:2, lon 4:6)"
     scattered = Placement((torch.tensor([1, 5, 9, 13]),), ("cell",))
     assert span(scattered) == "(cell 1, 5, 9, ... (4))"
+
+
+def test_a_misplacement_check_that_raises_leaves_the_field_divergence_standing(monkeypatch):
+    import harness.divergence
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a partition it cannot read")
+
+    monkeypatch.setattr(harness.divergence, "block_of", broken)
+    d = first_divergence(*_field_traces([(4, 8), (0, 4)])).first
+    assert d is not None and (d.located, d.cause) == ("field 'y'", "")
