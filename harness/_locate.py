@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd.function import FunctionCtx
 from torch.utils.hooks import RemovableHandle
 
+from harness._backward import first_hook, functions_to
 from harness._records import FieldRecord, detached, map_tensors
 from harness._values import block, is_distributed, plain
 from harness.collectives import apply
@@ -109,6 +111,7 @@ class Recorder:
         self.trace = Trace(step, forward_only=not backward)
         self.active = False
         self.model: torch.nn.Module | None = None
+        self.root: torch.nn.Module | None = None
         self.handles: list[RemovableHandle] = []
         self.names: dict[int, str] = {}
         self.counts: dict[str, int] = {}
@@ -117,12 +120,17 @@ class Recorder:
         self.last_backward: dict[str, int] = {}
         #: parameter -> where in the events its gradient was accumulated (complete)
         self.accumulated: dict[str, int] = {}
+        #: parameter -> its gradient before any synchronisation (``None``: none arrived)
+        self.presync: dict[str, torch.Tensor | None] = {}
+        self.taps: dict[tuple[str, int], list[object]] = {}  # a call's inputs' tap nodes
         self.generator = torch.Generator().manual_seed(20_251_204)
 
     # ------------------------------------------------------------ run_case's watch protocol
 
     def attach(self, model: torch.nn.Module) -> None:
         self.model = model
+        # under DDP the model is the wrapper's: its modules named as the reference's
+        self.root = model = _unwrapped(model)
         for name, module in model.named_modules():
             self.names[id(module)] = name
             self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -135,6 +143,8 @@ class Recorder:
                     except (AttributeError, RuntimeError):  # an older torch, a subclass
                         continue
                     self.handles.append(hook)
+            if not self.topo.is_reference:  # the reference has no synchronisation
+                self._before_sync(model)
         if self.nudge:
             with torch.no_grad():
                 for p in model.parameters():
@@ -158,6 +168,24 @@ class Recorder:
         self.active = False
 
     # ------------------------------------------------------------ hooks
+
+    def _before_sync(self, model: torch.nn.Module) -> None:
+        """A hook ahead of the case's on every parameter: its gradient before any sync."""
+        for pname, p in model.named_parameters():
+            name = pname[len("module.") :] if pname.startswith("module.") else pname
+            if not p.requires_grad or is_distributed(p):
+                continue
+
+            def hook(grad: torch.Tensor, name: str = name) -> None:
+                if self.active:
+                    held = self.presync.get(name)
+                    grad = detached(grad)
+                    self.presync[name] = grad if held is None else held + grad
+
+            handle = first_hook(p, hook)
+            if handle is not None:
+                self.handles.append(handle)
+                self.presync[name] = None
 
     def _nudged(self, t: torch.Tensor) -> torch.Tensor:
         if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
@@ -233,6 +261,7 @@ class Recorder:
                 t = self._nudged(t)
             if self.backward and t.requires_grad and torch.is_grad_enabled():
                 t = apply(_Tap, t, self._sink(module, call, slot))
+                self.taps.setdefault((name, call), []).append(t.grad_fn)
             return t
 
         return map_tensors((args, kwargs), wrap)
@@ -267,6 +296,26 @@ class Recorder:
             self.outputs[id(t)] = (name, call, t)
             if self.backward and t.requires_grad:
                 t.register_hook(self._grad_output(module, call, slot))
+        self._functions(module, name, call, output)
+
+    def _functions(self, module: torch.nn.Module, name: str, call: int, output: object) -> None:
+        """On a rank: the autograd Functions between this call's output and its own
+        parameters (what its backward runs through), where it owns parameters."""
+        taps = self.taps.pop((name, call), [])
+        own = dict(module.named_parameters(recurse=False))
+        if self.topo.is_reference or not self.backward or not own:
+            return
+        prefix = f"{name}." if name else ""
+        if prefix.startswith("module."):
+            prefix = prefix[len("module.") :]
+        outputs = [t for _, t in _tensors(output) if t.requires_grad]
+        ids = {id(p): prefix + n for n, p in own.items()}
+        try:
+            found = functions_to(outputs, ids, taps, (_Tap,))
+        except Exception:  # noqa: BLE001 - a graph it cannot walk: its Functions unnamed
+            return
+        for pname, names in found.items():
+            self.trace.functions.setdefault(pname, names)
 
     def _grad_output(
         self, module: torch.nn.Module, call: int, slot: str
@@ -281,19 +330,19 @@ class Recorder:
     def _parameter_gradients(self) -> None:
         """Each parameter's gradient, after the last backward event of the module owning
         it (where its gradient is complete), or at the end."""
-        assert self.model is not None
+        assert self.root is not None
         owner: dict[str, tuple[str, str]] = {}
-        for mname, module in self.model.named_modules():
+        for mname, module in self.root.named_modules():
             for pname, _ in module.named_parameters(recurse=False):
                 full = f"{mname}.{pname}" if mname else pname
                 owner.setdefault(full, (mname, type(module).__name__))
         events = self.trace.events
         inserts: dict[int, list[Event]] = {}
         sharded = self._parameter_shards()
-        for full, p in self.model.named_parameters():
+        for full, p in self.root.named_parameters():
             if not p.requires_grad:
                 continue
-            mname, mtype = owner.get(full, ("", type(self.model).__name__))
+            mname, mtype = owner.get(full, ("", type(self.root).__name__))
             name = full[len("module.") :] if full.startswith("module.") else full
             # complete once accumulated and once its module's backward is over: a gradient
             # judged earlier would be judged before the code that makes it (a parameter of
@@ -311,6 +360,10 @@ class Recorder:
                 index, dim = sharded[name]
                 event.placement = shard_placement(index, dim, grad.dim(), None)
             inserts.setdefault(at, []).append(event)
+            if name in self.presync and grad is not None:  # None: no gradient arrived
+                before = self.presync[name]
+                before = torch.zeros_like(grad) if before is None else before
+                self.trace.presync[name] = replace(event, tensor=before)
         merged: list[Event] = []
         for i in range(len(events) + 1):
             merged += inserts.get(i, [])
@@ -330,6 +383,13 @@ class Recorder:
             name: (shard.index, shard.dim)
             for name, shard in parameter_shards(self.case, self.model, self.topo).items()
         }
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a ``DistributedDataParallel`` wraps (its reference runs it unwrapped)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _as_placed(t: torch.Tensor) -> tuple[Placement | None, torch.Tensor]:

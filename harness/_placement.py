@@ -247,3 +247,68 @@ def _where(flat: int, shape: Iterable[int], p: Placement) -> str:
         else:
             parts.append(f"{unit} {int(index[int(c)])}")
     return "[" + ", ".join(parts) + "]"
+
+
+# ---------------------------------------------------------------------- a misplaced block
+
+
+def block_of(
+    axes: Sequence[Axis], local: Sequence[int], ref: Sequence[int], like: Placement
+) -> Placement | None:
+    """A rank's own block of its partition (``axes``) for a tensor of shape ``local``, in
+    the form of ``like`` (a ``Shard.grid``'s flattened grid, or dims of their own)."""
+    if like.flatten is None:
+        return place(local, ref, axes)
+    rows = [a for a in axes if a.dim == -2]
+    cols = [a for a in axes if a.dim == -1]
+    if not rows or not cols:
+        return None
+    index = (rows[0].positions[:, None] * like.flatten[1] + cols[0].positions[None, :]).reshape(-1)
+    dim = len(like.index) - 1
+    if local[dim] != len(index):
+        return None
+    return replace(like, index=tuple(index if d == dim else None for d in range(len(like.index))))
+
+
+def same_positions(a: Placement, b: Placement) -> bool:
+    """Whether two placements name the same positions of the reference."""
+    if len(a.index) != len(b.index) or a.flatten != b.flatten:
+        return False
+    return all(
+        (i is None and j is None)
+        or (i is not None and j is not None and i.shape == j.shape and bool((i == j).all()))
+        for i, j in zip(a.index, b.index)
+    )
+
+
+def span(p: Placement, axes: Sequence[Axis] = ()) -> str:
+    """The positions a placement names, in the partition's words: ``"(lat 0:4, lon 4:8)"``.
+
+    >>> span(Placement((None, torch.arange(4, 8)), ("", "position")))
+    '(position 4:8)'
+    """
+    parts = []
+    for d, index in enumerate(p.index):
+        if index is None:
+            continue
+        if p.flatten is not None and d == len(p.index) - 1:
+            names = [a.unit for a in axes if a.dim == -2][:1] + [
+                a.unit for a in axes if a.dim == -1
+            ][:1]
+            names = names if len(names) == 2 else ["lat", "lon"]
+            ncols = p.flatten[1]
+            parts += [f"{names[0]} {_range(index // ncols)}", f"{names[1]} {_range(index % ncols)}"]
+        else:
+            parts.append(f"{p.units[d] or f'dim {d}'} {_range(index)}")
+    return "(" + ", ".join(parts) + ")"
+
+
+def _range(index: torch.Tensor) -> str:
+    """``"4:8"`` for contiguous positions, else the first few: ``"1, 5, 9, ... (6)"``."""
+    values = sorted(set(index.tolist()))
+    if not values:
+        return "none"
+    if values == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}:{values[-1] + 1}"
+    shown = ", ".join(str(v) for v in values[:3])
+    return shown if len(values) <= 3 else f"{shown}, ... ({len(values)})"

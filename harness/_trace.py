@@ -60,6 +60,14 @@ class Trace:
     #: True when backward hooks were left out (the model broke under them)
     forward_only: bool = False
     problem: str = ""
+    #: each parameter's gradient as the rank's backward made it, before any synchronisation
+    #: (recorded ahead of every hook on the parameter): the evidence that tells a wrong
+    #: synchronisation from a wrong backward. A parameter missing here has no such evidence
+    presync: dict[str, Event] = field(default_factory=dict)
+    #: the user's autograd Functions (``torch.autograd.Function`` classes) on the graph from
+    #: a module call's output to each of its own parameters, by parameter name, and to its
+    #: inputs, by (module, call): what a backward that departs ran through
+    functions: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- the verdict
@@ -75,12 +83,19 @@ class Divergence:
     batch, a field). ``quantity`` is what departed (``"output"``, ``"grad_input"``,
     ``"grad 'decoder.weight'"``, ...); ``multiple`` is its error over its noise floor.
 
-    ``cause`` is what the evidence blames when it is not the module's own code:
-    ``"synchronisation"`` for a parameter's gradient that departs with every activation
-    gradient matching (``module`` is then the module owning the parameter, whose own
-    gradients match: context, not the culprit; ``name`` is the parameter), ``"absent"`` for a
-    module call some ranks never made. ``zero``: the reference is exactly zero there, so the
-    error is an absolute one (``max_rel`` is it over the check's absolute term).
+    ``cause`` says what the evidence blames beside the module's own code:
+    ``"synchronisation"`` for a parameter's gradient that the ranks' backward made right (their
+    gradients before any synchronisation add up to the reference's) and that departs after
+    it (``module`` is then the module owning the parameter: context, not the culprit;
+    ``name`` is the parameter); ``"backward"`` for one whose gradients before the
+    synchronisation already depart: the backward of the module owning it (``function``: the
+    user's autograd Functions on the graph between its output and the parameter);
+    ``"undecided"`` where no gradient before the synchronisation was recorded to tell those
+    two apart; ``"misplaced"`` for a field whose rank holds the reference's values of other
+    positions (``belongs``, not ``said``); ``"absent"`` for a module call some ranks never
+    made. ``rank_type``: the module's class on the ranks where it is not the reference's.
+    ``zero``: the reference is exactly zero there, so the error is an absolute one
+    (``max_rel`` is it over the check's absolute term).
     """
 
     direction: str
@@ -101,30 +116,51 @@ class Divergence:
     name: str = ""
     cause: str = ""
     zero: bool = False
+    rank_type: str = ""
+    function: tuple[str, ...] = ()
+    belongs: str = ""
+    said: str = ""
 
     @property
     def located(self) -> str:
         """``"forward of 'blocks.2.mixer' (GlobalMean)"``, ``"field 'out'"``, ``"loss"``,
-        ``"gradient synchronisation of 'decoder.weight'"``."""
+        ``"gradient synchronisation of 'decoder.weight'"``, ``"backward of 'attn'
+        (RingAttention) through _RingAttention"``."""
         if self.cause == "synchronisation":
             return f"gradient synchronisation of {self.name!r}"
+        if self.cause == "undecided":
+            return f"gradient synchronisation of {self.name!r} or {self._module()}"
         if self.module is None:
             if self.direction == "field":
                 return f"field {self.name!r}"
             return f"{self.direction} of {self.name}"
-        return f"{self.direction} of {self.module!r} ({self.module_type})"
+        return self._module()
+
+    def _module(self) -> str:
+        """``"backward of 'conv' (DistConv on the ranks, Conv in the reference)"``, with the
+        autograd Functions it ran through where they are known."""
+        kind = self.module_type
+        if self.rank_type and self.rank_type != self.module_type:
+            kind = f"{self.rank_type} on the ranks, {self.module_type} in the reference"
+        through = f" through {', '.join(self.function)}" if self.function else ""
+        return f"{self.direction} of {self.module!r} ({kind}){through}"
 
     def line(self) -> str:
         """The report's line: ``First divergence: forward of 'x' (T), step 0: ...``."""
         call = f" (call {self.call + 1} of {self.calls})" if self.calls > 1 else ""
-        if self.cause == "synchronisation":
+        if self.cause in _PARAMETER_CAUSES:
             owner = f"{self.module!r} ({self.module_type})" if self.module is not None else "?"
+            context = f" (backward, owner {owner})" if self.cause == "synchronisation" else ""
             return (
-                f"First divergence: {self.located} (backward, owner {owner}), step {self.step}: "
-                f"the gradient of {self.name!r} departs with every activation gradient "
-                f"matching: its synchronisation; {self._size()}"
+                f"First divergence: {self.located}{context}, step {self.step}: the gradient "
+                f"of {self.name!r} {_PARAMETER_CAUSES[self.cause]}; {self._size()}"
             )
         head = f"First divergence: {self.located}{call}, step {self.step}: "
+        if self.cause == "misplaced":
+            return head + (
+                f"rank {self.rank}'s values are the reference's at {self.belongs}, not at "
+                f"{self.said} where it puts them; at {self.said}: {self._size()}"
+            )
         if self.cause == "absent":
             return head + (
                 f"{_what(self.quantity)} never computed on rank {self.rank}, "
@@ -150,6 +186,22 @@ class Divergence:
             return text + f" on rank {self.rank} ({self.dtype})"
         return text + f" on rank {self.rank} ({_times(self.multiple)} its {self.dtype} noise)"
 
+
+#: what the evidence says of a parameter's gradient that departs, by cause
+_PARAMETER_CAUSES = {
+    "synchronisation": (
+        "departs after its synchronisation: the ranks' gradients before it add up to the "
+        "reference's"
+    ),
+    "backward": (
+        "departs before any synchronisation: the ranks' gradients as their backward made "
+        "them do not add up to the reference's"
+    ),
+    "undecided": (
+        "departs with every activation gradient matching, and no gradient before its "
+        "synchronisation was recorded to tell the two apart"
+    ),
+}
 
 _UPSTREAM = {
     "output": "inputs match",

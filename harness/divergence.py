@@ -15,10 +15,19 @@ The rule, in the reference's execution order:
   *at its output* matched (``backward of 'decoder'``); a gradient at an output that departs
   first was made by the code that consumed it (the enclosing module, or the loss); a
   parameter's gradient is judged where it is complete (accumulated, and its module's
-  backward over), and one that departs with every activation gradient matching is its
-  synchronisation (``gradient synchronisation of 'decoder.weight'``); a module call no
-  rank made (the ranks use its parameters in a functional call) is skipped and listed;
-- then the fields as the case reported them (a shard at the wrong positions).
+  backward over); one that departs with no activation gradient departing after it is its
+  synchronisation (``gradient synchronisation of 'decoder.weight'``) when the ranks'
+  gradients before the synchronisation (recorded ahead of every hook on it) add up to the
+  reference's, and the backward of the module owning it when they do not (named with the
+  user's autograd Functions on the graph between them: ``backward of 'attn'
+  (RingAttention) through _RingAttention``); without that record, both are named. A module
+  call no rank made (the ranks use its parameters in a functional call) is skipped and
+  listed;
+- then the fields as the case reported them: a rank whose values are the reference's at
+  another block (another rank's, or its own partition's) holds them misplaced, and the
+  line says where they belong.
+
+A module the ranks run as another class than the reference's is named with both.
 
 "Departs" is measured, not guessed: each quantity's noise floor is how far the nudged
 reference moved it (at least a few units of rounding of its magnitude); a quantity departs
@@ -39,8 +48,18 @@ from dataclasses import replace
 
 import torch
 
-from harness._measure import DEPART, MIN_ULPS, _judge, _plain_type, _Verdict
-from harness._placement import Axis, Placement, Positions, axes_of, place, shard_placement
+from harness._measure import DEPART, MIN_ULPS, _judge, _placement, _plain_type, _Verdict
+from harness._placement import (
+    Axis,
+    Placement,
+    Positions,
+    axes_of,
+    block_of,
+    place,
+    same_positions,
+    shard_placement,
+    span,
+)
 from harness._trace import Calibration, Divergence, Event, Location, Trace
 
 __all__ = [
@@ -82,12 +101,11 @@ def first_divergence(
     """Walk the reference's events in order; the first that departs on some rank, judged
     by the rule of this module's docstring.
 
-    A parameter's gradient that departs is held while the rest of the backward is judged:
-    a parameter's gradient feeds no activation gradient, so if one departs later it is the
-    module bug (and may explain the parameter's); if none does, the parameter's gradient
-    departs with every activation gradient matching, and its synchronisation is blamed.
-    A module call that no rank made (the ranks compute it another way, e.g. a functional
-    call with the module's parameters) is skipped and listed, never taken as departing.
+    A parameter's gradient that departs is held while the rest of the backward is judged
+    (it feeds no activation gradient: one departing later is the module bug); if none
+    does, the ranks' gradients before the synchronisation tell it from the backward. A
+    module call that no rank made (e.g. a functional call with the module's parameters)
+    is skipped and listed, never taken as departing.
     """
     out = Location(step=reference.step, forward_only=any(t.forward_only for t in ranks))
     noisy = {e.key: e for e in nudged.events} if nudged is not None else {}
@@ -124,14 +142,165 @@ def first_divergence(
             held = (e, worst)
             continue
         out.first = _divergence(e, worst, reference.step, calls, types, parents, upstream)
+        out.first = _misplaced(out.first, e, noisy.get(e.key), verdicts, ranks, by_rank, depart)
         break
     if out.first is None and held is not None:
-        out.first = _divergence(*held, reference.step, calls, types, parents, upstream)
-        if activation_grads:  # they were compared, and matched: only the sync is left
-            out.first = replace(out.first, cause="synchronisation", name=held[0].slot)
+        first = _divergence(*held, reference.step, calls, types, parents, upstream)
+        out.first = _parameter(first, held[0], noisy, ranks, activation_grads > 0, depart)
+    _finish(out, ranks, path)
+    return out
+
+
+def _finish(out: Location, ranks: Sequence[Trace], path: dict[str, None]) -> None:
+    """The class the departing rank ran, and what was not compared and the dtypes seen,
+    in order."""
+    if out.first is not None:
+        out.first = replace(out.first, rank_type=_rank_type(ranks, out.first))
     out.not_compared = {label: sorted(set(v)) for label, v in out.not_compared.items()}
     out.path_dtypes = tuple(d for d in path if d != "-")
+
+
+def _parameter(
+    d: Divergence,
+    e: Event,
+    noisy: dict[tuple[str, int, str, str], Event],
+    ranks: Sequence[Trace],
+    matched: bool,
+    depart: float,
+) -> Divergence:
+    """A parameter's gradient departs and no activation gradient after it does: its
+    synchronisation when the ranks' gradients before it add up to the reference's, the
+    backward of its module (through the Functions it ran through) when they do not, and
+    either, said so, when nothing before the synchronisation was recorded but every
+    activation gradient compared matched."""
+    trace = ranks[d.rank] if d.rank < len(ranks) else None
+    function = trace.functions.get(e.slot, ()) if trace is not None else ()
+    evidence = _before_sync(e, noisy.get(e.key), ranks, depart)
+    if evidence == "sync":
+        return replace(d, cause="synchronisation", name=e.slot)
+    if evidence == "backward":
+        return replace(d, cause="backward", name=e.slot, function=function)
+    if matched:
+        return replace(d, cause="undecided", name=e.slot, function=function)
+    return replace(d, function=function)
+
+
+def _before_sync(e: Event, nudged: Event | None, ranks: Sequence[Trace], depart: float) -> str:
+    """``"sync"`` when the ranks' gradients of a parameter before any synchronisation are
+    the reference's (each as it is: reduced inside the graph; or summed over the ranks
+    holding the same part, averaged over the data groups), ``"backward"`` when they are not,
+    ``""`` when they were not recorded on every rank."""
+    mine = [t.presync.get(e.slot) for t in ranks]
+    if e.tensor is None or not ranks or any(m is None for m in mine):
+        return ""
+    readings: list[list[_Verdict | None]] = []
+    try:
+        readings.append([_judge(e, nudged, m, t, r) for r, (m, t) in enumerate(zip(mine, ranks))])
+        readings.append(_summed_before_sync(e, nudged, [m for m in mine if m], ranks))
+    except Exception:  # noqa: BLE001 - a diagnosis never takes a verdict down: no evidence
+        return ""
+    judged = [[v for v in vs if v is not None] for vs in readings if vs and None not in vs]
+    if not judged:
+        return ""
+    return "sync" if any(_worst(vs) <= depart for vs in judged if vs) else "backward"
+
+
+def _summed_before_sync(
+    e: Event, nudged: Event | None, mine: Sequence[Event], ranks: Sequence[Trace]
+) -> list[_Verdict | None]:
+    """Per part of a parameter (the whole, or a shard several ranks hold), the sum of the
+    gradients of the ranks holding it over the data groups' count, judged."""
+    groups: dict[object, list[int]] = {}
+    for r, m in enumerate(mine):
+        p = m.placement
+        key = (
+            tuple(None if i is None else tuple(i.tolist()) for i in p.index)
+            if isinstance(p, Placement)
+            else None
+        )
+        groups.setdefault(key, []).append(r)
+    out: list[_Verdict | None] = []
+    for members in groups.values():
+        tensors = [mine[r].tensor for r in members]
+        if any(x is None or x.shape != tensors[0].shape for x in tensors):  # type: ignore[union-attr]
+            return [None]
+        total = torch.stack(tensors).sum(0) / ranks[members[0]].data_size  # type: ignore[arg-type]
+        summed = replace(mine[members[0]], tensor=total.to(tensors[0].dtype))  # type: ignore[union-attr]
+        out.append(_judge(e, nudged, summed, ranks[members[0]], members[0]))
     return out
+
+
+def _misplaced(
+    d: Divergence,
+    e: Event,
+    nudged: Event | None,
+    verdicts: list[_Verdict],
+    ranks: Sequence[Trace],
+    by_rank: list[dict[tuple[str, int, str, str], Event]],
+    depart: float,
+) -> Divergence:
+    """A field that departs: the first departing rank whose values are the reference's at
+    another block (another rank's, as that rank placed it or as its partition gives it)
+    holds them misplaced, and the divergence says where they belong."""
+    if e.kind != "field" or e.tensor is None:
+        return d
+    try:
+        return _elsewhere(d, e, nudged, verdicts, ranks, by_rank, depart)
+    except Exception:  # noqa: BLE001 - a diagnosis never takes a verdict down: the field's
+        return d
+
+
+def _elsewhere(
+    d: Divergence,
+    e: Event,
+    nudged: Event | None,
+    verdicts: list[_Verdict],
+    ranks: Sequence[Trace],
+    by_rank: list[dict[tuple[str, int, str, str], Event]],
+    depart: float,
+) -> Divergence:
+    assert e.tensor is not None
+    for v in sorted(verdicts, key=lambda v: v.rank):
+        mine = by_rank[v.rank].get(e.key)
+        if v.multiple <= depart or mine is None or mine.tensor is None:
+            continue
+        trace = ranks[v.rank]
+        said = _placement(e, mine, mine.tensor, e.tensor, trace)
+        if said is None:
+            continue
+        blocks = [o.placement for ev in by_rank if isinstance(o := ev.get(e.key), Event)]
+        blocks += [
+            block_of(t.axes, tuple(mine.tensor.shape), tuple(e.tensor.shape), said) for t in ranks
+        ]
+        for p in blocks:
+            if not isinstance(p, Placement) or same_positions(p, said):
+                continue
+            there = _judge(e, nudged, replace(mine, placement=p), trace, v.rank)
+            if there is not None and there.multiple <= depart:
+                return replace(
+                    d,
+                    rank=v.rank,
+                    max_abs=v.max_abs,
+                    max_rel=v.max_rel,
+                    where=v.where,
+                    noise=v.noise,
+                    multiple=v.multiple,
+                    zero=v.zero,
+                    cause="misplaced",
+                    belongs=span(p, trace.axes),
+                    said=span(said, trace.axes),
+                )
+    return d
+
+
+def _rank_type(ranks: Sequence[Trace], d: Divergence) -> str:
+    """The class the departing rank ran as the divergence's module (``""``: not seen)."""
+    if d.module is None or d.rank >= len(ranks):
+        return ""
+    for e in ranks[d.rank].events:
+        if e.module == d.module and e.kind in ("input", "output") and e.type:
+            return e.type
+    return ""
 
 
 #: kinds recorded outside any module call (their module name is the model's, ``""``)

@@ -302,10 +302,24 @@ def located_remedy(found: Divergence) -> str:
     parameter, the loss, a field), never of a particular model."""
     if found.cause == "synchronisation":
         return (
-            f"every activation gradient matches and the gradient of {found.name!r} does "
-            "not: look where it is synchronised (summed over the spatial group once: not "
-            "averaged, not twice, not over other groups; a sharded parameter's gradient is "
-            "its own shard's, never summed with the others')."
+            f"the ranks' gradients of {found.name!r} add up to the reference's before its "
+            "synchronisation and depart after it: look where it is synchronised (summed over "
+            "the spatial group once: not averaged, not twice, not over other groups; a sharded "
+            "parameter's gradient is its own shard's, never summed with the others')."
+        )
+    if found.cause in ("backward", "undecided"):
+        where = f" ({', '.join(found.function)}'s backward)" if found.function else ""
+        sync = "" if found.cause == "backward" else "where it is synchronised, and "
+        return (
+            f"the gradient of {found.name!r} departs: look {sync}at the backward of "
+            f"{found.module!r}{where}: every part of the gradient each rank owes the parameter "
+            "(a hop of a ring, a block sent back to the rank that owns it) summed in once."
+        )
+    if found.cause == "misplaced":
+        return (
+            f"rank {found.rank} holds the reference's values of {found.belongs} and says "
+            f"they are at {found.said}: look at the positions its Shard names (index, order, "
+            "rows and columns)."
         )
     if found.cause == "absent":
         return (
@@ -318,24 +332,7 @@ def located_remedy(found: Divergence) -> str:
             "Shard says the rank holds (index, order, grid)."
         )
     if found.module is None:
-        if found.name.startswith("predict's code"):  # harness._locate_rollout.PREDICT_CODE
-            return (
-                "the module calls before it match and this input does not: look at what "
-                "predict (or a model method it calls outside a module) does between the "
-                "modules: what it feeds back, adds, draws or keeps across steps."
-            )
-        if "batch" in found.name:
-            return "the model's input differs: look at which part of the batch a rank reads."
-        if found.direction == "forward":
-            return (
-                "the model's outputs match and the loss does not: look at how the ranks' "
-                "parts of the loss are combined into the global loss."
-            )
-        return (
-            "the gradient leaving the loss departs: look at the backward of the loss's "
-            "reduction (each rank's loss is the global one: its backward passes the "
-            "gradient on once)."
-        )
+        return _outside_remedy(found)
     own = "its own code (outside its submodules)" if found.quantity != "output" else "it"
     if found.direction == "forward":
         return (
@@ -347,6 +344,29 @@ def located_remedy(found: Divergence) -> str:
         f"the gradient it received matches and the one it sends on does not: look in {own} "
         "for a collective whose backward is missing or wrong (detached, in place, or an "
         "identity where the gradient must be reduced or sent back)."
+    )
+
+
+def _outside_remedy(found: Divergence) -> str:
+    """What to do about a first divergence outside every module: predict's code, the
+    batch, the loss."""
+    if found.name.startswith("predict's code"):  # harness._locate_rollout.PREDICT_CODE
+        return (
+            "the module calls before it match and this input does not: look at what "
+            "predict (or a model method it calls outside a module) does between the "
+            "modules: what it feeds back, adds, draws or keeps across steps."
+        )
+    if "batch" in found.name:
+        return "the model's input differs: look at which part of the batch a rank reads."
+    if found.direction == "forward":
+        return (
+            "the model's outputs match and the loss does not: look at how the ranks' "
+            "parts of the loss are combined into the global loss."
+        )
+    return (
+        "the gradient leaving the loss departs: look at the backward of the loss's "
+        "reduction (each rank's loss is the global one: its backward passes the "
+        "gradient on once)."
     )
 
 

@@ -327,8 +327,9 @@ INFERENCE_DESCRIPTIONS: dict[tuple[str, str], tuple[str, str]] = {
 #: (stepper, fault id) -> where the first divergence must point (``Divergence.located``):
 #: the module whose own code holds the bug (``''`` is the model itself: these steppers keep
 #: their gathers, losses and global means in the model's methods, outside submodules);
-#: ``"sync"`` where a parameter's gradient departs with every activation gradient matching
-#: (its synchronisation; which parameter departs first is the run's); ``"coverage"`` where
+#: ``"sync"`` where a parameter's gradient departs after its synchronisation, the ranks'
+#: gradients before it adding up to the reference's (which parameter departs first is the
+#: run's); ``"coverage"`` where
 #: no value departs but items are held by no rank or by several (named by key); ``None``
 #: where the run raises or hangs (its traceback says where).
 LOCATED: dict[tuple[str, str], str | None] = {

@@ -144,6 +144,8 @@ class EmulatorCase(SpatialCase):
         y = model(batch["x"])
         loss = reduce_loss(((y - batch["target"]) ** 2).sum(), topo) / (BATCH * CH * NLAT * NLON)
         rows, cols = self.partition(topo).slices(topo.spatial_rank)
+        if self.bugs.get("shard") == "elsewhere" and topo.spatial_rank == 1:
+            rows, cols = self.partition(topo).slices(2)  # the bug: labelled as rank 2's block
         if topo.spatial_group is None:
             return Outputs(loss, {"y": y})
         return Outputs(loss, {"y": Shard.grid(y, rows, cols, NLAT, NLON)})
@@ -197,6 +199,24 @@ def test_the_correct_model_passes_with_nothing_departing_when_asked_to_locate(sp
     assert report.first_divergence is None
     assert report.location is not None and report.location.compared > 50
     assert report.location.worst_multiple < 100  # ~10x below where a departure starts
+
+
+def test_a_block_reported_at_another_ranks_position_is_named_with_where_it_belongs(spatial):
+    # rank 1 holds lat 0:4, lon 8:16 and labels it rank 2's lat 4:8, lon 0:8: every module
+    # matches, and its values are the reference's exactly, at the block it holds
+    report = check_equivalence(
+        EmulatorCase(shard="elsewhere"), ranks=RANKS, pool=spatial.pool(RANKS)
+    )
+    assert not report.ok
+    found = report.first_divergence
+    assert found is not None, report
+    assert (found.located, found.cause, found.rank) == ("field 'y'", "misplaced", 1)
+    assert _first_line(report).startswith(
+        "First divergence: field 'y', step 0: rank 1's values are the reference's at "
+        "(lat 0:4, lon 8:16), not at (lat 4:8, lon 0:8) where it puts them; at (lat 4:8, "
+        "lon 0:8): max rel"
+    ), _first_line(report)
+    assert "  field 'y': rank 1 holds the reference's values of (lat 0:4, lon 8:16)" in str(report)
 
 
 def test_locate_false_leaves_a_failing_check_unlocated(spatial):
@@ -336,12 +356,12 @@ def test_gradients_averaged_by_a_hook_are_blamed_on_the_synchronisation_as_the_h
     )
     assert _first_line(report).startswith(
         "First divergence: gradient synchronisation of 'project.weight' (backward, owner "
-        "'project' (PointLinear)), step 0: the gradient of 'project.weight' departs with every "
-        "activation gradient matching: its synchronisation"
+        "'project' (PointLinear)), step 0: the gradient of 'project.weight' departs after its "
+        "synchronisation: the ranks' gradients before it add up to the reference's"
     )
     assert report.likely == "exactly 1/4 of the reference: averaged where it should sum"
     text = str(report)
-    assert "  gradient synchronisation of 'project.weight': every activation gradient" in text
+    assert "  gradient synchronisation of 'project.weight': the ranks' gradients of" in text
 
 
 def test_a_backward_bug_below_a_parameter_of_the_model_itself_is_located_in_its_module(spatial):

@@ -18,17 +18,17 @@ def test_a_failing_check_names_its_first_divergence_in_the_failure(pytester):
     result = pytester.runpytest_subprocess("--spatial-ranks=2", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     # the model is one Linear without gradient sync, and declares no partition: its only
-    # activation gradient (at its output) cannot be placed, so nothing shows the activation
-    # gradients matched; the departing parameter gradient is its module's backward, and the
-    # synchronisation is not blamed on no evidence
+    # activation gradient (at its output) cannot be placed, but the ranks' gradients before
+    # the (missing) synchronisation add up to the reference's: the evidence blames the sync
     result.stdout.fnmatch_lines(
         [
             "*First: rank 0: grad 'weight' at step 0*",
-            "*First divergence: backward of '' (Linear), step 0: grad 'weight'*",
+            "*First divergence: gradient synchronisation of 'weight' (backward, owner '' "
+            "(Linear)), step 0: the gradient of 'weight' departs after its synchronisation*",
             "*Not compared (no layout the case declares fits*'' grad_output*",
         ]
     )
-    result.stdout.no_fnmatch_line("*gradient synchronisation*")
+    result.stdout.no_fnmatch_line("*backward of '' (Linear)*")  # its backward made it right
 
 
 def test_spatial_locate_and_its_ini_locate_passing_checks(pytester):

@@ -196,8 +196,18 @@ def test_an_output_gradient_handed_on_by_its_parent_climbs_to_the_loss():
     assert d is not None and d.module is None and d.located == "backward of the loss"
 
 
-def test_a_parameter_gradient_that_departs_alone_is_blamed_on_its_synchronisation():
-    d = first_divergence(*_traces(model_events(), model_events(g_w=t(4.5, 4.5)))).first
+def _synced(g_w, before, functions=()):
+    """The model's traces whose rank's gradient of 'dec.weight' is ``g_w`` after its
+    synchronisation and ``before`` before it (``None``: not recorded)."""
+    ref, nudged, ranks = _traces(model_events(), model_events(g_w=g_w))
+    if before is not None:
+        ranks[0].presync = {"dec.weight": ev("dec", "param_grad", before, slot="dec.weight")}
+    ranks[0].functions = {"dec.weight": tuple(functions)}
+    return ref, nudged, ranks
+
+
+def test_a_parameter_gradient_right_before_its_sync_and_wrong_after_is_the_synchronisation():
+    d = first_divergence(*_synced(t(4.5, 4.5), before=t(9, 9))).first
     assert d is not None and (d.direction, d.module, d.quantity) == (
         "backward",
         "dec",  # the module owning it: context, its own gradients matched
@@ -207,9 +217,46 @@ def test_a_parameter_gradient_that_departs_alone_is_blamed_on_its_synchronisatio
     assert d.located == "gradient synchronisation of 'dec.weight'"
     assert d.line().startswith(
         "First divergence: gradient synchronisation of 'dec.weight' (backward, owner 'dec' "
-        "(Lin)), step 0: the gradient of 'dec.weight' departs with every activation gradient "
-        "matching: its synchronisation; max rel 0.5 at [0] on rank 0"
+        "(Lin)), step 0: the gradient of 'dec.weight' departs after its synchronisation: the "
+        "ranks' gradients before it add up to the reference's; max rel 0.5 at [0] on rank 0"
     )
+
+
+def test_a_parameter_gradient_already_wrong_before_its_sync_is_its_modules_backward():
+    d = first_divergence(*_synced(t(4.5, 4.5), before=t(4.5, 4.5), functions=["_Ring"])).first
+    assert d is not None and (d.cause, d.module, d.function) == ("backward", "dec", ("_Ring",))
+    assert d.located == "backward of 'dec' (Lin) through _Ring"
+    assert d.line().startswith(
+        "First divergence: backward of 'dec' (Lin) through _Ring, step 0: the gradient of "
+        "'dec.weight' departs before any synchronisation: the ranks' gradients as their "
+        "backward made them do not add up to the reference's; max rel 0.5"
+    )
+    assert "synchronisation of" not in d.line()
+
+
+def test_without_a_gradient_from_before_the_sync_both_suspects_are_named():
+    d = first_divergence(*_synced(t(4.5, 4.5), before=None, functions=["_Ring"])).first
+    assert d is not None and d.cause == "undecided"
+    assert (
+        d.located
+        == "gradient synchronisation of 'dec.weight' or backward of 'dec' (Lin) through _Ring"
+    )
+    assert "no gradient before its synchronisation was recorded to tell the two apart" in d.line()
+
+
+def test_gradients_before_the_sync_that_sum_to_the_reference_over_the_ranks_are_right():
+    # two ranks, each with its share of the reference's gradient before the (wrong) sync
+    ref, nudged, _ = _traces(model_events(), model_events())
+    ranks = []
+    for share in (t(4, 2), t(5, 7)):
+        rank = Trace(0, model_events(g_w=t(4.5, 4.5)))
+        rank.presync = {"dec.weight": ev("dec", "param_grad", share, slot="dec.weight")}
+        ranks.append(rank)
+    d = first_divergence(ref, nudged, ranks).first
+    assert d is not None and d.cause == "synchronisation"
+    ranks[1].presync["dec.weight"] = ev("dec", "param_grad", t(5, 8), slot="dec.weight")
+    d = first_divergence(ref, nudged, ranks).first
+    assert d is not None and d.cause == "backward"
 
 
 def test_a_parameter_gradient_departing_before_an_activation_gradient_blames_the_module():
@@ -532,11 +579,16 @@ def test_what_to_do_speaks_of_the_located_module_and_of_no_particular_model():
 def test_what_to_do_about_a_synchronisation_names_the_parameter():
     from harness.report import located_remedy
 
-    found = first_divergence(*_traces(model_events(), model_events(g_w=t(4.5, 4.5)))).first
+    found = first_divergence(*_synced(t(4.5, 4.5), before=t(9, 9))).first
     assert found is not None
     assert located_remedy(found).startswith(
-        "every activation gradient matches and the gradient of 'dec.weight' does not: look "
-        "where it is synchronised"
+        "the ranks' gradients of 'dec.weight' add up to the reference's before its "
+        "synchronisation and depart after it: look where it is synchronised"
+    )
+    found = first_divergence(*_synced(t(4.5, 4.5), before=t(4.5, 4.5), functions=["_R"])).first
+    assert found is not None
+    assert located_remedy(found).startswith(
+        "the gradient of 'dec.weight' departs: look at the backward of 'dec' (_R's backward)"
     )
 
 
@@ -562,3 +614,70 @@ def test_a_parameter_gradient_is_not_blamed_on_its_sync_when_no_activation_gradi
     assert (
         d.first is not None and d.first.cause == "" and d.first.located == "backward of 'dec' (Lin)"
     )
+
+
+def test_a_module_the_ranks_run_as_another_class_is_named_with_both_classes():
+    ranks_events = model_events(dec_out=t(5, 7))
+    for e in ranks_events:
+        if e.module == "dec":
+            e.type = "DistributedLin"
+    d = first_divergence(*_traces(model_events(), ranks_events)).first
+    assert d is not None and d.located == (
+        "forward of 'dec' (DistributedLin on the ranks, Lin in the reference)"
+    )
+    same = first_divergence(*_traces(model_events(), model_events(dec_out=t(5, 7)))).first
+    assert same is not None and same.located == "forward of 'dec' (Lin)"
+
+
+def _field_traces(blocks):
+    """A field of 8 positions on two ranks holding 0:4 and 4:8; ``blocks``: the positions
+    each rank says it holds."""
+    from harness.divergence import shard_placement
+
+    values = t(*range(10, 18))
+    ref = Trace(0, [ev("", "field", values, slot="y")])
+    ranks = []
+    for r, said in enumerate(blocks):
+        mine = ev("", "field", values[4 * r : 4 * r + 4], slot="y")
+        mine.placement = shard_placement(torch.arange(*said), 0, 1, None)
+        own = torch.arange(4 * r, 4 * r + 4)
+        ranks.append(Trace(0, [mine], spatial_rank=r, axes=[Axis(8, own, "position")]))
+    return ref, ref, ranks
+
+
+def test_a_field_block_said_to_be_at_other_positions_is_named_with_where_it_belongs():
+    d = first_divergence(*_field_traces([(4, 8), (0, 4)])).first  # the two blocks swapped
+    assert d is not None and (d.cause, d.rank, d.located) == ("misplaced", 0, "field 'y'")
+    assert (d.belongs, d.said) == ("(position 0:4)", "(position 4:8)")
+    assert d.line().startswith(
+        "First divergence: field 'y', step 0: rank 0's values are the reference's at "
+        "(position 0:4), not at (position 4:8) where it puts them; at (position 4:8): max rel"
+    )
+
+
+def test_a_field_block_that_matches_nowhere_is_a_field_divergence_without_a_place():
+    ref, _, ranks = _field_traces([(0, 4), (4, 8)])
+    ranks[1].events[0].tensor = ranks[1].events[0].tensor + 1  # wrong values, not a block
+    d = first_divergence(ref, ref, ranks).first
+    assert d is not None and (d.cause, d.rank, d.located) == ("", 1, "field 'y'")
+    assert "values are the reference's at" not in d.line()
+
+
+def test_positions_are_named_as_ranges_or_their_first_few():
+    from harness._placement import Placement, span
+
+    grid = Placement((None, torch.tensor([4, 5, 20, 21])), ("", "position"), flatten=(4, 16))
+    assert span(grid) == "(lat 0:2, lon 4:6)"
+    scattered = Placement((torch.tensor([1, 5, 9, 13]),), ("cell",))
+    assert span(scattered) == "(cell 1, 5, 9, ... (4))"
+
+
+def test_a_misplacement_check_that_raises_leaves_the_field_divergence_standing(monkeypatch):
+    import harness.divergence
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a partition it cannot read")
+
+    monkeypatch.setattr(harness.divergence, "block_of", broken)
+    d = first_divergence(*_field_traces([(4, 8), (0, 4)])).first
+    assert d is not None and (d.located, d.cause) == ("field 'y'", "")
