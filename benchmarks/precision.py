@@ -69,7 +69,9 @@ def faults(pool) -> None:
         args = {"ranks": RANKS, "spatial_size": spatial, "pool": pool, "locate": False}
         fixed = check_equivalence(case, calibrate=False, **args)
         calibrated = check_equivalence(case, **args)
-        multiple = max((m.spread_multiple for m in calibrated.mismatches if m.calibrated), default=0)
+        multiple = max(
+            (m.spread_multiple for m in calibrated.mismatches if m.calibrated), default=0
+        )
         seen = f"{multiple:.3g}x" if multiple else "-"
         print(
             f"  {stepper:12s} {fault:28s} fixed {'caught' if not fixed.ok else 'MISSED'}  "
@@ -106,7 +108,10 @@ def cost(pool, repeats: int) -> None:
     print("cost: calibrated check / bare check (alternated, medians)")
     for label, case in (
         ("sfno 16x32 2x2", SFNOCase(nlat=16, nlon=32, h=2, w=2, dtype=F32)),
-        ("sfno 30x62 4x1 gauss", SFNOCase(nlat=30, nlon=62, h=4, w=1, grid="legendre-gauss", dtype=F32)),
+        (
+            "sfno 30x62 4x1 gauss",
+            SFNOCase(nlat=30, nlon=62, h=4, w=1, grid="legendre-gauss", dtype=F32),
+        ),
     ):
         check_equivalence(case, ranks=RANKS, pool=pool)  # warm: imports, groups
         times: dict[bool, list[float]] = {False: [], True: []}
@@ -124,7 +129,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--part", nargs="+", default=["correct", "faults", "tail", "cost"],
+        "--part",
+        nargs="+",
+        default=["correct", "faults", "tail", "cost"],
         choices=["correct", "faults", "tail", "cost"],
     )
     args = parser.parse_args()

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harness._checks.fields import assemble_whole, flat_like
 from harness._rank.predict import autocast_context
 from harness._records import FieldRecord, RunRecord
 from harness.compare import NUMERIC, Mismatch, Quantity, Tolerance
 from harness.errors import ConfigError
-from harness._checks.fields import assemble_whole, flat_like
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase

@@ -267,7 +267,7 @@ def _train(
             measured = calibrate(case, reference, run.steps, run.lr, run.seed)
             records = ranks_run.result()
         else:
-            records = run.pool.run(*call, timeout=run.timeout, **on_grid)
+            records = run.pool.run(call[0], *call[1:], timeout=run.timeout, **on_grid)
             if calibrated:
                 measured = calibrate(case, reference, run.steps, run.lr, run.seed)
     except RankFailure as failure:

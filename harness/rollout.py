@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from harness._checks.fields import assemble_whole, flat_like
+from harness._overlap import Background, in_other_processes
 from harness._rank.nudge import NUDGE_ULPS
 from harness._rank.predict import (
     _rollout_entry,
     autocast_context,
     run_prediction,
 )
-from harness._checks.fields import assemble_whole, flat_like
-from harness._overlap import Background, in_other_processes
 from harness._records import FieldRecord, StepRecord
 from harness._rollout_record import RolloutPoint, RolloutRecord
 from harness.compare import Bound, Mismatch, Quantity

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harness._checks.judge import Judge, Layout, data_part, position_text
+from harness._checks.judge import Judge, Layout, data_part, group_part, position_text
 from harness._checks.keyed import _keyed_position, check_keyed_field
 from harness._hints import boundary_hint, shard_shape_hint
 from harness._records import FieldError, FieldRecord, StepRecord
@@ -61,9 +61,7 @@ def check_fields(
                 data_part(ref_field.values, g, layout.data_size),
                 shards[first : first + layout.spatial_size],
                 first,
-                judge.spread(
-                    Quantity.FIELD, step, name, lambda s, g=g: data_part(s, g, layout.data_size)
-                ),
+                judge.spread(Quantity.FIELD, step, name, group_part(g, layout.data_size)),
             )
             found += more
             errors += [error] if error else []
@@ -109,9 +107,7 @@ def _replicated_field(
     for rank, f in enumerate(fields):
         group = rank // layout.spatial_size
         expected = data_part(ref, group, layout.data_size)
-        spread = judge.spread(
-            Quantity.FIELD, step, name, lambda s, g=group: data_part(s, g, layout.data_size)
-        )
+        spread = judge.spread(Quantity.FIELD, step, name, group_part(group, layout.data_size))
         m = judge.numeric(Quantity.FIELD, name, step, rank, f.values, expected, None, spread)
         if m and m.where.startswith("shape") and layout.spatial_size > 1:
             m.where = (
@@ -292,7 +288,8 @@ def _compare_assembled(
         from harness._checks.spread import allowance
 
         share = diff / allowance(job.spread, ref, m.spread_factor).reshape(diff.shape)
-        over, allowed = share.movedim(dim, -1).reshape(-1, size).amax(0), 1.0
+        over = share.movedim(dim, -1).reshape(-1, size).amax(0)
+        allowed: float | torch.Tensor = 1.0
     else:
         mag = ref.abs().to(torch.float64).movedim(dim, -1).reshape(-1, size).amax(0)
         bound = judge.tolerance.field

@@ -187,6 +187,12 @@ def data_part(ref: torch.Tensor, group: int, groups: int) -> torch.Tensor:
     return ref[group * k : (group + 1) * k]
 
 
+def group_part(group: int, groups: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``data_part`` of data group ``group`` as a function of the tensor: how a spread is
+    cut as its reference is (``Judge.spread``)."""
+    return lambda t: data_part(t, group, groups)
+
+
 def position_text(pos: int, grid: tuple[int, int] | None, unit: str = "position") -> str:
     """``"(lat 3, lon 7)"`` on a grid (named by its own axes where ``unit`` holds two
     names), ``"cell 12"`` otherwise.

@@ -69,6 +69,14 @@ def part(
     return ref.index_select(shard.dim, shard.index), where
 
 
+def shard_part(
+    shard: ParamShard | None, shape: torch.Size
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``part``'s values as a function of the tensor: how a spread is cut as its reference
+    is (``Judge.spread``)."""
+    return lambda t: part(t, shard, shape)[0]
+
+
 def check_param_shards(
     reference: RunRecord, records: list[RunRecord], layout: Layout
 ) -> tuple[list[Mismatch], ParamShards]:

@@ -23,7 +23,6 @@ Pure: reads records, touches no process group; ``harness._calibrate`` runs the r
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch

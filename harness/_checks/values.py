@@ -16,6 +16,7 @@ from harness._checks.shards import (
     SHARD_INIT_HINT,
     ParamShards,
     part,
+    shard_part,
 )
 from harness._records import RunRecord, StepRecord
 from harness.compare import (
@@ -248,9 +249,7 @@ def check_grads(
                 continue
             held = shards.held(name, rank)
             expected, where = part(r, held, g.shape)
-            spread = judge.spread(
-                Quantity.GRAD, step, name, lambda s, h=held, n=g.shape: part(s, h, n)[0]
-            )
+            spread = judge.spread(Quantity.GRAD, step, name, shard_part(held, g.shape))
             m = judge.numeric(Quantity.GRAD, name, step, rank, g, expected, where, spread)
             found += [m] if m else []
     return found
@@ -311,9 +310,7 @@ def check_params(
                 found.append(_sync_mismatch(judge, name, step, rank, p, q, said))
             if name in ref.params:
                 expected, where = part(ref.params[name], shard, p.shape)
-                spread = judge.spread(
-                    Quantity.PARAM, step, name, lambda s, h=shard, n=p.shape: part(s, h, n)[0]
-                )
+                spread = judge.spread(Quantity.PARAM, step, name, shard_part(shard, p.shape))
                 m = judge.numeric(Quantity.PARAM, name, step, rank, p, expected, where, spread)
                 found += [m] if m else []
     return found

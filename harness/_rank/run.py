@@ -126,9 +126,7 @@ def run_case(
         try:
             for step in range(steps):
                 record.steps.append(
-                    _train_step(
-                        case, model, topo, step, lr, seed, enter, mutation, shards, nudge
-                    )
+                    _train_step(case, model, topo, step, lr, seed, enter, mutation, shards, nudge)
                 )
                 if answers is not None:  # the first step's answers are the evidence
                     answers.close()

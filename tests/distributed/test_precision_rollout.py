@@ -15,7 +15,11 @@ RANKS, STEPS = 4, 6
 
 def _check(spatial, case):  # type: ignore[no-untyped-def]
     return check_equivalence(
-        case, ranks=RANKS, pool=spatial.pool(RANKS), rollout=STEPS, autocast=torch.bfloat16,
+        case,
+        ranks=RANKS,
+        pool=spatial.pool(RANKS),
+        rollout=STEPS,
+        autocast=torch.bfloat16,
         locate=False,
     )
 

@@ -115,14 +115,18 @@ def test_an_error_inside_the_members_spread_passes_and_reports_its_multiple():
     ref = _record(1.0, _values(seed=1), field, _values(seed=2))
     spreads = spreads_of(ref, [_record(1.0, _values(seed=1), member, _values(seed=2))], FACTOR)
     out = compare_runs(
-        ref, [_record(1.0, _values(seed=1), rank, _values(seed=2))], Tolerance.exact(),
+        ref,
+        [_record(1.0, _values(seed=1), rank, _values(seed=2))],
+        Tolerance.exact(),
         spreads=spreads,
     )
     assert out.mismatches == []  # Tolerance.exact() would fail it: the spread judged it
     assert out.stats[Quantity.FIELD].spread_multiple == pytest.approx(5.0, rel=1e-3)
     rank[7] += 6e-4  # 11x: over
     out = compare_runs(
-        ref, [_record(1.0, _values(seed=1), rank, _values(seed=2))], Tolerance.exact(),
+        ref,
+        [_record(1.0, _values(seed=1), rank, _values(seed=2))],
+        Tolerance.exact(),
         spreads=spreads,
     )
     assert [m.quantity for m in out.mismatches] == [Quantity.FIELD]
@@ -221,8 +225,15 @@ def test_the_report_says_how_it_was_judged_and_the_worst_multiple_of_each_quanti
     rank = _record(1.0, _values(seed=1) * 1.0002, _values(), _values(seed=2))
     out = compare_runs(ref, [rank], Tolerance.for_dtype(F32), spreads=spreads)
     report = EquivalenceReport(
-        case="c", ranks=1, spatial_size=1, partition="", steps=1, dtype="float32",
-        tolerance=Tolerance.for_dtype(F32), mismatches=out.mismatches, stats=out.stats,
+        case="c",
+        ranks=1,
+        spatial_size=1,
+        partition="",
+        steps=1,
+        dtype="float32",
+        tolerance=Tolerance.for_dtype(F32),
+        mismatches=out.mismatches,
+        stats=out.stats,
     )
     report.notes.append(note(spreads, "float32"))
     assert report.ok
@@ -231,7 +242,13 @@ def test_the_report_says_how_it_was_judged_and_the_worst_multiple_of_each_quanti
     assert "worst multiple of the rounding spread: loss 0x, grad 2x, field 0x, param 0x" in text
     assert "within 10x (gradients 24x) its rounding spread (1 reruns" in text
     plain = EquivalenceReport(
-        case="c", ranks=1, spatial_size=1, partition="", steps=1, dtype="float64",
-        tolerance=None, stats=compare_runs(ref, [rank], Tolerance.uniform(1, 1)).stats,
+        case="c",
+        ranks=1,
+        spatial_size=1,
+        partition="",
+        steps=1,
+        dtype="float64",
+        tolerance=None,
+        stats=compare_runs(ref, [rank], Tolerance.uniform(1, 1)).stats,
     )
     assert plain.spread_text() == "" and "rounding spread" not in str(plain)
