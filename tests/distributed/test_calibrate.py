@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from harness import Tolerance, check_equivalence
+from harness._calibrate import FACTOR
 from harness.compare import Quantity
 from harness.steppers import SFNOCase
 from tests.distributed.halo_tail import HaloTailCase
@@ -32,7 +33,7 @@ def test_a_float32_halo_one_row_short_fails_by_its_rounding_spread_at_the_block_
     assert {m.quantity for m in report.mismatches} == {Quantity.FIELD}, report
     first = report.mismatches[0]
     assert first.calibrated and first.spread_multiple > first.spread_factor, report
-    assert "its rounding spread (bound 10x)" in str(report)
+    assert f"its rounding spread (bound {FACTOR:g}x)" in str(report)
     assert "border another rank" in first.hint, report  # the boundary hint reads the bound
 
 
@@ -52,7 +53,7 @@ def test_a_correct_float32_run_passes_and_says_how_it_was_judged(spatial):
     assert "worst multiple of the rounding spread: loss" in text
     for q in ("loss", "grad", "field", "param"):
         multiple = report.spread_multiple(q)
-        assert multiple is not None and multiple < 10, (q, report)
+        assert multiple is not None and multiple < FACTOR, (q, report)
 
 
 def test_a_tolerance_given_by_the_user_judges_instead_of_the_spread(spatial):

@@ -102,7 +102,7 @@ def test_a_few_units_of_rounding_at_small_entries_fail_by_their_spread_not_by_th
     # its spread is one unit of the field's mean magnitude (0.01 cancels: it rounds like ~0.8)
     mean = float(field.abs().double().mean())
     assert m.spread_multiple == pytest.approx(20 / mean, rel=0.05)
-    assert f"{m.spread_multiple:.3g}x its rounding spread (bound 10x)" in m.headline()
+    assert f"{m.spread_multiple:.3g}x its rounding spread (bound {FACTOR:g}x)" in m.headline()
     assert "over the rounding bound" in m.headline()
 
 
@@ -111,7 +111,7 @@ def test_an_error_inside_the_members_spread_passes_and_reports_its_multiple():
     member = field.clone()
     member[7] += 1e-4  # rounding reached 1e-4 there
     rank = field.clone()
-    rank[7] += 5e-4  # 5x it: inside 10x
+    rank[7] += 5e-4  # 5x it: inside FACTOR
     ref = _record(1.0, _values(seed=1), field, _values(seed=2))
     spreads = spreads_of(ref, [_record(1.0, _values(seed=1), member, _values(seed=2))], FACTOR)
     out = compare_runs(
@@ -122,7 +122,7 @@ def test_an_error_inside_the_members_spread_passes_and_reports_its_multiple():
     )
     assert out.mismatches == []  # Tolerance.exact() would fail it: the spread judged it
     assert out.stats[Quantity.FIELD].spread_multiple == pytest.approx(5.0, rel=1e-3)
-    rank[7] += 6e-4  # 11x: over
+    rank[7] += FACTOR * 1e-4  # 5 + FACTOR times it: over
     out = compare_runs(
         ref,
         [_record(1.0, _values(seed=1), rank, _values(seed=2))],
@@ -137,7 +137,7 @@ def test_gradients_get_their_own_factor():
     member = grad.clone()
     member[3] += 1e-4
     rank = grad.clone()
-    rank[3] += 1.2e-3  # 12x the spread: over FACTOR, inside GRAD_FACTOR
+    rank[3] += (FACTOR + GRAD_FACTOR) / 2 * 1e-4  # between FACTOR and GRAD_FACTOR spreads
     ref = _record(1.0, grad, _values(), _values(seed=2))
     spreads = spreads_of(
         ref, [_record(1.0, member, _values(), _values(seed=2))], FACTOR, {"grad": GRAD_FACTOR}
@@ -221,7 +221,7 @@ def test_a_check_is_calibrated_below_float64_unless_a_tolerance_or_autocast_says
 def test_the_report_says_how_it_was_judged_and_the_worst_multiple_of_each_quantity():
     ref = _record(1.0, _values(seed=1), _values(), _values(seed=2))
     member = _record(1.0, _values(seed=1) * 1.0001, _values(), _values(seed=2))
-    spreads = spreads_of(ref, [member], FACTOR, {"grad": GRAD_FACTOR})
+    spreads = spreads_of(ref, [member], FACTOR, {"grad": GRAD_FACTOR, "param": GRAD_FACTOR})
     rank = _record(1.0, _values(seed=1) * 1.0002, _values(), _values(seed=2))
     out = compare_runs(ref, [rank], Tolerance.for_dtype(F32), spreads=spreads)
     report = EquivalenceReport(
@@ -240,7 +240,7 @@ def test_the_report_says_how_it_was_judged_and_the_worst_multiple_of_each_quanti
     assert report.spread_multiple("grad") == pytest.approx(2.0, rel=0.01)
     text = str(report)
     assert "worst multiple of the rounding spread: loss 0x, grad 2x, field 0x, param 0x" in text
-    assert "within 10x (gradients 24x) its rounding spread (1 reruns" in text
+    assert f"within {FACTOR:g}x (gradients and parameters {GRAD_FACTOR:g}x) its rounding" in text
     plain = EquivalenceReport(
         case="c",
         ranks=1,
