@@ -440,26 +440,33 @@ def _copy(rev: str | None) -> Path:
     return where / "repo"
 
 
-def _tests(repo: Path, tests: tuple[str, ...], timeout: float) -> bool:
-    """Whether a test of ``tests`` failed (or hung) in ``repo``."""
+def _tests(repo: Path, tests: tuple[str, ...], timeout: float) -> str:
+    """The first test of ``tests`` that failed in ``repo`` ("timeout" if the run hung), or
+    "" if they all passed."""
     env = dict(os.environ, PYTHONPATH=str(repo), PYTHONDONTWRITEBYTECODE="1")
     # a test file the tree does not have yet (measuring an older commit) is left out
     tests = tuple(t for t in tests if t.startswith("-") or (repo / t).exists() or "/" not in t)
-    cmd = [PYTHON, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    cmd = [PYTHON, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rf", *tests]
     try:
         done = subprocess.run(
             cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
-        return True
+        return "timeout"
     if done.returncode not in (0, 1):
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-5:])
         raise RuntimeError(f"pytest exited {done.returncode} (not a test outcome):\n{tail}")
-    return done.returncode == 1
+    if done.returncode == 0:
+        return ""
+    failed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("FAILED ")]
+    return failed[0].split("::")[-1] if failed else "?"
 
 
-def run(mutant: Mutant, distributed: bool, timeout: float, rev: str | None = None) -> str:
-    """``unit`` or ``distributed`` (the stage that killed it), or ``survived``."""
+def run(
+    mutant: Mutant, distributed: bool, timeout: float, rev: str | None = None
+) -> tuple[str, str]:
+    """``unit`` or ``distributed`` (the stage that killed it) and the test that failed, or
+    ``survived``."""
     repo = _copy(rev)
     try:
         target = repo / mutant.path
@@ -470,11 +477,14 @@ def run(mutant: Mutant, distributed: bool, timeout: float, rev: str | None = Non
                 f"(not once): {mutant.what}"
             )
         target.write_text(text.replace(mutant.old, mutant.new))
-        if _tests(repo, mutant.unit, timeout):
-            return "unit"
-        if distributed and mutant.distributed and _tests(repo, mutant.distributed, 4 * timeout):
-            return "distributed"
-        return "survived"
+        failed = _tests(repo, mutant.unit, timeout)
+        if failed:
+            return "unit", failed
+        if distributed and mutant.distributed:
+            failed = _tests(repo, mutant.distributed, 4 * timeout)
+            if failed:
+                return "distributed", failed
+        return "survived", ""
     finally:
         shutil.rmtree(repo.parent, ignore_errors=True)
 
@@ -495,10 +505,12 @@ def main() -> None:
     outcomes: list[tuple[Mutant, str]] = []
     t0 = time.perf_counter()
     for i, m in enumerate(chosen, 1):
-        outcome = run(m, args.distributed, args.timeout, args.rev)
+        outcome, by = run(m, args.distributed, args.timeout, args.rev)
         outcomes.append((m, outcome))
         mark = "killed" if outcome != "survived" else "SURVIVED"
         print(f"{i:>3}  {mark:<8} {outcome:<11} {m.area:<16} {m.what}", flush=True)
+        if by:
+            print(f"{'':<24} by {by}", flush=True)
     killed: Counter[str] = Counter()
     total: Counter[str] = Counter()
     for m, outcome in outcomes:
