@@ -494,17 +494,25 @@ def main() -> None:
     parser.add_argument("--distributed", action="store_true", help="survivors' rank tests too")
     parser.add_argument("-k", dest="select", default="", help="only areas/whats containing it")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    parser.add_argument(
+        "--only", default="", help="only these mutants, by number (as --list numbers them): 1,4,7"
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per fast run")
     parser.add_argument("--rev", help="measure the tests of this commit (default: the worktree)")
     args = parser.parse_args()
-    chosen = [m for m in MUTANTS if args.select in f"{m.area}: {m.what}"]
+    only = {int(n) for n in args.only.split(",") if n}
+    chosen = [
+        (i, m)
+        for i, m in enumerate(MUTANTS, 1)
+        if args.select in f"{m.area}: {m.what}" and (not only or i in only)
+    ]
     if args.list:
-        for i, m in enumerate(chosen, 1):
+        for i, m in chosen:
             print(f"{i:>3}  {m.area:<16} {m.path:<28} {m.what}")
         return
     outcomes: list[tuple[Mutant, str]] = []
     t0 = time.perf_counter()
-    for i, m in enumerate(chosen, 1):
+    for i, m in chosen:
         outcome, by = run(m, args.distributed, args.timeout, args.rev)
         outcomes.append((m, outcome))
         mark = "killed" if outcome != "survived" else "SURVIVED"
