@@ -40,21 +40,24 @@ ROLLOUT_UNIT = (
     "tests/unit/test_rollout_goldens.py",
 )
 ROLLOUT_DIST = ("tests/distributed/test_rollout.py", "tests/distributed/test_autocast.py")
-AUTOCAST_UNIT = ("tests/unit/test_rollout.py", "tests/unit/test_autocast.py")
+AUTOCAST_UNIT = ("tests/unit/test_autocast.py", "tests/unit/test_rollout.py")
 AUTOCAST_DIST = ("tests/distributed/test_autocast.py",)
+# quickest first: ``pytest -x`` stops at the first failure, and the ring's 150-step
+# rollouts of test_rollout_goldens.py take the longest
 GOLDEN_UNIT = (
-    "tests/unit/test_rollout_goldens.py",
-    "tests/unit/test_goldens.py",
     "harness/_samples.py",  # its doctests
     "harness/_golden_changes.py",
+    "tests/unit/test_goldens.py",
+    "tests/unit/test_rollout_goldens.py",
 )
 GOLDEN_DIST = ("tests/distributed/test_rollout_goldens.py",)
 # the review file's rollout goldens start rank pools (minutes): only its unused/prune tests
+# ("prun": pruning and prune)
 PRUNE_UNIT = (
     "tests/unit/test_goldens.py",
     "tests/plugin/test_goldens_review.py",
     "-k",
-    "prune or unused",
+    "prun or unused",
 )
 
 
