@@ -208,6 +208,20 @@ def test_prune_is_refused_after_a_partial_or_failing_run_and_says_why(pytester, 
     assert "removed" not in result.stdout.str()
 
 
+def test_prune_is_refused_after_a_run_that_exits_non_zero_though_no_test_failed(pytester):
+    # a run that collects no test (every test module emptied, a path that holds none) fails
+    # no test and misses none it collected, yet used no golden: pruning would remove them all
+    _recorded(pytester)
+    pytester.makepyfile(test_review="import torch\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--goldens-prune")
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    assert (
+        "unused goldens nothing pruned: the run did not pass (exit status 5); they are only "
+        "listed after a run in which every test ran and passed."
+    ) in result.stdout.lines
+    assert _golden(pytester, "test_a").exists() and _golden(pytester, "test_b").exists()
+
+
 def test_unused_goldens_are_neither_listed_nor_pruned_after_a_partial_run_unless_asked(
     pytester,
 ):

@@ -13,7 +13,7 @@ import torch
 
 from harness import GoldenError, GoldenStore
 from harness.compare import Bound
-from harness.goldens import diff_tensors, golden_stem
+from harness.goldens import GoldenChange, diff_tensors, golden_stem
 
 EXACT = Bound(0.0, 0.0)
 TIGHT = Bound(1e-12, 0.0)
@@ -642,3 +642,62 @@ def test_pruning_removes_each_file_and_the_directories_it_empties_and_lists_them
     ]
     assert not gone.parent.exists() and kept.exists()
     assert (tmp_path / "t").is_dir()  # still holds test_new
+
+
+def test_pruning_the_only_golden_of_nested_directories_removes_them_all_but_the_root(tmp_path):
+    from harness.goldens import prune_goldens
+
+    root = tmp_path / "goldens"
+    only = root / "tests" / "unit" / "test_old" / "test_a.pt"
+    only.parent.mkdir(parents=True)
+    only.write_bytes(b"x")
+    assert prune_goldens([only], root) == [f"  removed {only}"]
+    assert root.is_dir() and list(root.iterdir()) == []  # the root is the store's: it stays
+
+
+# ---------------------------------------------------------------- change summaries, closer
+
+
+def test_a_list_of_changes_is_cut_only_when_longer_than_shown():
+    from harness._golden_changes import _SHOWN
+
+    def added(n):
+        change = GoldenChange.between({f"t{i:02}": torch.zeros(1) for i in range(n)}, {}, EXACT)
+        return change.lines("g.pt", "updated")[-1]
+
+    assert added(_SHOWN) == "  added: " + ", ".join(f"t{i:02}" for i in range(_SHOWN))
+    assert added(_SHOWN + 1).endswith(f"t{_SHOWN - 1:02}, and 1 more")
+    assert added(_SHOWN + 5).endswith(f"t{_SHOWN - 1:02}, and 5 more")
+
+
+def test_the_largest_change_is_the_largest_relative_one_of_several():
+    old = {n: torch.ones(3, dtype=torch.float64) for n in ("a", "b", "c", "d")}
+    new = {
+        "a": torch.tensor([1.0, 1.0, 1.1], dtype=torch.float64),  # rel 0.1
+        "b": torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64),  # unchanged
+        "c": torch.tensor([1.0, 1.5, 1.0], dtype=torch.float64),  # rel 0.5: the largest
+        "d": torch.tensor([1.0, 1.0, 1.2], dtype=torch.float64),  # rel 0.2
+    }
+    old["a"] = old["a"] * 100  # a: abs 10 but rel 0.1, the largest abs, not rel
+    new["a"] = new["a"] * 100
+    change = GoldenChange.between(new, old, EXACT)
+    assert change.changed == ("a", "c", "d") and change.unchanged == 1
+    assert change.largest[0] == "c" and change.largest[2] == pytest.approx(0.5)
+
+
+def test_a_new_golden_of_one_or_no_tensor_is_counted_in_words():
+    assert GoldenChange(added=("w",)).lines("g.pt", "written") == [
+        "written g.pt: new golden, 1 tensor"
+    ]
+    assert GoldenChange().lines("g.pt", "written") == ["written g.pt: new golden, 0 tensors"]
+
+
+def test_a_failed_or_missing_golden_is_told_to_update_if_the_change_is_intended(tmp_path):
+    from harness.goldens import GoldenTally
+
+    for status in ("failed", "missing"):
+        assert GoldenTally.of(["passed", status]).lines(tmp_path) == [
+            f"2 goldens: 1 passed, 1 {status}.",
+            "Run with --update-goldens if the change is intended.",
+        ]
+    assert GoldenTally.of(["passed"]).lines(tmp_path) == ["1 golden: 1 passed."]

@@ -291,3 +291,221 @@ def test_a_serial_run_that_lands_next_to_high_precision_by_chance_does_not_shrin
     assert found == []  # three bf16 roundings of the loss: within RATIO of one
     found, _ = judge_autocast(high, serial, [run(1.0 + 5 * u, 1.0, 1.0, 1.0)], tol, spatial_size=1)
     assert [m.quantity for m in found] == ["loss"]
+
+
+# ---------------------------------------------------------------------- the envelope, closer
+
+
+def judge_members(ref, distances, error, bound=BOUND, ranks=None):
+    """One step: members ``distances`` away from the reference (each its own distance, its
+    own sign per value), the ranks ``error`` away."""
+    signs = torch.where(torch.arange(ref.numel()).reshape(ref.shape) % 2 == 0, 1.0, -1.0)
+    members = [[whole(ref + d * signs.to(ref.dtype))] for d in distances]
+    per_rank = ranks if ranks is not None else [[s] for s in shards(ref + error)]
+    return judge_rollout([whole(ref)], members, per_rank, bound, spatial_size=len(per_rank))
+
+
+def test_the_spread_is_the_furthest_of_members_at_different_distances():
+    ref = torch.linspace(1.0, 2.0, 2 * N, dtype=torch.float64).reshape(2, N)
+    # four members, the furthest neither first nor last: 25e-6 is within 10x the furthest
+    # (3e-6) but beyond 10x any other
+    record = judge_members(ref, [1e-6, 2e-6, 3e-6, 0.5e-6], 25e-6)
+    [point] = record.curve
+    assert point.spread == pytest.approx(3e-6, rel=1e-9)
+    assert record.first is None and not record.mismatches
+    record = judge_members(ref, [1e-6, 2e-6, 3e-6, 0.5e-6], 35e-6)
+    assert record.first is not None and record.first.ratio == pytest.approx(35 / 3)
+
+
+def test_the_fixed_floor_scales_with_the_largest_value_of_the_field():
+    # values from -5 to 1 (one of them 0): the floor is atol + rtol * 5
+    ref = torch.linspace(-5.0, 1.0, 2 * N + 1, dtype=torch.float64)[:-1].reshape(2, N)
+    ref[0, 3] = 0.0
+    floor = BOUND.atol + BOUND.rtol * 5.0
+    record = judge_members(ref, [0.0, 0.0], 0.9 * floor)
+    [point] = record.curve
+    assert point.scale == 5.0 and point.envelope == pytest.approx(floor)
+    assert record.first is None
+    assert judge_members(ref, [0.0, 0.0], 1.1 * floor).first is not None
+
+
+def test_each_data_groups_shards_are_compared_with_that_groups_samples():
+    # 4 ranks: 2 data groups of 2 spatial ranks, each group holding one row of the reference
+    ref = torch.stack([torch.arange(N, dtype=torch.float64), -torch.arange(N) - 1.0])
+    ranks = [[fields] for g in range(2) for fields in shards(ref[g : g + 1])]
+    record = judge_rollout([whole(ref)], [[whole(ref)]], ranks, BOUND, spatial_size=2)
+    assert record.first is None and not record.mismatches and record.curve[0].error == 0
+    ranks[3][0]["state"].values[0, 0] += 1.0  # group 1's second shard off by 1
+    record = judge_rollout([whole(ref)], [[whole(ref)]], ranks, BOUND, spatial_size=2)
+    assert record.first is not None and record.first.error == 1.0
+
+
+def test_a_member_of_another_shape_leaves_the_spread_unknown_from_that_step_on():
+    ref = rollout(2)
+    members = [[whole(v) for v in ref], [whole(ref[0]), whole(ref[1][:, :-1])]]
+    per_step = [shards(v) for v in ref]
+    ranks = [[step[r] for step in per_step] for r in range(RANKS)]
+    record = judge_rollout([whole(v) for v in ref], members, ranks, BOUND, spatial_size=RANKS)
+    assert [p.step for p in record.curve] == [0]  # step 1 unjudged, not judged by a floor
+    assert record.not_compared == [
+        "field 'state' from step 1 on: a nudged rerun of the reference was not finite "
+        "there, so the rounding spread is unknown"
+    ]
+
+
+def test_a_field_whose_coverage_broke_is_not_also_judged_by_value():
+    ref = rollout(1)
+    reference = [whole(v) for v in ref]
+    per_step = [shards(v) for v in ref]
+    per_step[0][1]["state"] = FieldRecord(
+        per_step[0][1]["state"].values[:, :-1] + 1.0, torch.arange(N // 2, N - 1), -1
+    )
+    ranks = [[step[r] for step in per_step] for r in range(RANKS)]
+    record = judge_rollout(reference, [reference], ranks, BOUND, spatial_size=RANKS)
+    assert [m.quantity for m in record.mismatches] == ["coverage"]
+    assert record.curve == [] and record.first is None
+
+
+def test_a_field_keyed_on_the_ranks_only_is_listed_as_not_compared():
+    keys = torch.arange(N)
+    keyed = FieldRecord(torch.zeros(N), None, 0, keys=keys[:, None])
+    reference = [{"tokens": FieldRecord(torch.zeros(N))}]
+    ranks = [[{"tokens": keyed}], [{"tokens": keyed}]]
+    record = judge_rollout(reference, [reference], ranks, BOUND, spatial_size=RANKS)
+    assert record.curve == [] and record.first is None
+    assert record.lines()[0].startswith("Not compared: field 'tokens' of the rollout is keyed")
+
+
+def test_the_divergent_steps_relative_error_is_over_the_fields_largest_value():
+    ref = rollout(2)  # step 1's values are all 2.0
+    record = judge(ref, spreads=[1e-6] * 2, errors=[0.0, 1e-3])
+    [m] = record.mismatches
+    assert m.max_abs == pytest.approx(1e-3) and m.max_rel == pytest.approx(1e-3 / 2.0)
+
+
+# ---------------------------------------------------------------------- the ensemble's nudge
+
+
+class Linear(SpatialCase):
+    """A float32 linear map: what bf16 autocast changes (a matmul), rolled out on one
+    process; every ``predict`` call records what it was given."""
+
+    dtype = torch.float32
+    calls: ClassVar[list[dict[str, object]]] = []
+
+    def build(self, topo):
+        return torch.nn.Linear(8, 8)
+
+    def batch(self, topo, step):
+        return {"x": torch.randn(64, 8)}
+
+    def forward(self, model, batch, topo):
+        out = model(batch["x"])
+        return Outputs(out.square().mean(), {"out": out})
+
+    def predict(self, model, batch, topo, steps):
+        Linear.calls.append(
+            {
+                "weight": model.weight.detach().clone(),
+                "x": batch["x"].clone(),
+                "autocast": torch.is_autocast_enabled("cpu"),
+            }
+        )
+        x, out = batch["x"], []
+        for _ in range(steps):
+            x = model(x)
+            out.append({"x": x})
+        return out
+
+
+def _moved(nudged, built):
+    """Each value's relative move, and the float32 unit it is counted in."""
+    return (nudged.double() / built.double() - 1).abs(), torch.finfo(torch.float32).eps
+
+
+def test_a_member_nudges_the_parameters_and_the_batch_each_by_a_few_units_of_its_dtype():
+    Linear.calls.clear()
+    run_prediction(Linear(), Topology.single(), 1, 0)
+    run_prediction(Linear(), Topology.single(), 1, 0, member=0)
+    built, member = Linear.calls
+    for name in ("weight", "x"):
+        moved, eps = _moved(member[name], built[name])
+        # every value moved by at least one unit of float32 (the dtype it is nudged in: a
+        # nudge sized by a finer dtype's eps rounds away), at most NUDGE_ULPS units and the
+        # rounding of the product to float32 (half a unit in the last place: <= eps relative)
+        assert float(moved.min()) >= eps / 2, name
+        assert float(moved.max()) <= (NUDGE_ULPS + 1) * eps, name
+        # up for some values, down for others: a random sign, not a scaling
+        up = member[name] > built[name]
+        assert 0 < int(up.sum()) < up.numel(), name
+
+
+def test_every_member_is_nudged_its_own_way():
+    Linear.calls.clear()
+    for j in range(3):
+        run_prediction(Linear(), Topology.single(), 1, 0, member=j)
+    for name in ("weight", "x"):
+        seen = [c[name] for c in Linear.calls]
+        assert not any(torch.equal(a, b) for i, a in enumerate(seen) for b in seen[i + 1 :])
+
+
+def test_predict_runs_under_the_autocast_asked_for_and_not_otherwise():
+    Linear.calls.clear()
+    plain = run_prediction(Linear(), Topology.single(), 2, 0)
+    amp = run_prediction(Linear(), Topology.single(), 2, 0, autocast=torch.bfloat16)
+    assert [c["autocast"] for c in Linear.calls] == [False, True]
+    assert plain[1]["x"].values.dtype == torch.float32
+    assert amp[1]["x"].values.dtype == torch.bfloat16  # the matmul ran at bf16
+
+
+class InProcess:
+    """A runner of one rank that runs the rank's function in this process (as torchrun's
+    runner does), its topology the single process's."""
+
+    world_size = 1
+    last_outputs: ClassVar[list[str]] = []
+
+    def run(self, fn, *args, timeout=None, **kwargs):
+        return [fn(*args, **kwargs)]
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    monkeypatch.setattr(Topology, "create", staticmethod(lambda *a, **k: Topology.single()))
+    return InProcess()
+
+
+def test_a_rollout_check_runs_distinct_members_and_the_ranks_all_under_its_autocast(in_process):
+    from harness.rollout import MEMBERS, check_rollout
+
+    Linear.calls.clear()
+    record = check_rollout(
+        Linear(),
+        in_process,
+        spatial_size=1,
+        steps=2,
+        seed=0,
+        bound=BOUND,
+        autocast=torch.bfloat16,
+    )
+    assert record.members == MEMBERS and record.autocast == "bfloat16"
+    # the reference, MEMBERS members and the one rank: all under autocast
+    assert [c["autocast"] for c in Linear.calls] == [True] * (MEMBERS + 2)
+    batches = [c["x"] for c in Linear.calls]
+    assert torch.equal(batches[0], batches[-1])  # the rank's batch is the reference's
+    members = batches[1:-1]
+    assert not any(torch.equal(a, batches[0]) for a in members)
+    assert not any(torch.equal(a, b) for i, a in enumerate(members) for b in members[i + 1 :])
+    assert record.first is None and not record.mismatches
+
+
+def test_predict_returning_more_steps_than_asked_or_an_empty_step_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"returned 4 step\(s\) for a rollout of 3; return one"):
+        run_prediction(TinyCase(steps_returned=4), Topology.single(), 3, 0)
+
+    class Empty(TinyCase):
+        def predict(self, model, batch, topo, steps):
+            return [{"x": batch["x"]}, {}]
+
+    with pytest.raises(ConfigError, match=r"step 1 of the rollout is an empty dict; give each"):
+        run_prediction(Empty(), Topology.single(), 2, 0)

@@ -243,3 +243,44 @@ def test_goldens_order_a_rollouts_tensors_by_step():
         "rollout/step16/x",
         "rollout/step128/x",
     )
+
+
+def test_each_stored_steps_bound_is_factor_times_its_spread_or_its_fields_floor():
+    from harness._rollout_record import RolloutPoint
+
+    # hand-made: field 'x' of scale 1000 where rounding moved nothing (step 0) and where it
+    # moved 1e-2 (step 1); a factor other than the check's, so it must come from the record.
+    # Changes are 0.9x and 1.2x a bound: far outside float32's rounding of ~1000 (6e-5)
+    reference = [{"x": FieldRecord(torch.full((3,), 1000.0 + k))} for k in range(2)]
+    samples = RolloutSamples.of(reference)
+    curve = [
+        RolloutPoint(0, "x", 0.0, 0.0, 0.0, 1000.0),
+        RolloutPoint(1, "x", 0.0, 1e-2, 0.0, 1001.0),
+    ]
+    record = SimpleNamespace(curve=curve, samples=samples, steps=2, factor=7.0, members=3)
+    bounds = rollout_bounds(record, F32)
+    floor = F32.atol + F32.rtol * 1000.0  # its relative term dominates: 1e-2 vs 3e-6
+    limit = 7.0 * 1e-2  # over step 1's floor (1.001e-2)
+    assert bounds["rollout/step0/x"].limit == pytest.approx(floor)
+    assert bounds["rollout/step1/x"].limit == pytest.approx(limit)
+    golden = dict(samples.tensors)
+    golden["rollout/step0/x"] = golden["rollout/step0/x"] + 0.9 * floor
+    golden["rollout/step1/x"] = golden["rollout/step1/x"] + 0.9 * limit
+    assert diff_tensors(samples.tensors, golden, F32, steps=bounds) == []
+    golden["rollout/step0/x"] = samples.tensors["rollout/step0/x"] + 1.2 * floor
+    golden["rollout/step1/x"] = samples.tensors["rollout/step1/x"] + 1.2 * limit
+    lines = diff_tensors(samples.tensors, golden, F32, steps=bounds)
+    assert [line.split(":")[0].strip() for line in lines] == ["rollout/step0/x", "rollout/step1/x"]
+    assert "7x the rounding spread 0.01 of 3 nudged reruns" in lines[1]
+
+
+def test_goldens_order_a_rollouts_tensors_by_step_then_field_after_the_rest():
+    names = [rollout_name(k, f) for k in (16, 2) for f in ("b", "a")] + ["w", "loss"]
+    assert GoldenChange.between(dict.fromkeys(names, torch.zeros(1)), None, F32).added == (
+        "loss",
+        "w",
+        "rollout/step2/a",
+        "rollout/step2/b",
+        "rollout/step16/a",
+        "rollout/step16/b",
+    )
