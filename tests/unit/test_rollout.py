@@ -489,11 +489,13 @@ def test_a_rollout_check_runs_distinct_members_and_the_ranks_all_under_its_autoc
         autocast=torch.bfloat16,
     )
     assert record.members == MEMBERS and record.autocast == "bfloat16"
-    # the reference, MEMBERS members and the one rank: all under autocast
-    assert [c["autocast"] for c in Linear.calls] == [True] * (MEMBERS + 2)
+    # the reference under autocast, then without it (bf16's own rounding, measured), then
+    # MEMBERS members and the one rank under autocast again
+    assert [c["autocast"] for c in Linear.calls] == [True, False] + [True] * (MEMBERS + 1)
     batches = [c["x"] for c in Linear.calls]
     assert torch.equal(batches[0], batches[-1])  # the rank's batch is the reference's
-    members = batches[1:-1]
+    assert torch.equal(batches[0], batches[1])  # the high-precision run's too
+    members = batches[2:-1]
     assert not any(torch.equal(a, batches[0]) for a in members)
     assert not any(torch.equal(a, b) for i, a in enumerate(members) for b in members[i + 1 :])
     assert record.first is None and not record.mismatches
