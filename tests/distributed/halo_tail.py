@@ -16,36 +16,16 @@ a few units of float32 rounding for ``tail = 3e-7`` — inside the fixed float32
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from harness import Outputs, Shard, SpatialCase, Topology, data_share
 from harness.collectives import reduce_loss, spatial_sum, sync_gradients
 from harness.partition import LatLonPartition
+from tests.distributed.stencil import GatherOver  # the same all-gather with summed backward
 
 NLAT, NLON, CHANNELS, BATCH = 24, 16, 3, 2
 FAULTS = ("halo-short",)
-
-
-class GatherRows(torch.autograd.Function):
-    """All-gather equal-shape tensors over a group (stacked on a new dim 0); backward: each
-    rank's gradient is the sum of every rank's gradient for its piece."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, index: int, size: int) -> torch.Tensor:
-        ctx.group, ctx.index = group, index
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.index], None, None, None
 
 
 def band(topo: Topology) -> slice:
@@ -68,7 +48,7 @@ class HaloTailModel(nn.Module):
         if self.h == 1:
             return torch.cat([zero, x, zero], dim=-2)
         edges = torch.cat([x[..., :2, :], x[..., -2:, :]], dim=-2)
-        every = GatherRows.apply(edges, self.topo.spatial_group, self.p, self.h)
+        every = GatherOver.apply(edges, self.topo.spatial_group, self.p, self.h)
         north = every[self.p - 1][..., 2:4, :] if self.p > 0 else zero
         south = every[self.p + 1][..., 0:2, :] if self.p < self.h - 1 else zero
         if self.fault == "halo-short":  # the bug: the row two beyond the edge is dropped
