@@ -101,6 +101,29 @@ def _same_place(a: Probed, b: Probed) -> bool:
     return (a.where, a.since, a.in_torch, a.counts) == (b.where, b.since, b.in_torch, b.counts)
 
 
+def idle_in_torch(
+    first: tuple[float, Probed], latest: tuple[float, Probed], since: float, window: float
+) -> bool:
+    """Is a rank the board shows running in fact blocked inside torch (DDP's reducer
+    waiting in an all-reduce it issued from C++)? ``first`` and ``latest``: the first and
+    the latest probe answer (with when it came) of its current streak in one place;
+    ``since``: when its board slot last changed.
+
+    Yes when the latest answer shows it inside torch, in the state the board still shows,
+    with counts to judge it by, the streak spans the whole ``window``, and it used less
+    than ``IDLE_CPU_SHARE`` of a core over the streak (a rank waiting on gloo's sockets
+    uses none; a rank computing, even starved on a loaded machine, far more).
+    """
+    (t1, a), (t2, b) = first, latest
+    return (
+        b.in_torch
+        and b.since == since
+        and b.counts is not None
+        and t2 - t1 >= window
+        and b.cpu - a.cpu <= IDLE_CPU_SHARE * (t2 - t1)
+    )
+
+
 class DeadlockWatch:
     """Gathers the evidence for ``harness._deadlock.decide`` while a run is under way.
 
@@ -177,15 +200,8 @@ class DeadlockWatch:
             counts = latest.counts if latest and latest.since == slot.since else None
             return RankView(r, Status.WAITING, op, slot.since - run.t0, counts)
         if slot.state == State.RUNNING and answers and answers.first and answers.latest:
-            (t1, a), (t2, b) = answers.first, answers.latest
-            idle = (
-                b.in_torch
-                and b.since == slot.since
-                and b.counts is not None
-                and t2 - t1 >= self.window
-                and b.cpu - a.cpu <= IDLE_CPU_SHARE * (t2 - t1)
-            )
-            if idle:
+            if idle_in_torch(answers.first, answers.latest, slot.since, self.window):
+                b = answers.latest[1]
                 return RankView(
                     r, Status.BLOCKED, since=slot.since - run.t0, counts=b.counts, where=b.where
                 )
