@@ -589,3 +589,35 @@ def test_torch_2_13s_single_names_match_the_names_they_replace():
     scatter = Op(Kind.COLLECTIVE, "0", "reduce_scatter_single", 1, numel=2)
     assert compatible(scatter, Op(Kind.COLLECTIVE, "0", "reduce_scatter_tensor", 1, numel=2))
     assert not compatible(scatter, single)
+
+
+@pytest.mark.parametrize(
+    ("op", "same_size"),
+    [
+        ("all_reduce", True),
+        ("broadcast", True),
+        ("reduce", True),
+        ("all_gather_into_tensor", True),
+        ("all_gather_single", True),  # torch 2.13's name of the one above
+        ("reduce_scatter_tensor", True),
+        ("all_to_all_single", False),  # uneven split sizes are legitimate
+        ("gather", False),
+        ("scatter", False),
+    ],
+)
+def test_collectives_whose_members_pass_one_size_pair_only_at_equal_sizes(op, same_size):
+    three = Op(Kind.COLLECTIVE, "0", op, 1, numel=3, dtype="float32")
+    assert compatible(three, Op(Kind.COLLECTIVE, "0", op, 1, numel=3, dtype="float32"))
+    assert compatible(three, Op(Kind.COLLECTIVE, "0", op, 1, numel=4, dtype="float32")) is (
+        not same_size
+    )
+
+
+def test_a_broadcast_of_three_elements_against_one_of_four_is_a_proven_mismatch():
+    def bcast(numel: int) -> Op:
+        return Op(Kind.COLLECTIVE, "0", "broadcast", 1, numel=numel, dtype="float32")
+
+    views = [waiting(0, bcast(3)), *[waiting(r, bcast(4)) for r in (1, 2, 3)]]
+    verdict = decide(views, W)
+    assert verdict is not None and verdict.kind == "mismatch" and verdict.ranks == [0, 1, 2, 3]
+    assert decide([waiting(r, bcast(4)) for r in range(4)], W) is None  # the control
