@@ -80,6 +80,16 @@ def test_only_errors_within_float32_roundings_window_are_called_float32_rounding
     assert bool(precision_hint(e * (1 + relative), e, 1e-12, seen)) is hint
 
 
+def test_entries_under_the_absolute_tolerance_do_not_count_against_the_precision_hint():
+    # a value near zero has no meaningful relative error: only entries over atol are judged
+    e = torch.linspace(1, 2, 50, dtype=F64)
+    e[0] = 1e-14
+    a = e * (1 + 1e-7)
+    a[0] = 3e-14  # 200 % off, but 2e-14 below atol
+    seen = "an all_reduce at m.py:4 ran in float32"
+    assert precision_hint(a, e, 1e-12, seen).startswith("relative errors of 1e-07")
+
+
 def test_boundary_errors_are_a_halo_only_beyond_chance():
     owners = torch.arange(4).repeat_interleave(16)  # 4 blocks of 16 on a line: 6 of 64 border
     error = torch.zeros(64, dtype=F64)

@@ -170,3 +170,39 @@ def test_a_wait_with_a_timeout_is_announced_bounded_and_no_proof_rests_on_it(
     assert work.seen == [bounded]
     assert board.read(0).state == State.RUNNING  # the wait is over
     assert tracker.unwaited() == []
+
+
+def test_only_the_recent_collectives_are_kept_for_a_crash_report_to_compare():
+    # a long run issues many thousands: each rank keeps the last 64 per group
+    group = Counted()
+    tracker = _tracker(group, "0", (0, 1))
+    for _ in range(100):
+        group.seq += 1
+        tracker.note(group, "allreduce", ([torch.ones(2)],), {}, None, "all_reduce")
+    assert sorted(i for _, i in tracker.issued) == list(range(37, 101))
+
+
+def test_a_blocking_barrier_is_one_collective_numbered_as_it_runs(tmp_path, monkeypatch):
+    # gloo's monitored_barrier waits inside the call, and torch counts its sends and
+    # receives from C++: on the board it is collective #1 while it runs, and after it the
+    # next collective is #2 on every member, however many operations torch counted
+    board = Board(str(tmp_path / "board"), 1, create=True)
+    group = Counted()
+    tracker = _tracker(group, "0", (0, 1, 2))
+    tracker.board = Writer(board, 0)
+    tracker.board.begin(1, 0.0)
+    monkeypatch.setattr(_intercept, "TRACKER", tracker)
+    during: list[tuple[str, int, State]] = []
+
+    def monitored_barrier(pg: Counted, *args: object) -> None:
+        slot = board.read(0)
+        during.append((slot.op, slot.index, slot.state))
+        pg.seq += 4  # the group's first rank: a send and a receive per other member
+
+    barrier = _intercept._operation("monitored_barrier", monitored_barrier)
+    assert barrier(group) is None
+    assert during == [("monitored_barrier", 1, State.WAITING)]
+    assert board.read(0).state == State.RUNNING
+    group.seq += 1
+    op = tracker.note(group, "allreduce", ([torch.ones(2)],), {}, None, "all_reduce")
+    assert op is not None and op.index == 2

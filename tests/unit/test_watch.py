@@ -50,17 +50,17 @@ def streak(seconds: float, cpu_used: float, **latest: Any) -> tuple[tuple[float,
     ("share", "idle"),
     [
         (0.0, True),  # waiting on gloo's sockets: no CPU at all
+        (0.03, True),  # waiting, while its probe thread answered and Python ticked
         (0.9 * IDLE_CPU_SHARE, True),  # just under the threshold
         (1.1 * IDLE_CPU_SHARE, False),  # just over it
         (0.1, False),  # computing, starved to a tenth of a core by a loaded machine
         (0.45, False),  # computing at under half a core
     ],
-    ids=["none", "just-under", "just-over", "tenth-of-a-core", "under-half-a-core"],
+    ids=["none", "three-percent", "just-under", "just-over", "tenth-of-a-core", "under-half-a-core"],
 )
 def test_a_rank_is_idle_in_torch_only_while_it_uses_under_a_twentieth_of_a_core(share, idle):
     # the threshold is the rule: a rank computing slowly on a loaded machine must never be
     # taken for one waiting (it would be named deadlocked while it works)
-    assert IDLE_CPU_SHARE == 0.05
     seconds = 4.0
     assert idle_in_torch(*streak(seconds, share * seconds), since=5.0, window=WINDOW) is idle
 
@@ -245,3 +245,62 @@ def test_a_board_slot_of_an_earlier_run_counts_as_not_started(tmp_path):
     pens[0].begin(0, time.monotonic())  # still showing the run before
     _waits_in_all_reduce(pens[0], run.t0)
     assert run.watch.views(run)[0][0].status == Status.RUNNING
+
+
+# ---------------------------------------------------------------- whom the watch probes
+
+
+def _probes(run: Run) -> list[Any]:
+    """Pipes in place of the ranks' probe threads; the ends the ranks would read."""
+    import multiprocessing
+
+    ends = [multiprocessing.Pipe() for _ in range(run.n)]
+    run.ranks.probes = [parent for parent, _ in ends]
+    return [child for _, child in ends]
+
+
+def _asked(ends: list[Any]) -> list[int]:
+    asked = []
+    for r, end in enumerate(ends):
+        while end.poll():
+            end.recv_bytes()
+            asked.append(r)
+    return asked
+
+
+def test_a_quiet_running_rank_is_probed_only_once_another_rank_finished(tmp_path):
+    # while every rank runs, none can be waiting for a finished one: probing costs the
+    # ranks CPU for nothing
+    run, pens = _run(tmp_path, 3)
+    ends = _probes(run)
+    quiet = time.monotonic() - 1.0  # quiet for a second: longer than PROBE_AFTER
+    for pen in pens:
+        pen.begin(1, quiet)
+    assert run.watch.check(run, 0.3) is None
+    assert _asked(ends) == []
+    _returned_without_it(run, 2)
+    assert run.watch.check(run, 0.5) is None
+    assert _asked(ends) == [0, 1]
+
+
+def test_waiting_ranks_are_probed_only_when_several_wait_long(tmp_path):
+    # a lone waiting rank's counts prove nothing more; several waiting ranks' counts may
+    # show they wait in different collectives
+    run, pens = _run(tmp_path, 3)
+    ends = _probes(run)
+    long_ago = time.monotonic() - 2 * WINDOW
+    _waits_in_all_reduce(pens[0], long_ago)
+    assert run.watch.check(run, 0.3) is None
+    assert _asked(ends) == []
+    _waits_in_all_reduce(pens[1], long_ago)
+    assert run.watch.check(run, 0.5) is None  # both in all_reduce #1: in progress
+    assert _asked(ends) == [0, 1]
+
+
+def test_a_rank_that_died_is_seen_dead_and_one_that_returned_returned(tmp_path):
+    run, _ = _run(tmp_path, 3)
+    _returned_without_it(run, 1)
+    run.pending.discard(2)
+    run.dead.add(2)
+    statuses = [v.status for v in run.watch.views(run)[0]]
+    assert statuses == [Status.RUNNING, Status.RETURNED, Status.DEAD]
