@@ -75,13 +75,11 @@ class Pool:
 
 
 @pytest.mark.parametrize("where", ["reference", "ranks"])
-def test_a_model_that_breaks_under_the_backward_hooks_is_located_forward_only(
-    monkeypatch, where
-):
+def test_a_model_that_breaks_under_the_backward_hooks_is_located_forward_only(monkeypatch, where):
     e = torch.linspace(1, 2, 8, dtype=F64)
     reruns: list[tuple[bool, bool]] = []
 
-    def traced(case, topo, step, lr, seed, nudge, backward, reference_init=None):  # noqa: ANN001
+    def traced(case, topo, step, lr, seed, nudge, backward, reference_init=None):
         reruns.append((nudge, backward))
         if backward and where == "reference":
             raise RuntimeError("a view modified inplace")
@@ -109,4 +107,7 @@ def test_a_model_that_breaks_under_every_hook_is_not_located_and_says_why(monkey
     found = _locate.locate(None, Pool(Trace(0), breaks=False), spatial_size=2, step=0, lr=0.1,
                            seed=0)  # type: ignore[arg-type]  # fmt: skip
     assert found.first is None
-    assert found.problem == "the hooked rerun of the reference raised RuntimeError('a view modified inplace')"
+    assert (
+        found.problem
+        == "the hooked rerun of the reference raised RuntimeError('a view modified inplace')"
+    )

@@ -56,7 +56,14 @@ def streak(seconds: float, cpu_used: float, **latest: Any) -> tuple[tuple[float,
         (0.1, False),  # computing, starved to a tenth of a core by a loaded machine
         (0.45, False),  # computing at under half a core
     ],
-    ids=["none", "three-percent", "just-under", "just-over", "tenth-of-a-core", "under-half-a-core"],
+    ids=[
+        "none",
+        "three-percent",
+        "just-under",
+        "just-over",
+        "tenth-of-a-core",
+        "under-half-a-core",
+    ],
 )
 def test_a_rank_is_idle_in_torch_only_while_it_uses_under_a_twentieth_of_a_core(share, idle):
     # the threshold is the rule: a rank computing slowly on a loaded machine must never be
@@ -70,9 +77,7 @@ def test_a_rank_is_idle_in_torch_only_while_it_uses_under_a_twentieth_of_a_core(
     [(0.0, False), (0.5 * WINDOW, False), (0.99 * WINDOW, False), (WINDOW, True)],
     ids=["one-answer", "half-the-window", "just-short", "the-window"],
 )
-def test_a_rank_is_idle_in_torch_only_once_its_quiet_answers_span_the_whole_window(
-    seconds, idle
-):
+def test_a_rank_is_idle_in_torch_only_once_its_quiet_answers_span_the_whole_window(seconds, idle):
     # one quiet answer (or a few close together) is a rank caught between two calls
     assert idle_in_torch(*streak(seconds, 0.0), since=5.0, window=WINDOW) is idle
 
