@@ -256,7 +256,7 @@ def _skipped_here(run: RunState, rank: int) -> str:
     slot = run.ranks.board.read(rank)
     wait = _slot_op(slot) if slot.run_id == run.run_id else None
     if wait is None or wait.kind != deadlock.Kind.COLLECTIVE:
-        return ""
+        return "" if slot.waiting else _skipped_unseen(run, rank)
     deadline = time.monotonic() + _REPORT_GRACE
     for r in slot.members:  # a member between issuing and waiting, or returning: let it say
         while r not in run.returned_at and r not in run.dead and time.monotonic() < deadline:
@@ -264,20 +264,48 @@ def _skipped_here(run: RunState, rank: int) -> str:
             if theirs.run_id == run.run_id and theirs.kind and theirs.state != State.RETURNED:
                 break
             run.poll([r], 0.1)
-    members = []
-    for r in slot.members:
+    found = deadlock.skipped_by(rank, wait, _member_views(run, slot.members))
+    if not found:
+        return "" if slot.waiting else _skipped_unseen(run, rank)
+    return f"; it died waiting in {wait.describe()}; " + "; ".join(text for _, text in found)
+
+
+def _member_views(run: RunState, members: Iterable[int]) -> list[RankView]:
+    """Each member as the board and the reports show it: a returned one with its counts, a
+    waiting one with its wait, a running one with the collective it last waited on."""
+    views = []
+    for r in members:
         report = run.reports.get(r)
         if r in run.returned_at and report is not None:
-            members.append(RankView(r, Status.RETURNED, counts=report.counts))
+            views.append(RankView(r, Status.RETURNED, counts=report.counts))
         else:
             theirs = run.ranks.board.read(r)
             op = _slot_op(theirs) if theirs.run_id == run.run_id else None
             status = Status.WAITING if theirs.waiting else Status.RUNNING  # RUNNING: did it
-            members.append(RankView(r, status, wait=op))
-    found = deadlock.skipped_by(rank, wait, members)
-    if not found:
-        return ""
-    return f"; it died waiting in {wait.describe()}; " + "; ".join(text for _, text in found)
+            views.append(RankView(r, status, wait=op))
+    return views
+
+
+def _skipped_unseen(run: RunState, rank: int) -> str:
+    """``rank`` died before its slot showed the wait gloo aborted (gloo can abort a rank
+    between issuing and waiting): the other members' waits still show who is out of step
+    where all of them but one wait in one collective and that one in another there."""
+    for r in range(run.n):
+        theirs = run.ranks.board.read(r)
+        if r == rank or theirs.run_id != run.run_id or not theirs.waiting:
+            continue
+        wait = _slot_op(theirs)
+        if wait is None or wait.kind != deadlock.Kind.COLLECTIVE or rank not in theirs.members:
+            continue
+        others = _member_views(run, [m for m in theirs.members if m != rank])
+        found = deadlock.skipped_by(r, wait, others)
+        with_evidence = [v for v in others if v.wait is not None or v.counts is not None]
+        if len(found) == 1 and len(with_evidence) >= 3:
+            return (
+                "; it died before its board showed the collective it waited in; rank "
+                f"{r} waits in {wait.describe()}; {found[0][1]}"
+            )
+    return ""
 
 
 def _slot_op(slot: Slot) -> Op | None:

@@ -19,7 +19,7 @@ from harness._board import Board, State, Writer, members_bits
 from harness._deadlock import Counts, Kind, Op, Status
 from harness._events import Probed, Report
 from harness._run import Run, needs_fence
-from harness._watch import IDLE_CPU_SHARE, _Answers, idle_in_torch
+from harness._watch import IDLE_CPU_SHARE, _Answers, _skipped_here, idle_in_torch
 
 WINDOW = 2.0
 COUNTS = Counts(collectives={"0": 1})
@@ -309,3 +309,34 @@ def test_a_rank_that_died_is_seen_dead_and_one_that_returned_returned(tmp_path):
     run.dead.add(2)
     statuses = [v.status for v in run.watch.views(run)[0]]
     assert statuses == [Status.RUNNING, Status.RETURNED, Status.DEAD]
+
+
+# ---------------------------------------------------------------- a collective gloo aborted
+
+
+def _waits_in(pen: Writer, numel: int, site: str) -> None:
+    pen.enter(time.monotonic(), kind=int(Kind.COLLECTIVE), index=1, peer=None, tag=0,
+              numel=numel, bounded=False, members=members_bits((0, 1, 2, 3)), group="0",
+              op="all_to_all_single", dtype="float32", site=site)  # fmt: skip
+
+
+def test_a_rank_gloo_aborted_before_its_board_showed_the_wait_still_names_the_skipper(
+    tmp_path,
+):
+    # issue #36: gloo may abort a victim between issuing and waiting; its slot shows no
+    # wait, but the others' do: ranks 2 and 3 wait in #1 as the transpose, rank 1 (which
+    # skipped it) in #1 as the transpose back
+    run, pens = _run(tmp_path, 4)
+    _waits_in(pens[1], 16, "m.py:8 in back")
+    _waits_in(pens[2], 8, "m.py:7 in there")
+    _waits_in(pens[3], 8, "m.py:7 in there")
+    run.pending.discard(0)
+    run.dead.add(0)
+    text = _skipped_here(run, 0)
+    assert text.startswith("; it died before its board showed the collective it waited in; ")
+    assert "all_to_all_single 8 elements float32 at m.py:7 in there" in text  # the others'
+    assert text.endswith("(rank 1 skipped one, or added one, before it)")
+    assert not any(f"(rank {r} skipped" in text for r in (0, 2, 3))
+    # one waiting peer against one other is no proof of which of them is out of step
+    pens[3].begin(1, time.monotonic())  # rank 3 shows nothing this run
+    assert _skipped_here(run, 0) == ""
