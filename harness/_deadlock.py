@@ -409,7 +409,8 @@ def skipped_by(rank: int, wait: Op, members: Sequence[RankView]) -> list[tuple[i
     Members with no evidence are left out."""
     if wait.kind != Kind.COLLECTIVE:
         return []
-    found = []
+    found: list[tuple[int, str]] = []
+    others: list[tuple[int, Op]] = []  # members that did (or wait in) another collective there
     for v in members:
         if v.rank == rank:
             continue
@@ -434,6 +435,7 @@ def skipped_by(rank: int, wait: Op, members: Sequence[RankView]) -> list[tuple[i
         other_line = bool(theirs.site and wait.site and theirs.site != wait.site)
         if compatible(wait, theirs) and not other_line:
             continue
+        others.append((v.rank, theirs))
         where = f" at {theirs.site}" if theirs.site else ""
         doing = "was in" if v.status == Status.WAITING else "did"
         found.append(
@@ -444,7 +446,30 @@ def skipped_by(rank: int, wait: Op, members: Sequence[RankView]) -> list[tuple[i
                 f"(rank {v.rank} skipped one, or added one, before it)",
             )
         )
-    return found
+    return _odd_one_out(rank, wait, others, len(members)) or found
+
+
+def _odd_one_out(
+    rank: int, wait: Op, others: Sequence[tuple[int, Op]], n_members: int
+) -> list[tuple[int, str]]:
+    """When every other member of the group did one and the same collective there, and
+    ``rank`` another, ``rank`` is the one that skipped or added one: gloo aborts whichever
+    side reads the other's data first, often the rank that skipped (an empty rank returning
+    early, then making the group's next collective). ``[]`` unless that is proven."""
+    if len(others) < 2 or len(others) != n_members - 1:
+        return []
+    first = others[0][1]
+    if any(not compatible(first, op) or op.site != first.site for _, op in others[1:]):
+        return []
+    where = f" at {first.site}" if first.site else ""
+    ranks = ", ".join(str(r) for r, _ in others)
+    return [
+        (
+            rank,
+            f"rank {rank} is the odd one out: ranks {ranks} all did that collective as "
+            f"{first.shape_text()}{where} (rank {rank} skipped one, or added one, before it)",
+        )
+    ]
 
 
 # ---------------------------------------------------------------------- after the run

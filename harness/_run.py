@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -362,7 +362,7 @@ def prove_clean(run: Run) -> list[Any]:
     # proves it: one fence collective with the run id. It runs while the caller goes on;
     # its answers are read before the next run starts (``Run.verified``) and decide only
     # whether that run may reuse the groups.
-    verify = keep and (not run.reused or any(rep is None or rep.unseen != 0 for rep in reports))
+    verify = needs_fence(keep=keep, reused=run.reused, reports=reports)
     if not keep and run.in_flight(seen=False):
         # groups out of step with operations nobody saw complete: tearing them down could
         # wait in one of those (see ``Run.end_failed``); the next run gets fresh ranks
@@ -374,6 +374,18 @@ def prove_clean(run: Run) -> list[Any]:
     run.unwaited = [(r, op) for r, rep in enumerate(reports) if rep for op in rep.unwaited]
     run.attach_outputs()
     return [run.results[r] for r in everyone]
+
+
+def needs_fence(*, keep: bool, reused: bool, reports: Sequence[Report | None]) -> bool:
+    """Must one fence collective prove kept groups in step before the next run reuses them?
+
+    The counts alone prove them where every operation was seen one by one on groups the run
+    before already proved: no fence then. Groups new this run, a rank that sent no report,
+    or collectives torch counted that the harness did not see (``Report.unseen``: issued
+    from C++, DDP's reducer; ``-1``: not known) need the second witness. Groups not kept are
+    torn down: nothing to prove.
+    """
+    return keep and (not reused or any(rep is None or rep.unseen != 0 for rep in reports))
 
 
 def _step_of(phase: str) -> int | None:

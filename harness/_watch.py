@@ -101,6 +101,29 @@ def _same_place(a: Probed, b: Probed) -> bool:
     return (a.where, a.since, a.in_torch, a.counts) == (b.where, b.since, b.in_torch, b.counts)
 
 
+def idle_in_torch(
+    first: tuple[float, Probed], latest: tuple[float, Probed], since: float, window: float
+) -> bool:
+    """Is a rank the board shows running in fact blocked inside torch (DDP's reducer
+    waiting in an all-reduce it issued from C++)? ``first`` and ``latest``: the first and
+    the latest probe answer (with when it came) of its current streak in one place;
+    ``since``: when its board slot last changed.
+
+    Yes when the latest answer shows it inside torch, in the state the board still shows,
+    with counts to judge it by, the streak spans the whole ``window``, and it used less
+    than ``IDLE_CPU_SHARE`` of a core over the streak (a rank waiting on gloo's sockets
+    uses none; a rank computing, even starved on a loaded machine, far more).
+    """
+    (t1, a), (t2, b) = first, latest
+    return (
+        b.in_torch
+        and b.since == since
+        and b.counts is not None
+        and t2 - t1 >= window
+        and b.cpu - a.cpu <= IDLE_CPU_SHARE * (t2 - t1)
+    )
+
+
 class DeadlockWatch:
     """Gathers the evidence for ``harness._deadlock.decide`` while a run is under way.
 
@@ -177,15 +200,8 @@ class DeadlockWatch:
             counts = latest.counts if latest and latest.since == slot.since else None
             return RankView(r, Status.WAITING, op, slot.since - run.t0, counts)
         if slot.state == State.RUNNING and answers and answers.first and answers.latest:
-            (t1, a), (t2, b) = answers.first, answers.latest
-            idle = (
-                b.in_torch
-                and b.since == slot.since
-                and b.counts is not None
-                and t2 - t1 >= self.window
-                and b.cpu - a.cpu <= IDLE_CPU_SHARE * (t2 - t1)
-            )
-            if idle:
+            if idle_in_torch(answers.first, answers.latest, slot.since, self.window):
+                b = answers.latest[1]
                 return RankView(
                     r, Status.BLOCKED, since=slot.since - run.t0, counts=b.counts, where=b.where
                 )
@@ -240,7 +256,7 @@ def _skipped_here(run: RunState, rank: int) -> str:
     slot = run.ranks.board.read(rank)
     wait = _slot_op(slot) if slot.run_id == run.run_id else None
     if wait is None or wait.kind != deadlock.Kind.COLLECTIVE:
-        return ""
+        return "" if slot.waiting else _skipped_unseen(run, rank)
     deadline = time.monotonic() + _REPORT_GRACE
     for r in slot.members:  # a member between issuing and waiting, or returning: let it say
         while r not in run.returned_at and r not in run.dead and time.monotonic() < deadline:
@@ -248,20 +264,48 @@ def _skipped_here(run: RunState, rank: int) -> str:
             if theirs.run_id == run.run_id and theirs.kind and theirs.state != State.RETURNED:
                 break
             run.poll([r], 0.1)
-    members = []
-    for r in slot.members:
+    found = deadlock.skipped_by(rank, wait, _member_views(run, slot.members))
+    if not found:
+        return "" if slot.waiting else _skipped_unseen(run, rank)
+    return f"; it died waiting in {wait.describe()}; " + "; ".join(text for _, text in found)
+
+
+def _member_views(run: RunState, members: Iterable[int]) -> list[RankView]:
+    """Each member as the board and the reports show it: a returned one with its counts, a
+    waiting one with its wait, a running one with the collective it last waited on."""
+    views = []
+    for r in members:
         report = run.reports.get(r)
         if r in run.returned_at and report is not None:
-            members.append(RankView(r, Status.RETURNED, counts=report.counts))
+            views.append(RankView(r, Status.RETURNED, counts=report.counts))
         else:
             theirs = run.ranks.board.read(r)
             op = _slot_op(theirs) if theirs.run_id == run.run_id else None
             status = Status.WAITING if theirs.waiting else Status.RUNNING  # RUNNING: did it
-            members.append(RankView(r, status, wait=op))
-    found = deadlock.skipped_by(rank, wait, members)
-    if not found:
-        return ""
-    return f"; it died waiting in {wait.describe()}; " + "; ".join(text for _, text in found)
+            views.append(RankView(r, status, wait=op))
+    return views
+
+
+def _skipped_unseen(run: RunState, rank: int) -> str:
+    """``rank`` died before its slot showed the wait gloo aborted (gloo can abort a rank
+    between issuing and waiting): the other members' waits still show who is out of step
+    where all of them but one wait in one collective and that one in another there."""
+    for r in range(run.n):
+        theirs = run.ranks.board.read(r)
+        if r == rank or theirs.run_id != run.run_id or not theirs.waiting:
+            continue
+        wait = _slot_op(theirs)
+        if wait is None or wait.kind != deadlock.Kind.COLLECTIVE or rank not in theirs.members:
+            continue
+        others = _member_views(run, [m for m in theirs.members if m != rank])
+        found = deadlock.skipped_by(r, wait, others)
+        with_evidence = [v for v in others if v.wait is not None or v.counts is not None]
+        if len(found) == 1 and len(with_evidence) >= 3:
+            return (
+                "; it died before its board showed the collective it waited in; rank "
+                f"{r} waits in {wait.describe()}; {found[0][1]}"
+            )
+    return ""
 
 
 def _slot_op(slot: Slot) -> Op | None:

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankDeadlock, RankPending, RankPool, RankTimeout, UnwaitedWork
+from harness import RankDeadlock, RankFailure, RankPending, RankPool, RankTimeout, UnwaitedWork
 from harness.pool import DEADLOCK_WINDOW
 
 LATE = 2 * DEADLOCK_WINDOW + 1.0  # longer than the window, with room: the point of each test
@@ -72,6 +72,12 @@ def opposite_orders_on_two_groups() -> None:
     elif dist.get_rank() == 1:
         dist.all_reduce(torch.ones(1), group=b)
         dist.all_reduce(torch.ones(1), group=a)
+
+
+def empty_rank_skips_then_goes_on() -> None:
+    if dist.get_rank() != 3:  # rank 3 owns nothing: it returns early past the reduction
+        dist.all_reduce(torch.ones(100))
+    dist.all_reduce(torch.ones(1))  # the next collective every rank makes (a loss)
 
 
 def _deadlock(spatial, fn) -> RankDeadlock:
@@ -318,3 +324,15 @@ def test_only_truly_unmatched_work_is_pending(spatial):
     with pytest.raises(RankPending) as info:
         spatial.run(unmatched_isend)
     assert info.value.problems[0].summary.endswith("can never complete: rank 1 never received it")
+
+
+@pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
+def test_a_rank_that_skipped_a_collective_gloo_aborted_is_named_whichever_rank_died(spatial):
+    # gloo aborts whichever side reads the other's data first (here nearly always rank 3,
+    # the one that skipped); the report names rank 3 either way, and no innocent rank
+    with pytest.raises(RankFailure) as info:
+        spatial.run(empty_rank_skips_then_goes_on, timeout=100)
+    text = str(info.value)
+    assert "(rank 3 skipped one, or added one, before it)" in text, text
+    assert not any(f"(rank {r} skipped one" in text for r in (0, 1, 2)), text

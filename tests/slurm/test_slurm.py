@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from harness._slurm import slurm_hostnames
+from harness._slurm import PORT_BASE, PORT_SPAN, slurm_hostnames, slurm_port
 
 # Each test starts pytest on four tasks itself; under torchrun/srun it would run once per rank.
 pytestmark = pytest.mark.spatial_pool
@@ -354,3 +354,13 @@ def test_host_lists_expand_as_scontrol_expands_them(slurm, nodelist):
     proc = slurm.slurm(["scontrol", "show", "hostnames", nodelist])
     assert proc.returncode == 0, proc.stderr
     assert slurm_hostnames(nodelist) == proc.stdout.split()
+
+
+@pytest.mark.parametrize("job", [1, 999, 4242999, 10**9 - 1])
+def test_every_derived_port_lies_in_its_span_and_steps_of_one_job_get_their_own(job):
+    # No Slurm needed: the port rule alone. A step id added after the modulo would push
+    # job 999's step 12 to 25002, past the span and into what other programs may hold.
+    ports = [slurm_port(job, step) for step in range(40)]
+    assert all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in ports)
+    assert len(set(ports[:10])) == 10  # steps 0-9 of one job never share a port
+    assert slurm_port(job, 0) != slurm_port(job + 1, 0)  # the next job starts elsewhere

@@ -6,6 +6,8 @@ import multiprocessing
 from typing import Any
 
 from harness._board import Board, Slot, State, Writer, members_bits
+from harness._deadlock import ANY_SOURCE
+from harness._watch import _slot_op
 
 
 def test_a_slot_reads_back_what_its_rank_wrote(tmp_path):
@@ -107,3 +109,19 @@ def test_a_reader_never_sees_half_of_one_write_and_half_of_another(tmp_path):
         writer.join(10)
     assert len(seen) >= 5_000, "the writer died"
     assert torn == 0
+
+
+def test_a_receive_from_any_source_reads_back_as_any_source_never_as_no_peer(tmp_path):
+    board = Board(str(tmp_path / "board"), 1, create=True)
+    pen = Writer(board, 0)
+    pen.begin(1, 0.0)
+    wait = dict(kind=3, index=1, tag=5, numel=2, bounded=False, members=members_bits((0, 1)),
+                group="0", op="recv", dtype="float32", site="m.py:3 in f")  # fmt: skip
+    pen.enter(1.0, peer=ANY_SOURCE, **wait)  # type: ignore[arg-type]
+    assert board.read(0).peer == ANY_SOURCE
+    op = _slot_op(board.read(0))
+    assert op is not None and op.describe().startswith("recv from any rank (tag 5, #1)")
+    pen.enter(2.0, peer=None, **wait)  # type: ignore[arg-type]  # a collective: no peer
+    assert board.read(0).peer is None
+    pen.enter(3.0, peer=0, **wait)  # type: ignore[arg-type]  # rank 0 is a peer, not "none"
+    assert board.read(0).peer == 0

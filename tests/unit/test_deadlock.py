@@ -589,3 +589,62 @@ def test_torch_2_13s_single_names_match_the_names_they_replace():
     scatter = Op(Kind.COLLECTIVE, "0", "reduce_scatter_single", 1, numel=2)
     assert compatible(scatter, Op(Kind.COLLECTIVE, "0", "reduce_scatter_tensor", 1, numel=2))
     assert not compatible(scatter, single)
+
+
+@pytest.mark.parametrize(
+    ("op", "same_size"),
+    [
+        ("all_reduce", True),
+        ("broadcast", True),
+        ("reduce", True),
+        ("all_gather_into_tensor", True),
+        ("all_gather_single", True),  # torch 2.13's name of the one above
+        ("reduce_scatter_tensor", True),
+        ("all_to_all_single", False),  # uneven split sizes are legitimate
+        ("gather", False),
+        ("scatter", False),
+    ],
+)
+def test_collectives_whose_members_pass_one_size_pair_only_at_equal_sizes(op, same_size):
+    three = Op(Kind.COLLECTIVE, "0", op, 1, numel=3, dtype="float32")
+    assert compatible(three, Op(Kind.COLLECTIVE, "0", op, 1, numel=3, dtype="float32"))
+    assert compatible(three, Op(Kind.COLLECTIVE, "0", op, 1, numel=4, dtype="float32")) is (
+        not same_size
+    )
+
+
+def test_a_broadcast_of_three_elements_against_one_of_four_is_a_proven_mismatch():
+    def bcast(numel: int) -> Op:
+        return Op(Kind.COLLECTIVE, "0", "broadcast", 1, numel=numel, dtype="float32")
+
+    views = [waiting(0, bcast(3)), *[waiting(r, bcast(4)) for r in (1, 2, 3)]]
+    verdict = decide(views, W)
+    assert verdict is not None and verdict.kind == "mismatch" and verdict.ranks == [0, 1, 2, 3]
+    assert decide([waiting(r, bcast(4)) for r in range(4)], W) is None  # the control
+
+
+def test_a_dead_rank_every_other_member_disagrees_with_alike_is_the_one_that_skipped():
+    # an empty rank returned early past all_reduce #1 and made the next one; gloo aborted
+    # it when the others' data came: they agree, it is the odd one out (issue #36)
+    skipped = Op(Kind.COLLECTIVE, "0", "all_reduce", 1, numel=100, site="m.py:6 in f")
+    own = Op(Kind.COLLECTIVE, "0", "all_reduce", 1, numel=1, site="m.py:7 in f")
+    members = [
+        RankView(0, Status.RUNNING, wait=skipped),  # its wait ended (gloo failed it): did it
+        RankView(1, Status.WAITING, wait=skipped),
+        RankView(2, Status.WAITING, wait=skipped),
+        RankView(3, Status.DEAD, wait=own),
+    ]
+    assert skipped_by(3, own, members) == [
+        (
+            3,
+            "rank 3 is the odd one out: ranks 0, 1, 2 all did that collective as all_reduce 100 "
+            "elements at m.py:6 in f (rank 3 skipped one, or added one, before it)",
+        )
+    ]
+    # one member without evidence, or two that disagree among themselves: no proof of who
+    assert [
+        r for r, _ in skipped_by(3, own, [*members[:2], RankView(2, Status.RUNNING), members[3]])
+    ] == [0, 1]
+    other = Op(Kind.COLLECTIVE, "0", "all_reduce", 1, numel=100, site="m.py:9 in g")
+    mixed = [*members[:2], RankView(2, Status.WAITING, wait=other), members[3]]
+    assert [r for r, _ in skipped_by(3, own, mixed)] == [0, 1, 2]

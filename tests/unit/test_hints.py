@@ -6,6 +6,7 @@ The distributed side (a team's band model with each bug) is in
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from harness import Outputs, SpatialCase, Topology
@@ -60,6 +61,33 @@ def test_float32_seen_with_errors_larger_than_float32_rounding_is_no_precision_h
     assert precision_hint(e * (1 + 1e-7), e, 1e-12, seen).startswith("relative errors of 1e-07")
     assert precision_hint(e * (1 + 1e-3), e, 1e-12, seen) == ""  # a logic bug's size
     assert precision_hint(e * (1 + 1e-7), e, 1e-12) == ""  # no float32 seen
+
+
+@pytest.mark.parametrize(
+    ("relative", "hint"),
+    [
+        (1e-10, False),  # under 1e-3 float32 epsilons (1.2e-10): float64's own reordering
+        (1.5e-10, True),
+        (1e-5, True),
+        (1.5e-5, False),  # over 100 float32 epsilons (1.2e-5): more than rounding does
+        (1e-4, False),  # a small logic bug (a parameter after one small step)
+    ],
+)
+def test_only_errors_within_float32_roundings_window_are_called_float32_rounding(relative, hint):
+    # the window is the rule: each side has a case just inside and just outside it
+    e = torch.linspace(1, 2, 50, dtype=F64)
+    seen = "an all_reduce at m.py:4 ran in float32"
+    assert bool(precision_hint(e * (1 + relative), e, 1e-12, seen)) is hint
+
+
+def test_entries_under_the_absolute_tolerance_do_not_count_against_the_precision_hint():
+    # a value near zero has no meaningful relative error: only entries over atol are judged
+    e = torch.linspace(1, 2, 50, dtype=F64)
+    e[0] = 1e-14
+    a = e * (1 + 1e-7)
+    a[0] = 3e-14  # 200 % off, but 2e-14 below atol
+    seen = "an all_reduce at m.py:4 ran in float32"
+    assert precision_hint(a, e, 1e-12, seen).startswith("relative errors of 1e-07")
 
 
 def test_boundary_errors_are_a_halo_only_beyond_chance():

@@ -94,3 +94,14 @@ def test_a_mutants_rerun_locates_nothing_even_when_asked():
         assert not _should_locate(True, report)
     with running(MutantMode(record=True)):  # the recording run is a check like any other
         assert _should_locate(None, report)
+
+
+def test_only_sites_in_the_projects_own_code_are_mutated_not_a_venv_inside_it(tmp_path):
+    from harness.plugin.mutants import _inside
+
+    root = tmp_path.resolve()
+    venv = root / ".venv" / "lib" / "python3.12" / "site-packages" / "torch_harmonics"
+    assert _inside(f"{root / 'model.py'}:41 in halo", root)
+    assert _inside(f"{root / 'pkg' / 'layers.py'}:3 in f", root)
+    assert not _inside(f"{venv / 'sht.py'}:12 in forward", root)  # installed, under rootdir
+    assert not _inside(f"{tmp_path.parent / 'other' / 'model.py'}:41 in halo", root)
