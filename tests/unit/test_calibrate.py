@@ -252,3 +252,25 @@ def test_the_report_says_how_it_was_judged_and_the_worst_multiple_of_each_quanti
         stats=compare_runs(ref, [rank], Tolerance.uniform(1, 1)).stats,
     )
     assert plain.spread_text() == "" and "rounding spread" not in str(plain)
+
+
+def test_the_same_reference_is_calibrated_once_for_every_layout_of_a_sweep(monkeypatch):
+    import harness._calibrate as calibrate_module
+
+    runs: list[int] = []
+
+    def reruns(case, steps, lr, seed, *, members):  # type: ignore[no-untyped-def]
+        runs.append(members)
+        return [_record(1.0, _values(seed=1), _values(), _values(seed=2))] * members
+
+    monkeypatch.setattr(calibrate_module, "spread_runs", reruns)
+    monkeypatch.setattr(calibrate_module, "_LAST", None)
+    reference = _record(1.0, _values(seed=1), _values(), _values(seed=2))
+    case = object()
+    first = calibrate_module.calibrate(case, reference, 2, 0.1, 0)
+    again = calibrate_module.calibrate(case, reference, 2, 0.1, 0)
+    assert again is first and runs == [calibrate_module.MEMBERS]
+    # another reference record, or other arguments: measured anew
+    calibrate_module.calibrate(case, _record(1.0, _values(), _values(), _values()), 2, 0.1, 0)
+    calibrate_module.calibrate(case, reference, 2, 0.1, 1)
+    assert len(runs) == 3
