@@ -127,7 +127,10 @@ def calibrate(
         out.problem = f"a nudged rerun of the reference raised ({exception_summary(exc)})"
     else:
         wider = max(factor, GRAD_FACTOR)
-        out.spreads = spreads_of(reference, runs, factor, {"grad": wider, "param": wider})
+        try:
+            out.spreads = spreads_of(reference, runs, factor, {"grad": wider, "param": wider})
+        except Exception as exc:  # noqa: BLE001 - a value the spread cannot read: said, not raised
+            out.problem = f"the spreads could not be measured ({exception_summary(exc)})"
     out.seconds = time.perf_counter() - t0
     _remember(reference, key, out)
     return out

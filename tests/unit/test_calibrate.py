@@ -274,3 +274,34 @@ def test_the_same_reference_is_calibrated_once_for_every_layout_of_a_sweep(monke
     calibrate_module.calibrate(case, _record(1.0, _values(), _values(), _values()), 2, 0.1, 0)
     calibrate_module.calibrate(case, reference, 2, 0.1, 1)
     assert len(runs) == 3
+
+
+def test_spreads_that_cannot_be_measured_leave_the_check_on_its_tolerance(monkeypatch):
+    import harness._calibrate as calibrate_module
+
+    def reruns(case, steps, lr, seed, *, members):  # type: ignore[no-untyped-def]
+        return [_record(1.0, _values(seed=1), _values(), _values(seed=2))] * members
+
+    def unreadable(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise TypeError("a value the spread cannot read")
+
+    monkeypatch.setattr(calibrate_module, "spread_runs", reruns)
+    monkeypatch.setattr(calibrate_module, "spreads_of", unreadable)
+    monkeypatch.setattr(calibrate_module, "_LAST", None)
+    reference = _record(1.0, _values(seed=1), _values(), _values(seed=2))
+    out = calibrate_module.calibrate(object(), reference, 2, 0.1, 0)
+    assert out.spreads is None
+    assert (
+        out.problem
+        == "the spreads could not be measured (TypeError: a value the spread cannot read)"
+    )
+
+
+def test_complex_entries_are_judged_by_the_modulus_of_their_spread():
+    r = torch.tensor([1 + 1j, 0.5 - 2j], dtype=torch.complex64)
+    member = r.clone()
+    member[1] += 1e-5j
+    spread = entry_spread(r, [member])
+    assert spread.dtype == torch.float64 and float(spread[1]) == pytest.approx(1e-5, rel=0.05)
+    a = allowance(spread, r, 10.0)
+    assert float(a[1]) == pytest.approx(1e-4, rel=0.05)
