@@ -250,6 +250,9 @@ class Location:
     not_run: list[str] = field(default_factory=list)
     #: values locating cannot read (a tensor subclass it cannot convert): module -> what
     unreadable: dict[str, list[str]] = field(default_factory=dict)
+    #: what a refinement of the first divergence could not do, one line each, shown as
+    #: ``Not located: ...`` (the first divergence found before it stands)
+    not_located: list[str] = field(default_factory=list)
 
     def calibration_lines(self, rtols: dict[str, float] | None = None) -> list[str]:
         """Per quantity: the rounding noise measured, the error seen, the rtol they support
@@ -288,6 +291,7 @@ class Location:
                 "another way, e.g. a functional call with the module's parameters): "
                 f"{', '.join(self.not_run[:4])}{more}"
             )
+        out += [f"Not located: {line}" for line in self.not_located]
         if self.unreadable:
             names = list(self.unreadable)
             shown = ", ".join(f"{n!r} {'; '.join(self.unreadable[n][:1])}" for n in names[:3])

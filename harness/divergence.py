@@ -61,6 +61,7 @@ from harness._placement import (
     span,
 )
 from harness._trace import Calibration, Divergence, Event, Location, Trace
+from harness.errors import exception_summary
 
 __all__ = [
     "DEPART",
@@ -142,7 +143,7 @@ def first_divergence(
             held = (e, worst)
             continue
         out.first = _divergence(e, worst, reference.step, calls, types, parents, upstream)
-        out.first = _misplaced(out.first, e, noisy.get(e.key), verdicts, ranks, by_rank, depart)
+        _misplaced(out, e, noisy.get(e.key), verdicts, ranks, by_rank, depart)
         break
     if out.first is None and held is not None:
         first = _divergence(*held, reference.step, calls, types, parents, upstream)
@@ -231,23 +232,26 @@ def _summed_before_sync(
 
 
 def _misplaced(
-    d: Divergence,
+    out: Location,
     e: Event,
     nudged: Event | None,
     verdicts: list[_Verdict],
     ranks: Sequence[Trace],
     by_rank: list[dict[tuple[str, int, str, str], Event]],
     depart: float,
-) -> Divergence:
+) -> None:
     """A field that departs: the first departing rank whose values are the reference's at
     another block (another rank's, as that rank placed it or as its partition gives it)
-    holds them misplaced, and the divergence says where they belong."""
-    if e.kind != "field" or e.tensor is None:
-        return d
+    holds them misplaced, and ``out.first`` says where they belong. A search that cannot
+    read the values leaves the field's own line and says so on a ``Not located:`` line."""
+    if out.first is None or e.kind != "field" or e.tensor is None:
+        return
     try:
-        return _elsewhere(d, e, nudged, verdicts, ranks, by_rank, depart)
-    except Exception:  # noqa: BLE001 - a diagnosis never takes a verdict down: the field's
-        return d
+        out.first = _elsewhere(out.first, e, nudged, verdicts, ranks, by_rank, depart)
+    except Exception as exc:  # noqa: BLE001 - a diagnosis never takes a verdict down
+        out.not_located.append(
+            f"where the values of {out.first.located} belong ({exception_summary(exc)})"
+        )
 
 
 def _elsewhere(

@@ -655,6 +655,24 @@ def test_a_field_block_said_to_be_at_other_positions_is_named_with_where_it_belo
     )
 
 
+def test_a_misplacement_search_that_raises_keeps_the_field_line_and_says_not_located(
+    monkeypatch,
+):
+    import harness.divergence as divergence
+
+    def unreadable(*args, **kwargs):  # a value the search cannot read
+        raise TypeError("not a tensor it knows")
+
+    monkeypatch.setattr(divergence, "_elsewhere", unreadable)
+    location = first_divergence(*_field_traces([(4, 8), (0, 4)]))
+    assert location.first is not None and location.first.cause == ""
+    assert location.first.located == "field 'y'"
+    assert (
+        "Not located: where the values of field 'y' belong (TypeError: not a tensor it knows)"
+        in (location.lines())
+    )
+
+
 def test_a_field_block_that_matches_nowhere_is_a_field_divergence_without_a_place():
     ref, _, ranks = _field_traces([(0, 4), (4, 8)])
     ranks[1].events[0].tensor = ranks[1].events[0].tensor + 1  # wrong values, not a block
