@@ -28,6 +28,7 @@ assigns it without ``global`` (its ``is_initialized()`` stays ``False``), and re
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 from torch.distributed import ProcessGroup
@@ -48,13 +49,12 @@ class TorchHarmonicsNotInstalled(ConfigError, ImportError):
 
 def _distributed() -> ModuleType:
     try:
-        import torch_harmonics.distributed as thd
+        return importlib.import_module("torch_harmonics.distributed")
     except ImportError as exc:
         raise TorchHarmonicsNotInstalled(
             f"harness.contrib.torch_harmonics needs torch-harmonics ({exc}): install it with "
             'pip install "pytest-spatial-harness[sfno]" (torch-harmonics >= 0.8.0)'
         ) from exc
-    return thd
 
 
 def _grid(topo: Topology, h: int | None, w: int | None) -> tuple[int, int]:
@@ -80,7 +80,9 @@ def _grid(topo: Topology, h: int | None, w: int | None) -> tuple[int, int]:
     return h, w
 
 
-def grid_ranks(topo: Topology, h: int | None = None, w: int | None = None) -> tuple[list[int], list[int]]:
+def grid_ranks(
+    topo: Topology, h: int | None = None, w: int | None = None
+) -> tuple[list[int], list[int]]:
     """The global ranks torch-harmonics' polar and azimuth groups must hold on this rank, in
     group-rank order: ``Topology.grid``'s layout (spatial rank ``p * w + a``)."""
     h, w = _grid(topo, h, w)

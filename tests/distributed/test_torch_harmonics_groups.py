@@ -98,13 +98,19 @@ LAYOUTS = [
 
 @pytest.mark.spatial_pool  # the 8-rank layouts start a pool of their own
 @pytest.mark.parametrize(
-    ("ranks", "spatial_size", "mesh"), LAYOUTS, ids=["2x2", "4x1", "2x1_x_data2", "2x2_x_data2", "4x1_x_data2"]
+    ("ranks", "spatial_size", "mesh"),
+    LAYOUTS,
+    ids=["2x2", "4x1", "2x1_x_data2", "2x2_x_data2", "4x1_x_data2"],
 )
 def test_a_model_on_the_adopted_groups_matches_its_reference(
     spatial: Any, ranks: int, spatial_size: int, mesh: tuple[int, int]
 ) -> None:
     report = check_equivalence(
-        SpectralFilterCase(), ranks=ranks, spatial_size=spatial_size, mesh=mesh, pool=spatial.pool(ranks)
+        SpectralFilterCase(),
+        ranks=ranks,
+        spatial_size=spatial_size,
+        mesh=mesh,
+        pool=spatial.pool(ranks),
     )
     assert report.ok, str(report)
     # float64, the same quadratures summed in another order: measured at most 4.4e-16 (2 eps
@@ -143,7 +149,12 @@ def adopted_on_a_rank(spatial_size: int, h: int, w: int) -> dict[str, Any]:
     ids=["2x2", "2x1_x_data2", "1x2_x_data2"],
 )
 def test_the_library_answers_the_topologys_grid_and_its_previous_groups_after_undo(
-    spatial: Any, spatial_size: int, h: int, w: int, polar: list[list[int]], azimuth: list[list[int]]
+    spatial: Any,
+    spatial_size: int,
+    h: int,
+    w: int,
+    polar: list[list[int]],
+    azimuth: list[list[int]],
 ) -> None:
     for rank, seen in enumerate(spatial.run(adopted_on_a_rank, spatial_size, h, w)):
         assert seen["returned"] == (True, True)
@@ -180,7 +191,9 @@ def the_models_own_groups(layout: str) -> tuple[Any, Any]:
         if layout == "reversed":
             polar_lists = [[2, 0], [3, 1]]
     groups = cached_groups(("test_th", layout), polar_lists + azimuth_lists, sort_ranks=False)
-    mine = [g for g, ranks in zip(groups, polar_lists + azimuth_lists, strict=True) if rank in ranks]
+    mine = [
+        g for g, ranks in zip(groups, polar_lists + azimuth_lists, strict=True) if rank in ranks
+    ]
     polar, azimuth = mine
     return (azimuth, polar) if layout == "swapped" else (polar, azimuth)
 
@@ -259,10 +272,13 @@ def adopt_where_init_swaps_the_groups() -> str:
 
 
 def test_adopting_checks_what_the_library_answers_not_what_it_was_handed(spatial: Any) -> None:
-    assert spatial.run(adopt_where_init_swaps_the_groups) == [
-        "torch-harmonics' polar and azimuth groups are not the topology's 2x2 grid "
-        "(polar group"
-    ] * 4
+    assert (
+        spatial.run(adopt_where_init_swaps_the_groups)
+        == [
+            "torch-harmonics' polar and azimuth groups are not the topology's 2x2 grid (polar group"
+        ]
+        * 4
+    )
 
 
 class InitsItsOwnGroups(SpectralFilterCase):
@@ -284,7 +300,9 @@ def test_a_case_whose_model_inits_other_groups_fails_at_build_on_every_rank(spat
     )
     assert {(m.quantity, m.phase) for m in report.mismatches} == {("error", "build")}
     assert {m.rank for m in report.mismatches} == {0, 1, 2, 3}  # nobody left waiting
-    assert "GroupMismatch: torch-harmonics' polar group is not the topology's 2x1 grid" in str(report)
+    assert "GroupMismatch: torch-harmonics' polar group is not the topology's 2x1 grid" in str(
+        report
+    )
 
 
 def bad_grid(h: int | None, w: int | None) -> str:
@@ -301,14 +319,22 @@ def bad_grid(h: int | None, w: int | None) -> str:
 def test_a_grid_that_is_not_the_spatial_group_is_refused_before_any_group_is_made(
     spatial: Any,
 ) -> None:
-    assert spatial.run(bad_grid, 3, None) == [
-        "a h=3 process grid does not divide the spatial group of 4 ranks; give h and w with "
-        "h * w == 4"
-    ] * 4
-    assert spatial.run(bad_grid, 2, 3) == [
-        "torch-harmonics' process grid 2x3 has 6 ranks but the spatial group has 4; give h "
-        "and w with h * w == 4 (or pass mesh= to the check)"
-    ] * 4
+    assert (
+        spatial.run(bad_grid, 3, None)
+        == [
+            "a h=3 process grid does not divide the spatial group of 4 ranks; give h and w with "
+            "h * w == 4"
+        ]
+        * 4
+    )
+    assert (
+        spatial.run(bad_grid, 2, 3)
+        == [
+            "torch-harmonics' process grid 2x3 has 6 ranks but the spatial group has 4; give h "
+            "and w with h * w == 4 (or pass mesh= to the check)"
+        ]
+        * 4
+    )
     assert spatial.run(bad_grid, None, 2) == ["adopted"] * 4  # w = 2: h = 4 / 2
 
 
@@ -319,4 +345,3 @@ def test_without_torch_harmonics_the_error_is_a_config_and_import_error_with_the
     with pytest.raises(TorchHarmonicsNotInstalled, match=r"pip install .*\[sfno\]") as info:
         adopt_groups(Topology.single())
     assert isinstance(info.value, ConfigError) and isinstance(info.value, ImportError)
-
