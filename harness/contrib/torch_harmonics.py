@@ -60,6 +60,8 @@ def _distributed() -> ModuleType:
 def _grid(topo: Topology, h: int | None, w: int | None) -> tuple[int, int]:
     """``(h, w)``: both given, one given (the other from the spatial size), or neither
     (``topo.mesh_shape(2)``: the harness's mesh, else all ranks polar)."""
+    if topo.spatial_group is None:  # the reference runs the whole grid, whatever h and w
+        return h or 1, w or 1
     if h is None and w is None:
         h, w = topo.mesh_shape(2)
     s = topo.spatial_size
@@ -72,7 +74,7 @@ def _grid(topo: Topology, h: int | None, w: int | None) -> tuple[int, int]:
                 f"spatial group of {s} ranks; give h and w with h * w == {s}"
             )
         h, w = (given, s // given) if h is not None else (s // given, given)
-    if h < 1 or w < 1 or (topo.spatial_group is not None and h * w != s):
+    if h < 1 or w < 1 or h * w != s:
         raise ConfigError(
             f"torch-harmonics' process grid {h}x{w} has {h * w} ranks but the spatial group "
             f"has {s}; give h and w with h * w == {s} (or pass mesh= to the check)"
@@ -87,7 +89,7 @@ def grid_ranks(
     group-rank order: ``Topology.grid``'s layout (spatial rank ``p * w + a``)."""
     h, w = _grid(topo, h, w)
     if topo.spatial_group is None:
-        return [topo.rank], [topo.rank]
+        return [topo.rank], [topo.rank]  # the reference: no groups (a group of itself)
     base = topo.data_rank * topo.spatial_size
     p, a = divmod(topo.spatial_rank, w)
     return [base + i * w + a for i in range(h)], [base + p * w + j for j in range(w)]

@@ -174,6 +174,7 @@ def test_the_reference_gets_no_groups_and_the_librarys_back_after_undo(
         monkeypatch.setattr(thd.utils, name, before)
     assert adopt_groups(Topology.single()) == (None, None)
     assert (thd.polar_group(), thd.azimuth_group(), thd.is_initialized()) == (None, None, True)
+    assert adopt_groups(Topology.single(), 2) == (None, None)  # the case's h: not the reference's
     undo()
     assert (thd.polar_group(), thd.azimuth_group(), thd.is_initialized()) == (before,) * 3
 
