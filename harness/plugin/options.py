@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import ConfigError
+from harness.plugin import github
 from harness.pool import (
     DEADLOCK_WINDOW,
     DEFAULT_TIMEOUT,
@@ -29,6 +30,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _add_diagnosis_options(group)
     _add_golden_options(group)
     _add_ini(parser)
+    github.add_options(group, parser)
 
 
 def _add_run_options(group: pytest.OptionGroup) -> None:
