@@ -60,10 +60,13 @@ def stack_frames(text: str) -> list[tuple[str, int, str]]:
     """The frames of the tracebacks and faulthandler stacks in ``text``, innermost first:
     (file, line, function). A traceback lists the innermost call last, faulthandler first.
 
-    >>> tb = 'Traceback (most recent call last):\\n  File "a.py", line 3, in f\\n  File "b.py", line 9, in g'
-    >>> stack_frames(tb)
+    >>> traceback = ["Traceback (most recent call last):",
+    ...              '  File "a.py", line 3, in f', '  File "b.py", line 9, in g']
+    >>> stack_frames("\\n".join(traceback))
     [('b.py', 9, 'g'), ('a.py', 3, 'f')]
-    >>> stack_frames('(most recent call first):\\n  File "b.py", line 9 in g\\n  File "a.py", line 3 in f')
+    >>> dump = ["Current thread 0x1 (most recent call first):",
+    ...         '  File "b.py", line 9 in g', '  File "a.py", line 3 in f']
+    >>> stack_frames("\\n".join(dump))
     [('b.py', 9, 'g'), ('a.py', 3, 'f')]
     """
     frames = [(m["file"], int(m["line"]), m["name"]) for m in _FRAME.finditer(text)]

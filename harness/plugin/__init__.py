@@ -9,6 +9,7 @@ that work without pytest. One job per module:
 - ``fixtures``: ``spatial`` and ``golden``, and what a test sees of them;
 - ``session``: the session's summary (goldens, the equivalence table), on the controller;
 - ``launched``: torchrun/srun mode, a plugin object registered only under a launcher;
+- ``github``: GitHub Actions annotations and job summary, JUnit properties;
 - this module: configure, the header, closing the pools.
 """
 

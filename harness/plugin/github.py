@@ -33,6 +33,7 @@ from harness._sites import failure_sites
 from harness.compare import NUMERIC
 from harness.errors import exception_summary
 from harness.plugin._keys import _EQUIV_PROP, _GOLDEN_PROP
+from harness.plugin.options import GITHUB_MODES
 from harness.report import SummaryRow
 
 if TYPE_CHECKING:
@@ -45,30 +46,17 @@ if TYPE_CHECKING:
 _SWEEP_PROP = "harness_sweep"
 #: the harness's plain-data properties, kept out of JUnit XML (``spatial.*`` say them there)
 _PLAIN_PROPS = frozenset({_EQUIV_PROP, _GOLDEN_PROP, _SWEEP_PROP})
-#: the values ``--spatial-github`` and the ini ``spatial_github`` take
-MODES = ("auto", "on", "off")
 #: at most this many lines of a failure's text in the annotation at the test's line
 TEST_LINES = 20
-
-
-def add_options(group: pytest.OptionGroup, parser: pytest.Parser) -> None:
-    group.addoption(
-        "--spatial-github",
-        dest="spatial_github",
-        default=None,
-        choices=MODES,
-        help="GitHub Actions annotations at the failing line of the model and a job summary "
-        "in $GITHUB_STEP_SUMMARY: auto (when GITHUB_ACTIONS=true), on or off (default: ini "
-        "spatial_github or auto)",
-    )
-    parser.addini("spatial_github", "default for --spatial-github (auto, on, off)", default="auto")
 
 
 def enabled(config: pytest.Config) -> bool:
     """Annotate and summarise for GitHub Actions in this session?"""
     mode = config.getoption("spatial_github", None) or config.getini("spatial_github") or "auto"
-    if mode not in MODES:
-        raise pytest.UsageError(f"spatial_github must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in GITHUB_MODES:
+        raise pytest.UsageError(
+            f"spatial_github must be one of {', '.join(GITHUB_MODES)}, got {mode!r}"
+        )
     return mode == "on" or (mode == "auto" and os.environ.get("GITHUB_ACTIONS") == "true")
 
 
@@ -108,7 +96,9 @@ def record_sweep(node: pytest.Item, report: LayoutsReport, case: SpatialCase) ->
         sweep["sites"] = _sites(failed, case)
         sweep["problems"] = sorted(failed.quantities)
     node.user_properties.append((_SWEEP_PROP, sweep))
-    node.user_properties.append(("spatial.layouts", f"{sweep['failing']} of {sweep['layouts']} fail"))
+    node.user_properties.append(
+        ("spatial.layouts", f"{sweep['failing']} of {sweep['layouts']} fail")
+    )
     if smallest is not None:
         node.user_properties.append(("spatial.smallest_failing_layout", sweep["smallest"]))
 
@@ -252,10 +242,13 @@ class GithubSession:
         if report.when != "call":
             return
         found: list[dict[str, Any]] = []  # failing checks and sweeps of this test
+        value: Any  # plain data from the test (or an xdist worker)
         for key, value in report.user_properties:
             if key == _SWEEP_PROP:
                 self.sweeps.append(value)
-            if (key == _EQUIV_PROP and not value["ok"]) or (key == _SWEEP_PROP and value["failing"]):
+            if (key == _EQUIV_PROP and not value["ok"]) or (
+                key == _SWEEP_PROP and value["failing"]
+            ):
                 found.append(value)
         if report.failed and found:
             self._annotate(report, found)
@@ -276,7 +269,11 @@ class GithubSession:
         text = report.longreprtext.strip().splitlines()
         if text and re.match(r"\[gw\d+\] ", text[0]):  # xdist's "[gw1] linux -- Python ..."
             text = text[1:]
-        more = [f"... {len(text) - TEST_LINES} more lines in the log"] if len(text) > TEST_LINES else []
+        more = (
+            [f"... {len(text) - TEST_LINES} more lines in the log"]
+            if len(text) > TEST_LINES
+            else []
+        )
         self.annotations.append(
             annotation(
                 "\n".join(text[:TEST_LINES] + more),
@@ -314,11 +311,18 @@ def job_summary(gh: GithubSession, harness: HarnessSession | None, mutants: obje
     """The session in Markdown: the equivalence table, the sweeps, the goldens, the
     mutation score (each where it has something to say)."""
     lines = ["## Spatial equivalence", ""]
-    rows = sorted(harness.equivalences, key=lambda r: (r.get("test", ""), r["case"])) if harness else []
+    rows = (
+        sorted(harness.equivalences, key=lambda r: (r.get("test", ""), r["case"]))
+        if harness
+        else []
+    )
     if rows:
         good = sum(1 for r in rows if r["ok"])
-        lines += [f"{len(rows)} check{'s' if len(rows) != 1 else ''}: {good} equivalent, "
-                  f"{len(rows) - good} mismatched.", ""]
+        lines += [
+            f"{len(rows)} check{'s' if len(rows) != 1 else ''}: {good} equivalent, "
+            f"{len(rows) - good} mismatched.",
+            "",
+        ]
         lines += markdown_table(
             ("test", "case", "ranks", "partition", "dtype", *NUMERIC, "golden", "verdict", "where"),
             [_row_cells(gh, r) for r in rows],
@@ -330,8 +334,13 @@ def job_summary(gh: GithubSession, harness: HarnessSession | None, mutants: obje
         lines += markdown_table(
             ("test", "case", "layouts", "smallest failing layout", "where"),
             [
-                (s["test"], s["case"], f"{s['failing']} of {s['layouts']} fail",
-                 s["smallest"] or "-", _where(gh, s))
+                (
+                    s["test"],
+                    s["case"],
+                    f"{s['failing']} of {s['layouts']} fail",
+                    s["smallest"] or "-",
+                    _where(gh, s),
+                )
                 for s in sorted(gh.sweeps, key=lambda s: s["test"])
             ],
         )
@@ -345,9 +354,15 @@ def _row_cells(gh: GithubSession, r: SummaryRow) -> tuple[str, ...]:
     w = r["worst"]
     verdict = "equivalent" if r["ok"] else "**MISMATCH**: " + ", ".join(r["problems"])
     return (
-        r.get("test", ""), r["case"], str(r["ranks"]), r["partition"], r["dtype"],
+        r.get("test", ""),
+        r["case"],
+        str(r["ranks"]),
+        r["partition"],
+        r["dtype"],
         *("-" if w.get(q) is None else f"{w[q]:.1e}" for q in NUMERIC),
-        r.get("golden", "-"), verdict, _where(gh, r),
+        r.get("golden", "-"),
+        verdict,
+        _where(gh, r),
     )
 
 
@@ -390,7 +405,9 @@ def _mutant_lines(mutants: object) -> list[str]:
     from harness._mutation.catalogue import score_line
 
     not_run = getattr(mutants, "not_run", "")
-    text = f"mutants not run: {not_run}" if not_run else score_line(getattr(mutants, "outcomes", []))
+    text = (
+        f"mutants not run: {not_run}" if not_run else score_line(getattr(mutants, "outcomes", []))
+    )
     return ["", "### Mutants", "", text]
 
 
@@ -402,6 +419,8 @@ def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list
     """
 
     def cells(values: tuple[str, ...]) -> str:
-        return "| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in values) + " |"
+        return (
+            "| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in values) + " |"
+        )
 
     return [cells(header), "| " + " | ".join("---" for _ in header) + " |", *map(cells, rows)]

@@ -126,9 +126,7 @@ def test_under_xdist_the_controller_annotates_and_summarises_every_workers_check
 ) -> None:
     summary = _github(monkeypatch, project)
     summary.write_text("# earlier step\n")  # a summary is appended to, never replaced
-    result = pytester.runpytest_subprocess(
-        "--spatial-ranks=2", "-n", "2", "-p", "no:cacheprovider"
-    )
+    result = pytester.runpytest_subprocess("--spatial-ranks=2", "-n", "2", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     _assert_annotated_and_summarised(_errors(result.outlines), summary)
     text = summary.read_text()
@@ -174,7 +172,9 @@ def test_empty_skip(spatial):
     result.assert_outcomes(failed=1)
     source = (repo / "harness/steppers/healpix.py").read_text().splitlines()
     errors = _errors(result.outlines)
-    hit = re.match(r"::error file=harness/steppers/healpix\.py,line=(\d+),title=([^:]*)::", errors[0])
+    hit = re.match(
+        r"::error file=harness/steppers/healpix\.py,line=(\d+),title=([^:]*)::", errors[0]
+    )
     assert hit, errors
     # the stepper's own call of the gather the ranks wait in, not the harness's or torch's
     assert "all_gather_uneven(" in source[int(hit[1]) - 1]
@@ -196,7 +196,9 @@ def test_junit_xml_carries_each_checks_spatial_properties_and_none_of_the_plain_
         c.get("name"): [(p.get("name"), p.get("value")) for p in c.iter("property")] for c in cases
     }
     failing, passing = dict(props["test_mixer"]), dict(props["test_builtin"])
-    assert all(name.startswith("spatial.") for name, _ in props["test_mixer"] + props["test_builtin"])
+    assert all(
+        name.startswith("spatial.") for name, _ in props["test_mixer"] + props["test_builtin"]
+    )
     assert failing["spatial.case"] == "mixer"
     assert failing["spatial.layout"] == "2 ranks (37 positions)"
     assert failing["spatial.verdict"] == "mismatch"

@@ -30,7 +30,9 @@ def _line(method: str) -> int:
     return inspect.getsourcelines(getattr(Case, method))[1]
 
 
-def _report(mismatches: list[Mismatch], found: Divergence | None = None, **sources) -> EquivalenceReport:
+def _report(
+    mismatches: list[Mismatch], found: Divergence | None = None, **sources
+) -> EquivalenceReport:
     location = Location(first=found, sources=dict(sources)) if found is not None else None
     return EquivalenceReport(
         "c", 2, 2, "", 2, "float64", None, mismatches, first_divergence=found, location=location
@@ -39,8 +41,18 @@ def _report(mismatches: list[Mismatch], found: Divergence | None = None, **sourc
 
 def _divergence(module: str | None, **kw) -> Divergence:
     base = dict(
-        direction="forward", module=module, module_type="T", quantity="output", step=0, rank=1,
-        max_abs=1.0, max_rel=0.5, where="", noise=1e-16, multiple=1e15, dtype="float64",
+        direction="forward",
+        module=module,
+        module_type="T",
+        quantity="output",
+        step=0,
+        rank=1,
+        max_abs=1.0,
+        max_rel=0.5,
+        where="",
+        noise=1e-16,
+        multiple=1e15,
+        dtype="float64",
     )
     return Divergence(**{**base, **kw})  # type: ignore[arg-type]
 
