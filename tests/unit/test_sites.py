@@ -139,12 +139,13 @@ def test_a_raising_rank_is_named_at_the_innermost_frame_of_the_users_code():
         "Traceback (most recent call last):\n"
         f'  File "{harness.pool.__file__}", line 5, in run\n'
         f'  File "{MODEL}", line 12, in forward\n'
+        '  File "/project/layers.py", line 30, in halo\n'
         f'  File "{TORCH_LINEAR}", line 125, in forward\n'
         "RuntimeError: mat1 and mat2 shapes cannot be multiplied"
     )
     error = Mismatch("error", "c", 0, 1, where="RuntimeError: mat1", detail=tb)
     [site] = failure_sites(_report([error]), Case())
-    assert (site["file"], site["line"]) == (MODEL, 12)
+    assert (site["file"], site["line"]) == ("/project/layers.py", 30)  # the innermost
     assert site["title"] == "c: error on rank 1"
 
 
@@ -156,3 +157,17 @@ def test_stack_frames_read_tracebacks_and_faulthandler_dumps_innermost_first():
     assert user_code(MODEL) and not user_code(TORCH_LINEAR)
     assert not user_code(harness.pool.__file__) and not user_code(harness.collectives.__file__)
     assert user_code(os.path.join(os.path.dirname(harness.__file__), "steppers", "sfno.py"))
+
+
+def test_ranks_stuck_at_different_lines_are_named_at_each_the_skipping_ranks_too():
+    # rank 1 skipped the halo's collective and waits in the loss's: its own line is named
+    halo, loss = _stack((MODEL, 41, "halo")), _stack(("/project/loss.py", 7, "reduce"))
+    mismatches = [
+        Mismatch("deadlock", "c", 0, 0, where="waits in all_reduce #2 (8 elements)", detail=halo),
+        Mismatch("deadlock", "c", 0, 1, where="waits in all_reduce #2 (1 element)", detail=loss),
+    ]
+    sites = failure_sites(_report(mismatches), Case())
+    assert [(s["file"], s["line"], s["title"]) for s in sites] == [
+        (MODEL, 41, "c: deadlock on rank 0"),
+        ("/project/loss.py", 7, "c: deadlock on rank 1"),
+    ]
