@@ -87,7 +87,7 @@ def record_sweep(node: pytest.Item, report: LayoutsReport, case: SpatialCase) ->
     sweep: dict[str, Any] = {
         "test": node.nodeid,
         "case": report.case,
-        "layouts": len(report.results),
+        "layouts": len(report.passed) + len(report.failing),  # run (not refused by the case)
         "failing": len(report.failing),
         "smallest": "" if smallest is None else _layout_text(smallest),
         "call_site": call_site(node),

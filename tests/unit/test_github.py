@@ -11,6 +11,7 @@ import pytest
 
 from harness import EquivalenceReport, Mismatch
 from harness.goldens import GoldenChange, GoldenStore
+from harness.layouts import Layout, LayoutResult, LayoutsReport
 from harness.plugin import github
 from harness.plugin.github import GithubSession, annotation, job_summary
 from harness.plugin.session import HarnessSession
@@ -109,3 +110,41 @@ def test_a_diagnosis_that_fails_is_an_annotation_without_a_file_that_says_why(
     assert annotation(site["message"], title=site["title"]) == (
         "::error title=Not located::ValueError: a source it cannot read"
     )
+
+
+def test_a_failing_sweep_reaches_the_summary_and_is_annotated_at_its_smallest_layouts_line(
+    gh: GithubSession, tmp_path: Path
+) -> None:
+    model = str(tmp_path / "model.py")
+    stack = f'Current thread 0x1 (most recent call first):\n  File "{model}", line 41 in halo'
+    hang = Mismatch("deadlock", "c", 0, 0, where="waits in all_reduce #1", detail=stack)
+    smallest = Layout(2, 2, 1, (2,))
+
+    def run(ranks: int, *mismatches: Mismatch) -> EquivalenceReport:
+        return EquivalenceReport("c", ranks, ranks, "", 2, "float64", None, list(mismatches))
+
+    sweep = LayoutsReport("c", 4, 1, [
+        LayoutResult(Layout(1, 1, 1, (1,)), run(1)),
+        LayoutResult(Layout(4, 4, 1, (4,)), run(4, hang)),
+        LayoutResult(smallest, run(2, hang)),
+        LayoutResult(Layout(3, 3, 1, (3,), "uneven"), None, refused="no uneven blocks"),
+    ])  # fmt: skip
+    node = SimpleNamespace(nodeid="t.py::test_s", user_properties=[], path=Path(__file__))
+    github.record_sweep(node, sweep, object())  # type: ignore[arg-type]
+    [(_, plain)] = [(k, v) for k, v in node.user_properties if k == github._SWEEP_PROP]
+    assert (plain["layouts"], plain["failing"]) == (3, 2)  # the refused layout did not run
+    assert plain["smallest"] == "2 ranks, grid 2, 1 data group"
+    assert plain["problems"] == ["deadlock"]
+    assert ("spatial.layouts", "2 of 3 fail") in node.user_properties
+    assert ("spatial.smallest_failing_layout", plain["smallest"]) in node.user_properties
+    report = SimpleNamespace(
+        when="call", failed=True, user_properties=node.user_properties, nodeid="t.py::test_s",
+        longreprtext="c: 2 of 3 layouts fail",
+    )  # fmt: skip
+    gh.pytest_runtest_logreport(report)  # type: ignore[arg-type]
+    assert gh.sweeps == [plain]
+    assert gh.annotations == [
+        "::error file=model.py,line=41,title=c%3A deadlock on rank 0::rank 0: deadlock: waits "
+        "in all_reduce #1",
+        "::error title=t.py%3A%3Atest_s failed::c: 2 of 3 layouts fail",  # this file: outside
+    ]
