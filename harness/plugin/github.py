@@ -38,7 +38,7 @@ from harness.report import SummaryRow
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
-    from harness.layouts import LayoutsReport
+    from harness.layouts import Layout, LayoutsReport
     from harness.plugin.session import HarnessSession
     from harness.report import EquivalenceReport
 
@@ -103,7 +103,7 @@ def record_sweep(node: pytest.Item, report: LayoutsReport, case: SpatialCase) ->
         node.user_properties.append(("spatial.smallest_failing_layout", sweep["smallest"]))
 
 
-def _layout_text(layout: Any) -> str:
+def _layout_text(layout: Layout) -> str:
     """``"2 ranks, grid 2x1 uneven, 1 data group"``."""
     groups = f"{layout.data_size} data group{'s' if layout.data_size != 1 else ''}"
     return f"{layout.world_size} ranks, grid {layout.row}, {groups}"
@@ -136,7 +136,7 @@ def junit_properties(report: EquivalenceReport, row: SummaryRow) -> list[tuple[s
     worst = [(q, v) for q, v in row["worst"].items() if v is not None]
     props = [
         ("spatial.case", report.case),
-        ("spatial.layout", f"{report.ranks} ranks ({report.partition or 'spatial'})"),
+        ("spatial.layout", _check_layout(report)),
         ("spatial.dtype", report.dtype),
         ("spatial.verdict", "equivalent" if report.ok else "mismatch"),
     ]
@@ -158,6 +158,14 @@ def junit_properties(report: EquivalenceReport, row: SummaryRow) -> list[tuple[s
         if site["file"]:
             props.append(("spatial.site", f"{site['file']}:{site['line']}"))
     return props
+
+
+def _check_layout(report: EquivalenceReport) -> str:
+    """``"4 ranks (spatial 2, 37 positions)"``: as the report's first line says it."""
+    layout = f"spatial {report.spatial_size}"
+    if report.partition and report.partition != layout:
+        layout += f", {report.partition}"
+    return f"{report.ranks} ranks ({layout})"
 
 
 class JunitProperties:
@@ -215,7 +223,8 @@ def annotation(message: str, *, file: str = "", line: int = 0, title: str = "") 
         props += [f"file={escape_property(file)}", f"line={int(line)}"]
     if title:
         props.append(f"title={escape_property(title)}")
-    return f"::error {','.join(props)}::{escape_data(message)}".replace("::error ::", "::error::")
+    head = f"::error {','.join(props)}" if props else "::error"
+    return f"{head}::{escape_data(message)}"
 
 
 class GithubSession:

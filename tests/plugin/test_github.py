@@ -200,7 +200,7 @@ def test_junit_xml_carries_each_checks_spatial_properties_and_none_of_the_plain_
         name.startswith("spatial.") for name, _ in props["test_mixer"] + props["test_builtin"]
     )
     assert failing["spatial.case"] == "mixer"
-    assert failing["spatial.layout"] == "2 ranks (37 positions)"
+    assert failing["spatial.layout"] == "2 ranks (spatial 2, 37 positions)"
     assert failing["spatial.verdict"] == "mismatch"
     assert failing["spatial.quantity"] == "field, grad, loss, param"
     assert failing["spatial.step"] == "0"
