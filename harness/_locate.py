@@ -21,6 +21,7 @@ Rank-side code: imports no pytest.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -133,6 +134,9 @@ class Recorder:
         self.root = model = _unwrapped(model)
         for name, module in model.named_modules():
             self.names[id(module)] = name
+            source = forward_source(module)
+            if source is not None:
+                self.trace.sources[name] = source
             self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post))
         if self.backward:
@@ -383,6 +387,13 @@ class Recorder:
             name: (shard.index, shard.dim)
             for name, shard in parameter_shards(self.case, self.model, self.topo).items()
         }
+
+
+def forward_source(module: torch.nn.Module) -> tuple[str, int] | None:
+    """Where ``module``'s class defines its ``forward``: (file, first line); ``None`` where
+    that is not Python code (a scripted module, a builtin)."""
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    return None if code is None else (code.co_filename, code.co_firstlineno)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:

@@ -68,6 +68,9 @@ class Trace:
     #: a module call's output to each of its own parameters, by parameter name, and to its
     #: inputs, by (module, call): what a backward that departs ran through
     functions: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: where each module's class defines its ``forward``, by module name: (file, first
+    #: line), so a failure can point at the user's line (GitHub annotations)
+    sources: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- the verdict
@@ -253,6 +256,9 @@ class Location:
     #: what a refinement of the first divergence could not do, one line each, shown as
     #: ``Not located: ...`` (the first divergence found before it stands)
     not_located: list[str] = field(default_factory=list)
+    #: where each module's class defines its ``forward`` (file, first line), by module
+    #: name, as the ranks ran it (``Trace.sources``): where a module's divergence lives
+    sources: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     def calibration_lines(self, rtols: dict[str, float] | None = None) -> list[str]:
         """Per quantity: the rounding noise measured, the error seen, the rtol they support

@@ -159,6 +159,10 @@ def _finish(out: Location, ranks: Sequence[Trace], path: dict[str, None]) -> Non
         out.first = replace(out.first, rank_type=_rank_type(ranks, out.first))
     out.not_compared = {label: sorted(set(v)) for label, v in out.not_compared.items()}
     out.path_dtypes = tuple(d for d in path if d != "-")
+    # the classes the ranks ran (the parallel code under test), the departing rank's last
+    departing = out.first.rank if out.first is not None else -1
+    for t in [*ranks, *ranks[departing : departing + 1]] if departing >= 0 else ranks:
+        out.sources.update(t.sources)
 
 
 def _parameter(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -41,6 +41,9 @@ class SummaryRow(TypedDict, total=False):
     test: str
     golden: str
     calibration: list[str]  # --spatial-calibrate: the measured noise per quantity
+    #: a failing check's lines in the user's code (``harness._sites.Site``, plain dicts)
+    sites: list[dict[str, Any]]
+    call_site: list[object]  # [file, line] of the test's line that ran the check
 
 
 #: What to do about each quantity; keyed on ``Quantity`` (so plain text finds it too).

@@ -9,6 +9,7 @@ that work without pytest. One job per module:
 - ``fixtures``: ``spatial`` and ``golden``, and what a test sees of them;
 - ``session``: the session's summary (goldens, the equivalence table), on the controller;
 - ``launched``: torchrun/srun mode, a plugin object registered only under a launcher;
+- ``github``: GitHub Actions annotations and job summary, JUnit properties;
 - this module: configure, the header, closing the pools.
 """
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 from harness._launcher import LauncherRegistry, launcher_env
 from harness.goldens import GoldenStore
+from harness.plugin import github
 from harness.plugin._keys import _registry_key, _settings_key, _skipped_key
 from harness.plugin.fixtures import (
     OUTPUT_LIMIT,
@@ -90,6 +92,7 @@ def pytest_configure(config: pytest.Config) -> None:
             **keep_limits(),  # a layout sweep's pools of every size stay warm
         )
     _register_mutants(config, settings)
+    github.register(config)  # JUnit properties; GitHub Actions annotations and summary
     session = HarnessSession(
         GoldenStore(settings.golden_dir, update=settings.update_goldens),
         show_unused=settings.goldens_unused,

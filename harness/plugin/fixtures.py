@@ -33,6 +33,7 @@ from harness.plugin._keys import (
     _settings_key,
     _skipped_key,
 )
+from harness.plugin.github import record_check, record_sweep
 from harness.plugin.mutants import collect_sites
 from harness.plugin.session import _session_key
 from harness.pool import (
@@ -126,6 +127,7 @@ class SpatialFixture:
         if settings.calibrate and report.location is not None and report.tolerance is not None:
             rtols = {q: report.tolerance.bound(q).rtol for q in ("loss", "grad", "field")}
             row["calibration"] = report.location.calibration_lines(rtols)
+        record_check(self._node, report, case, row)  # its user lines, its JUnit properties
         # said with the report's own failure, so neither hides the other
         golden_failure = self._golden_failure(report, golden, row, case, kwargs) if golden else ""
         self._node.user_properties.append((_EQUIV_PROP, row))
@@ -217,6 +219,7 @@ class SpatialFixture:
                 locate=locate,
                 **kwargs,
             )
+        record_sweep(self._node, report, case)
         if not report.ok:
             text = str(report)
             plots = self._node.config.getoption("spatial_plots")

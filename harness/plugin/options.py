@@ -29,6 +29,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _add_diagnosis_options(group)
     _add_golden_options(group)
     _add_ini(parser)
+    _add_github_options(group, parser)
+
+
+#: the values ``--spatial-github`` and the ini ``spatial_github`` take (``plugin.github``)
+GITHUB_MODES = ("auto", "on", "off")
+
+
+def _add_github_options(group: pytest.OptionGroup, parser: pytest.Parser) -> None:
+    group.addoption(
+        "--spatial-github",
+        dest="spatial_github",
+        default=None,
+        choices=GITHUB_MODES,
+        help="GitHub Actions annotations at the failing line of the model and a job summary "
+        "in $GITHUB_STEP_SUMMARY: auto (when GITHUB_ACTIONS=true), on or off (default: ini "
+        "spatial_github or auto)",
+    )
+    parser.addini("spatial_github", "default for --spatial-github (auto, on, off)", default="auto")
 
 
 def _add_run_options(group: pytest.OptionGroup) -> None:
