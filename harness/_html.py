@@ -30,9 +30,12 @@ body { font: 14px/1.45 system-ui, sans-serif; margin: 1.5em auto; max-width: 120
 h1 { font-size: 1.5em; margin-bottom: .2em; }
 h2 { font-size: 1.2em; border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 1.6em; }
 h3 { font-size: 1.05em; font-family: ui-monospace, monospace; word-break: break-all; }
+.wide { overflow-x: auto; }
 table { border-collapse: collapse; margin: .5em 0; }
 th, td { border: 1px solid #d0d0d0; padding: .25em .6em; text-align: left;
-         font-family: ui-monospace, monospace; font-size: 12.5px; vertical-align: top; }
+         font-family: ui-monospace, monospace; font-size: 12px; vertical-align: top;
+         overflow-wrap: break-word; }
+td.id { overflow-wrap: anywhere; min-width: 14em; }
 th { background: #f2f2f2; }
 pre { background: #f7f7f7; border: 1px solid #ddd; padding: .8em; overflow-x: auto;
       white-space: pre-wrap; font-size: 12.5px; }
@@ -94,16 +97,20 @@ def _e(text: object) -> str:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A table of already-escaped cells."""
+    """A table of already-escaped cells; the first column a test id, broken anywhere."""
     head = "".join(f"<th>{h}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    body = "".join(
+        f'<tr><td class="id">{r[0]}</td>' + "".join(f"<td>{c}</td>" for c in r[1:]) + "</tr>"
+        for r in rows
+    )
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f'<div class="wide">{table}</div>'
 
 
 def _verdict(ok: bool, problems: Sequence[str] = ()) -> str:
     if ok:
         return '<span class="ok">equivalent</span>'
-    return f'<span class="bad">MISMATCH: {_e(",".join(problems))}</span>'
+    return f'<span class="bad">MISMATCH: {_e(", ".join(problems))}</span>'
 
 
 def _tally(outcomes: dict[str, str], exitstatus: int) -> str:
@@ -173,9 +180,13 @@ def _figure(fig: Figure) -> str:
 
 
 def _failure(f: FailedTest, anchor: str) -> str:
+    """The test's report: its first paragraph (the verdict, the first divergence), the
+    pictures, then the rest (the table, what to do)."""
     where = "" if f.when == "call" else f" ({_e(f.when)})"
     figures = "".join(_figure(fig) for fig in f.figures)
-    return f'<section id="{anchor}"><h3>{_e(f.nodeid)}{where}</h3><pre>{_e(f.text)}</pre>{figures}</section>'
+    head, blank, rest = f.text.partition("\n\n")
+    body = f"<pre>{_e(head)}</pre>{figures}" + (f"<pre>{_e(rest)}</pre>" if blank else "")
+    return f'<section id="{anchor}"><h3>{_e(f.nodeid)}{where}</h3>{body}</section>'
 
 
 def render_page(page: Page) -> str:

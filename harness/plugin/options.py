@@ -352,7 +352,9 @@ def _parse_report(config: pytest.Config) -> Path | None:
     else:
         existing = next(p for p in path.parents if p.exists())  # the root at least
         if not existing.is_dir():
-            problem = f"cannot be written: {existing} is a file, not a directory; choose another path"
+            problem = (
+                f"cannot be written: {existing} is a file, not a directory; choose another path"
+            )
         elif not os.access(existing, os.W_OK | os.X_OK):
             problem = f"cannot be written: {existing} is not writable; choose another path"
     if problem:

@@ -98,8 +98,9 @@ def test_the_page_holds_the_summary_each_failure_its_pictures_and_nothing_from_o
     _, text, junit = session_page
     # the summary: every check's row, the sweep's row; each failure's report
     for test in ("test_scale_is_equivalent", "test_sfno_per_rank_noise", "test_sfno_rollout"):
-        assert f"<td>test_session.py::{test}</td>" in text
-    assert "<td>test_session.py::test_scale_unsynced_sweep</td><td>Scale</td><td>2</td>" in text
+        assert f'<td class="id">test_session.py::{test}</td>' in text
+    sweep = '<td class="id">test_session.py::test_scale_unsynced_sweep</td><td>Scale</td><td>2</td>'
+    assert sweep + "<td>1</td>" in text  # 1 passed, then the failing count
     assert text.count('<section id="failure-') == 3
     assert "First divergent step: step 0 of 3" in text
     assert "smallest failing layout" in text.lower()
@@ -132,7 +133,7 @@ def test_the_page_opens_in_a_headless_browser_with_no_console_error_its_maps_dra
     console = [line for line in loaded.stderr.splitlines() if ":CONSOLE" in line]
     assert loaded.returncode == 0 and not console, loaded.stderr[-3000:]
     pixels = matplotlib.image.imread(shot)[..., :3].reshape(-1, 3)
-    colours = len({tuple(p) for p in pixels[:: 7].tolist()})
+    colours = len({tuple(p) for p in pixels[::7].tolist()})
     assert colours > 50, colours  # text on white has a few greys; the maps have many colours
     # a copy that says, once loaded, how wide each picture decoded: every one drew
     probe = tmp_path / "probe.html"
@@ -142,8 +143,9 @@ def test_the_page_opens_in_a_headless_browser_with_no_console_error_its_maps_dra
         "</script></body>"
     )
     probe.write_text(
-        text.replace("default-src 'none';", "default-src 'none'; script-src 'unsafe-inline';")
-        .replace("</body>", script)
+        text.replace(
+            "default-src 'none';", "default-src 'none'; script-src 'unsafe-inline';"
+        ).replace("</body>", script)
     )
     dom = _chromium(probe, "--dump-dom").stdout
     found = re.search(r'data-widths="([^"]*)"', dom)
