@@ -111,6 +111,7 @@ def test_the_page_holds_the_summary_each_failure_its_pictures_and_nothing_from_o
     assert any(c.startswith("test_session.test_sfno_per_rank_noise.") for c in captions)
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', text)
     assert len(images) == len(captions) >= 3
+    assert len(set(captions)) == len(captions), captions  # each drawn once, not per phase
     assert all(base64.b64decode(data)[:8] == PNG for data in images)
     # nothing to fetch, nothing to run
     assert not re.search(r'(src|href)="(?!data:|#)', text)
