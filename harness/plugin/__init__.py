@@ -8,6 +8,7 @@ that work without pytest. One job per module:
 - ``options``: the options' declarations, and ``Settings``, parsed and checked once;
 - ``fixtures``: ``spatial`` and ``golden``, and what a test sees of them;
 - ``session``: the session's summary (goldens, the equivalence table), on the controller;
+- ``html_report``: ``--spatial-report``'s page, drawn where tests run, written on the controller;
 - ``launched``: torchrun/srun mode, a plugin object registered only under a launcher;
 - ``github``: GitHub Actions annotations and job summary, JUnit properties;
 - this module: configure, the header, closing the pools.
@@ -93,6 +94,10 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     _register_mutants(config, settings)
     github.register(config)  # JUnit properties; GitHub Actions annotations and summary
+    if settings.report is not None:
+        from harness.plugin.html_report import HtmlReport
+
+        config.pluginmanager.register(HtmlReport(config, settings.report), "harness-report")
     session = HarnessSession(
         GoldenStore(settings.golden_dir, update=settings.update_goldens),
         show_unused=settings.goldens_unused,

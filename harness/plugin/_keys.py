@@ -21,3 +21,5 @@ _skipped_key = pytest.StashKey[bool]()
 # Results travel from xdist workers to the controller as user_properties of test reports.
 _GOLDEN_PROP = "harness_golden"
 _EQUIV_PROP = "harness_equivalence"
+# --spatial-report's pictures and sweep rows: taken off the reports on the controller
+_REPORT_PROP = "harness_report"

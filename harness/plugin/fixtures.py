@@ -34,6 +34,8 @@ from harness.plugin._keys import (
     _skipped_key,
 )
 from harness.plugin.github import record_check, record_sweep
+from harness.plugin.html_report import defer_figures
+from harness.plugin.html_report import record_sweep as page_sweep
 from harness.plugin.mutants import collect_sites
 from harness.plugin.session import _session_key
 from harness.pool import (
@@ -177,7 +179,24 @@ class SpatialFixture:
                 lambda: write_rollout_curve(report, plots, self._node.nodeid),
             )
             text += f"\n\nRollout error curve: {curve}"
+        defer_figures(self._node, lambda out: self._figures(report, out))
         return text
+
+    def _figures(self, report: EquivalenceReport, directory: str) -> list[str]:
+        """A failing report's pictures drawn under ``directory`` (for ``--spatial-report``):
+        paths, or ``Not plotted:`` lines."""
+        nodeid = self._node.nodeid
+        figures = write_error_maps(report, directory, nodeid) if report.field_errors else []
+        if report.field_errors and not figures:
+            names = sorted({repr(fe.name) for fe in report.field_errors})
+            figures.append(
+                f"Not plotted: field {', '.join(names)} (neither on a lat x lon grid nor in "
+                "HEALPix cells: no map to draw)"
+            )
+        if report.rollout is not None and report.rollout.curve:
+            curve = lambda: write_rollout_curve(report, directory, nodeid)  # noqa: E731
+            figures.append(_drawn("the rollout error curve", curve))
+        return figures
 
     def check_layouts(
         self,
@@ -220,7 +239,9 @@ class SpatialFixture:
                 **kwargs,
             )
         record_sweep(self._node, report, case)
+        page_sweep(self._node, report)
         if not report.ok:
+            defer_figures(self._node, lambda out: self._layout_figures(report, out))
             text = str(report)
             plots = self._node.config.getoption("spatial_plots")
             if plots:  # the map as a picture too
@@ -230,6 +251,14 @@ class SpatialFixture:
                 text += f"\n\nLayout map: {path}"
             pytest.fail(text, pytrace=False)
         return report
+
+    def _layout_figures(self, report: LayoutsReport, directory: str) -> list[str]:
+        """A failing sweep's pictures: its layout map, then the smallest failing layout's."""
+        stem = golden_stem(self._node.nodeid).replace("/", ".")
+        out = Path(directory) / f"{stem}.layouts.png"
+        figures = [_drawn("the layout map", lambda: str(report.plot(out)))]
+        smallest = report.smallest_report
+        return figures + (self._figures(smallest, directory) if smallest is not None else [])
 
     def _check_layout_ranks(self, top: int) -> None:
         """Fail the test when this machine cannot run ``top`` ranks (without

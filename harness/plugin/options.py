@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,14 @@ def _add_run_options(group: pytest.OptionGroup) -> None:
         default=None,
         metavar="DIR",
         help="write a PNG error map of each failing field to DIR (needs matplotlib)",
+    )
+    group.addoption(
+        "--spatial-report",
+        dest="spatial_report",
+        default=None,
+        metavar="PATH",
+        help="at session end, write one self-contained HTML page to PATH: the summary, and "
+        "each failure's report with its error maps, rollout curve and layout map",
     )
     group.addoption(
         "--spatial-deadlock-window",
@@ -278,6 +287,8 @@ class Settings:
     layouts: int | None = None
     #: remove unused goldens after a whole, passing run
     goldens_prune: bool = False
+    #: --spatial-report: the HTML page to write at session end (None: none)
+    report: Path | None = None
 
     @classmethod
     def parse(cls, config: pytest.Config) -> Settings:
@@ -325,6 +336,7 @@ class Settings:
             calibrate=bool(config.getoption("spatial_calibrate")),
             layouts=_parse_layouts(config.getoption("spatial_layouts"), oversubscribe),
             goldens_prune=bool(config.getoption("goldens_prune")),
+            report=_parse_report(config),
         )
 
 
@@ -343,6 +355,29 @@ def _parse_layouts(raw: object, oversubscribe: bool) -> int | None:
     except ConfigError as exc:
         raise pytest.UsageError(f"--spatial-layouts {text}: {exc}") from None
     return int(text)
+
+
+def _parse_report(config: pytest.Config) -> Path | None:
+    """``--spatial-report PATH``: a file whose directory exists or can be made, checked now
+    rather than after the whole session has run."""
+    raw = config.getoption("spatial_report")
+    if raw is None:
+        return None
+    path = Path(config.invocation_params.dir) / str(raw)
+    problem = ""
+    if not str(raw).strip() or path.is_dir():
+        problem = "is a directory; name the HTML file, e.g. --spatial-report=out/spatial.html"
+    else:
+        existing = next(p for p in path.parents if p.exists())  # the root at least
+        if not existing.is_dir():
+            problem = (
+                f"cannot be written: {existing} is a file, not a directory; choose another path"
+            )
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            problem = f"cannot be written: {existing} is not writable; choose another path"
+    if problem:
+        raise pytest.UsageError(f"--spatial-report {raw}: {problem}")
+    return path
 
 
 def _parse_min_score(raw: str | float | None, mutants: bool) -> float | None:
