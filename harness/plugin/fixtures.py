@@ -496,7 +496,6 @@ def write_error_maps(report: EquivalenceReport, directory: str, nodeid: str) -> 
     ``Not plotted:`` line for a field whose map could not be drawn (a picture is a diagnosis:
     it never takes the verdict down)."""
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     stem = golden_stem(nodeid).replace("/", ".")
     from harness import _plots as plots
 

@@ -312,3 +312,23 @@ def test_cells_not_owned_in_rank_order_are_a_not_plotted_line_naming_the_cell(tm
     assert line.startswith(
         "Not plotted: field 'p', step 0 (ValueError: cell 2 belongs to rank 0 but cell 1 to rank 1"
     ), line
+
+
+def test_a_plots_directory_that_cannot_be_made_is_a_not_plotted_line_per_field(tmp_path):
+    import torch
+
+    from harness.plugin import write_error_maps
+    from harness.report import FieldError
+
+    blocked = tmp_path / "maps"
+    blocked.write_text("a file where the directory should be")
+    report = _report()
+    owners = torch.arange(12) // 3
+    report.field_errors = [
+        FieldError(n, 0, 0, torch.rand(12), owners, (3, 4), "position") for n in "tu"
+    ]
+    lines = write_error_maps(report, str(blocked), "tests/x.py::test_blocked")
+    assert [line.split(" (")[0] for line in lines] == [
+        "Not plotted: field 't', step 0",
+        "Not plotted: field 'u', step 0",
+    ]
