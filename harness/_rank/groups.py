@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from harness._frames import MODEL_PACKAGES, PACKAGE, standard_library
+from harness._frames import MODEL_PACKAGES, PACKAGE, plumbing, standard_library
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -42,10 +42,13 @@ _LISTED = 8
 def made_by(frame: FrameType | None) -> str:
     """``"new_group at model.py:42"``: walking ``frame`` outwards, the innermost frame of
     model code, and the function it called (torch's, or the harness's library's, such as
-    ``Topology.grid``). ``""`` when no model code made it (the harness's own groups)."""
+    ``Topology.grid``). ``""`` when no model code made it: the harness's own groups (a
+    plumbing frame, such as the rank's run of a case making its ``Topology``, comes first)."""
     callee: FrameType | None = None
     while frame is not None:
         path = frame.f_code.co_filename
+        if plumbing(path):
+            return ""
         if not standard_library(path):
             model = not path.startswith(PACKAGE) or path.startswith(_MODELS)
             if model and not path.startswith(_TORCH):

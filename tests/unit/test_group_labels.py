@@ -47,8 +47,12 @@ def test_the_maker_is_the_function_the_model_line_called_not_the_decorator_s_wra
     assert made == f"new_group at test_group_labels.py:{line}"
 
 
-def test_a_group_no_model_code_made_has_no_maker(torch_like):
+def test_a_group_no_model_code_made_has_no_maker(torch_like, monkeypatch):
     assert torch_like["_new_process_group_helper"](lambda frame: groups.made_by(None)) == ""
+    # made from the harness's plumbing (its Topology for a run): no model line to name
+    here = __file__
+    monkeypatch.setattr(groups, "plumbing", lambda path: path == here)
+    assert torch_like["new_group"](groups.made_by) == ""
 
 
 def test_a_group_is_named_by_its_ranks_and_its_maker_and_the_world_group_as_such(monkeypatch):
