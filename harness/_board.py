@@ -56,6 +56,7 @@ _FIELDS = (
     ("dtype", "16s"),
     ("site", "160s"),
     ("phase", "64s"),
+    ("label", "96s"),  # the group as the user made it (harness._deadlock.Op.label)
 )
 _BODY = struct.Struct("<" + "".join(code for _, code in _FIELDS))
 _AT = {name: i for i, (name, _) in enumerate(_FIELDS)}
@@ -88,6 +89,7 @@ class Slot:
     dtype: str = ""
     site: str = ""  # "model.py:41 in halo": where the user's code issued the operation
     phase: str = ""  # the last phase the rank reported ("step 0 forward")
+    label: str = ""  # the group as the user made it: "the group of ranks [0, 1] (...)"
 
     @property
     def waiting(self) -> bool:
@@ -160,6 +162,7 @@ def _slot(raw: tuple[Any, ...]) -> Slot:
         dtype=_text(f["dtype"]),
         site=_text(f["site"]),
         phase=_text(f["phase"]),
+        label=_text(f["label"]),
     )
 
 
@@ -175,7 +178,7 @@ class Writer:
         self._map, self._off = board._map, rank * SLOT
         (self._version,) = _HEAD.unpack_from(self._map, self._off)
         self._version += self._version % 2
-        self._fields: list[Any] = [0, 0, -1, 0.0, 0.0, 0, 0, -1, 0, -1, 0, 0] + [b""] * 5
+        self._fields: list[Any] = [0, 0, -1, 0.0, 0.0, 0, 0, -1, 0, -1, 0, 0] + [b""] * 6
 
     @property
     def since(self) -> float:
@@ -208,6 +211,7 @@ class Writer:
         op: str,
         dtype: str,
         site: str,
+        label: str = "",
     ) -> None:
         """The main thread begins to wait on an operation."""
         f = self._fields
@@ -223,6 +227,7 @@ class Writer:
             members,
         ]
         f[12:16] = [s.encode("utf-8", "replace") for s in (group, op, dtype, site)]
+        f[_AT["label"]] = label.encode("utf-8", "replace")
         self._flush()
 
     def leave(self, now: float, state: State = State.RUNNING) -> None:

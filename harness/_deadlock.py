@@ -84,11 +84,18 @@ class Op:
     numel: int | None = None
     dtype: str = ""
     site: str = ""
+    #: the group as the user made it, written by its rank (``"the group of ranks [0, 1]
+    #: (new_group at model.py:42)"``, ``"the world group"``); ``""``: only its id is known
+    label: str = ""
+
+    def group_text(self) -> str:
+        """The group in a message: its label, else ``"group 4"`` (torch's id)."""
+        return self.label or f"group {self.group}"
 
     def describe(self) -> str:
-        """``"all_reduce #3 on group 0 (1 float32) at model.py:12 in halo"``."""
+        """``"all_reduce #3 on the world group (1 float32) at model.py:12 in halo"``."""
         if self.kind == Kind.COLLECTIVE:
-            text = f"{self.op} #{self.index} on group {self.group}"
+            text = f"{self.op} #{self.index} on {self.group_text()}"
         else:
             where = "to" if self.kind == Kind.SEND else "from"
             peer = "any rank" if self.peer == ANY_SOURCE else f"rank {self.peer}"
@@ -312,7 +319,7 @@ def _why_not(other: RankView, wait: Op, rank: int) -> str:
             n = c.collectives_on(wait.group)
             return (
                 f"rank {other.rank} never entered it: it {state} after {n} "
-                f"collective{'s' if n != 1 else ''} on group {wait.group}"
+                f"collective{'s' if n != 1 else ''} on {wait.group_text()}"
             )
         if wait.kind == Kind.RECV:
             n = c.sent_to(wait.group, rank, wait.tag)
@@ -340,14 +347,21 @@ def _blocked_witnesses(
             theirs = other.counts.collectives_on(group)
             if theirs < n:
                 state = "returned" if other.status == Status.RETURNED else "died"
+                on = _group_text(mine, group)
                 return (
                     f"is blocked inside torch ({view.where}) having issued {n} collective"
-                    f"{'s' if n != 1 else ''} on group {group} (from Python or C++, e.g. "
+                    f"{'s' if n != 1 else ''} on {on} (from Python or C++, e.g. "
                     f"DDP's gradient all-reduce); rank {m} {state} after {theirs}: the "
                     f"collective #{theirs + 1} can never complete",
                     (m,),
                 )
     return None
+
+
+def _group_text(counts: Counts, group: str) -> str:
+    """A group known by its id only: named by the label of a collective issued there."""
+    op = next((op for (g, _), op in counts.issued.items() if g == group and op.label), None)
+    return f"group {group}" if op is None else op.label
 
 
 def _mismatch(
@@ -423,7 +437,7 @@ def skipped_by(rank: int, wait: Op, members: Sequence[RankView]) -> list[tuple[i
                     (
                         v.rank,
                         f"rank {v.rank} never entered it: it {state} after {n} "
-                        f"collective{'s' if n != 1 else ''} on group {wait.group}",
+                        f"collective{'s' if n != 1 else ''} on {wait.group_text()}",
                     )
                 )
                 continue
@@ -442,7 +456,7 @@ def skipped_by(rank: int, wait: Op, members: Sequence[RankView]) -> list[tuple[i
             (
                 v.rank,
                 f"rank {v.rank} {doing} that collective as {theirs.shape_text()}{where}: the "
-                f"ranks disagree on which collective #{wait.index} on group {wait.group} is "
+                f"ranks disagree on which collective #{wait.index} on {wait.group_text()} is "
                 f"(rank {v.rank} skipped one, or added one, before it)",
             )
         )

@@ -7,7 +7,12 @@ Two pictures, one per partition family:
   boundaries drawn and each block labelled with its rank;
 - ``plot_healpix_error``: the same for HEALPix cells (NESTED), in healpy's Mollweide
   projection, with the boundaries between the ranks' cell ranges drawn and a second panel
-  showing which rank owns each cell.
+  showing which rank owns each cell;
+- ``plot_positions_error``: any other one-dimensional field, the error per position over a
+  strip of the rank owning each position.
+
+``plot_field_error`` picks one for a failing field of a report (``FieldError``): every field
+gets a map, whatever its layout, each level of a multi-level model at its own nside.
 
 Both draw on a ``matplotlib.figure.Figure`` with the Agg canvas: no display, no pyplot, and
 the process's matplotlib backend is left alone (a notebook or a test session keeps its own).
@@ -36,7 +41,9 @@ if TYPE_CHECKING:
     from matplotlib.colors import Colormap
     from matplotlib.figure import Figure
 
-__all__ = ["plot_healpix_error", "plot_latlon_error"]
+    from harness._records import FieldError
+
+__all__ = ["plot_field_error", "plot_healpix_error", "plot_latlon_error", "plot_positions_error"]
 
 _CMAP = "magma_r"  # zero error is pale yellow; the larger the error, the darker
 _NONFINITE = "#00c000"  # NaN or inf differences: a colour the error colormap never uses
@@ -355,3 +362,142 @@ def _label_xy(
 def _ellipse(ax: Axes) -> None:
     t = np.linspace(0, 2 * np.pi, 361)
     ax.plot(2 * np.cos(t), np.sin(t), color="0.3", linewidth=0.8)
+
+
+def plot_field_error(
+    fe: FieldError,
+    path: str | os.PathLike[str],
+    *,
+    title: str,
+    spatial_size: int,
+    latitudes: npt.ArrayLike | None = None,
+) -> Path:
+    """Save the map of one failing field of a report, whatever its layout; return the path.
+
+    A ``Shard.grid`` field: ``plot_latlon_error``. Cells (``Shard(..., unit="cell")``), or
+    positions whose count is a HEALPix map's (``12 * nside**2``, said in the title, since
+    ``unit="cell"`` was not): ``plot_healpix_error`` at that field's own nside, so each level
+    of a multi-level model gets its own map. Anything else: ``plot_positions_error``. Ranks
+    are numbered within the field's spatial group (``fe.data_group``).
+    """
+    err, owners = fe.error.numpy(), fe.owners.numpy()
+    if fe.grid is not None:
+        rows, cols = fe.grid
+        grid = owners.reshape(rows, cols)
+        return plot_latlon_error(
+            err.reshape(rows, cols),
+            path,
+            lat_sizes=_run_lengths(grid[:, 0]),
+            lon_sizes=_run_lengths(grid[0, :]),
+            title=title,
+            latitudes=latitudes,
+        )
+    # owners are global ranks; a data group's spatial ranks start at this one
+    local = owners - fe.data_group * spatial_size
+    nside = _healpix_nside(err.size)
+    if fe.unit == "cell" or nside:
+        bounds = _cell_bounds(local, spatial_size)
+        if fe.unit != "cell":
+            title += f"\n(its {err.size} positions read as HEALPix cells: nside {nside}, NESTED)"
+        return plot_healpix_error(err, path, bounds=bounds, title=title)
+    return plot_positions_error(err, path, owners=local, title=title, unit=fe.unit)
+
+
+def _healpix_nside(size: int) -> int:
+    """The nside of a HEALPix map of ``size`` cells (``12 * nside**2``); 0 for any other."""
+    nside = round((size / 12) ** 0.5) if size >= 12 else 0
+    return nside if nside and 12 * nside * nside == size else 0
+
+
+def _cell_bounds(owners: np.ndarray, ranks: int) -> list[int]:
+    """The ``CellPartition`` bounds of cells owned rank by rank in contiguous ranges."""
+    if owners.size and (owners.min() < 0 or owners.max() >= ranks):
+        raise ValueError(
+            f"cells owned by ranks {sorted(set(owners.tolist()))[:8]} outside 0..{ranks - 1}"
+        )
+    steps = np.flatnonzero(np.diff(owners) < 0)
+    if steps.size:
+        c = int(steps[0]) + 1
+        raise ValueError(
+            f"cell {c} belongs to rank {int(owners[c])} but cell {c - 1} to rank "
+            f"{int(owners[c - 1])}: the ranks' cells are not contiguous NESTED ranges in rank "
+            "order, which the map's rank panel draws"
+        )
+    return [0, *np.cumsum(np.bincount(owners, minlength=ranks)).tolist()]
+
+
+def _run_lengths(values: np.ndarray) -> list[int]:
+    """Lengths of the runs of equal values: ``[0, 0, 1, 1, 1] -> [2, 3]``."""
+    lengths: list[int] = []
+    for i, v in enumerate(values):
+        if i and v == values[i - 1]:
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    return lengths
+
+
+def plot_positions_error(
+    error: npt.ArrayLike,
+    path: str | os.PathLike[str],
+    *,
+    owners: npt.ArrayLike,
+    title: str,
+    unit: str = "position",
+) -> Path:
+    # long: one figure, two panels (error, owning rank), drawn top to bottom
+    """Save the error per position of a one-dimensional field over a strip of the rank
+    owning each position; return the path.
+
+    ``error`` is a (n,) array of ``|partitioned - reference|``, ``owners`` the spatial rank
+    of each position (any order: a rank may own several runs). Non-finite differences are
+    drawn in green.
+    """
+    values = np.abs(np.asarray(error, dtype=np.float64)).reshape(-1)
+    owner = np.asarray(owners, dtype=np.int64).reshape(-1)
+    if owner.shape != values.shape:
+        raise ConfigError(
+            f"plot_positions_error: {values.size} errors but {owner.size} owners; give the "
+            "owning rank of every position"
+        )
+    vmax, note = _scale(values)
+    fig = _figure(10.0, 3.6)
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+
+    ax, strip = fig.subplots(2, 1, sharex=True, height_ratios=[4, 1])
+    shown = np.where(np.isfinite(values), values, np.nan)
+    ax.stairs(shown, np.arange(values.size + 1), color="black", linewidth=1.5)
+    for p in np.flatnonzero(~np.isfinite(values)):
+        ax.axvspan(p, p + 1, color=_NONFINITE, alpha=0.6)
+    worst = _worst(values)
+    if worst is not None:
+        ax.plot(
+            worst + 0.5,
+            vmax if not np.isfinite(values[worst]) else values[worst],
+            "x",
+            color="#00a0ff",
+            markersize=10,
+            mew=2,
+        )
+        note += f" at {unit} {worst} on rank {int(owner[worst])}"
+    ax.set_ylim(0, vmax * 1.1)
+    ax.set_ylabel("|partitioned − reference|")
+    ax.set_title(f"{title}\n{note}", fontsize=11)
+    ranks = int(owner.max(initial=0)) + 1
+    strip.imshow(
+        owner[None, :],
+        cmap=ListedColormap([_rank_colour(r) for r in range(ranks)]),
+        norm=BoundaryNorm(np.arange(ranks + 1) - 0.5, ranks),
+        extent=(0, values.size, 0, 1),
+        aspect="auto",
+        interpolation="nearest",
+    )
+    runs = np.flatnonzero(np.diff(owner)) + 1
+    for start, stop in zip([0, *runs], [*runs, values.size], strict=True):
+        _rank_label(strip, (start + stop) / 2, 0.5, int(owner[start]), fontsize=8)
+    for b in runs:
+        ax.axvline(b, color=_BOUNDARY, linewidth=1.2)
+    strip.set_yticks([])
+    strip.set_xlim(0, values.size)
+    strip.set_xlabel(f"{unit} (owning rank below)")
+    return _save(fig, path)

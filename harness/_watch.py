@@ -323,6 +323,7 @@ def _slot_op(slot: Slot) -> Op | None:
         slot.numel,
         slot.dtype,
         slot.site,
+        slot.label,
     )
 
 
@@ -360,8 +361,8 @@ def name_the_stuck(run: RunState, verdict: Verdict | None) -> NoReturn:
                 else " (not proven part of the deadlock: its wait was not seen in time)"
             )
             if slot.run_id == run.run_id and slot.state == State.WAITING:
-                why += (
-                    f"; waiting since {slot.since - run.t0:.2f}s in {slot.op} on group {slot.group}"
+                why += f"; waiting since {slot.since - run.t0:.2f}s in {slot.op} on " + (
+                    slot.label or f"group {slot.group}"
                 )
                 if slot.site:
                     why += f" at {slot.site}"
@@ -409,13 +410,13 @@ def _culprit(run: RunState, rank: int, verdict: Verdict) -> RankProblem:
     waiting = ", ".join(str(s.rank) for s in verdict.stuck if rank in s.waits_for)
     report = run.reports.get(rank)
     counts = report.counts if report else None
-    waited_on = sorted({s.group for s in _waits(run, verdict) if s})
+    waited_on = {s.group: s.group_text() for s in _waits(run, verdict) if s}
     did = ""
     if counts is not None and waited_on:
         did = " having issued " + ", ".join(
             f"{counts.collectives_on(g)} collective{'s' if counts.collectives_on(g) != 1 else ''}"
-            f" on group {g}"
-            for g in waited_on
+            f" on {waited_on[g]}"
+            for g in sorted(waited_on)
         )
     if verdict.kind == "mismatch":
         summary = (

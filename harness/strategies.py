@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
@@ -26,8 +26,10 @@ from harness.layouts import layouts as _all_layouts
 from harness.partition import CellPartition, LatLonPartition, cell_of
 
 __all__ = [
+    "PHASES",
     "ObservationSet",
     "cell_partitions",
+    "check_settings",
     "latlon_partitions",
     "layouts",
     "observation_sets",
@@ -404,11 +406,51 @@ def _observations(nside: int, depth: int, drawn: list[_Point], channels: int) ->
 # ---------------------------------------------------------------------- profiles
 
 
+#: Hypothesis's phases but ``Phase.explain``: after shrinking, explain reruns the failing
+#: example once per choice it made, to say which parts of it matter; with an equivalence
+#: check per example that is most of the time (92 reruns, 300 of 351 s, on one HEALPix bug)
+#: for a diagnosis the report itself already gives.
+PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
+
+
+def check_settings(max_examples: int = 10, **overrides: object) -> settings:
+    """Hypothesis settings for a test whose examples are equivalence checks (seconds each).
+
+    Reproducible: ``derandomize=True`` and no example database, so every run draws the same
+    examples and shrinks a failure to the same one (a database replays what an earlier run
+    found, so two runs, or two machines, could report different examples). Fast: no
+    explain phase (``PHASES``), ``max_examples=10``, no deadline (an example's time depends
+    on the machine's load), and no health check that a pool fixture or slow examples trip.
+    ``overrides`` go to ``hypothesis.settings`` as they are. Use it as the decorator:
+
+    >>> from hypothesis import given, strategies as st
+    >>> @check_settings(max_examples=3)
+    ... @given(st.integers(0, 3))
+    ... def test_even(n):
+    ...     assert n < 10
+    >>> test_even()
+    """
+    fields: dict[str, object] = {
+        "max_examples": max_examples,
+        "deadline": None,
+        "derandomize": True,
+        "database": None,
+        "phases": PHASES,
+        "suppress_health_check": [
+            HealthCheck.too_slow,
+            HealthCheck.function_scoped_fixture,
+        ],
+    }
+    fields.update(overrides)
+    return settings(**fields)  # type: ignore[arg-type]
+
+
 def register_profiles() -> None:
     """Register the Hypothesis settings profiles ``ci``, ``dev`` and ``thorough``.
 
     ``ci`` is reproducible (derandomized) and prints the blob to replay a failure; none has a
-    deadline, since a distributed example's time depends on the machine's load.
+    deadline, since a distributed example's time depends on the machine's load, and none
+    runs the explain phase (``PHASES``: it reruns a failing check dozens of times).
     Load one with ``settings.load_profile(name)`` or ``--hypothesis-profile=name``.
     """
     settings.register_profile(
@@ -417,7 +459,8 @@ def register_profiles() -> None:
         max_examples=25,
         derandomize=True,
         print_blob=True,
+        phases=PHASES,
         suppress_health_check=[HealthCheck.too_slow],
     )
-    settings.register_profile("dev", deadline=None, max_examples=10)
-    settings.register_profile("thorough", deadline=None, max_examples=250)
+    settings.register_profile("dev", deadline=None, max_examples=10, phases=PHASES)
+    settings.register_profile("thorough", deadline=None, max_examples=250, phases=PHASES)

@@ -46,6 +46,7 @@ from harness._frames import PACKAGE, plumbing, standard_library, user_site
 from harness._mutation.catalogue import MutantKind
 from harness._mutation.inject import INJECTOR
 from harness._mutation.mode import OFF, MutantMode
+from harness._rank import groups as group_labels
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Work
@@ -155,6 +156,8 @@ class Tracker:
     live: dict[int, Issued] = field(default_factory=dict)  # id(work) -> not yet waited on
     groups: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     members: dict[str, int] = field(default_factory=dict)  # group -> board.members_bits
+    #: group -> its name in messages: ranks and the call that made it (``_rank.groups``)
+    labels: dict[str, str] = field(default_factory=dict)
     #: floating dtypes that went through an operation: dtype -> the first ("an all_reduce at
     #: model.py:42"), what a precision hint needs as evidence (``RunRecord.dtypes``)
     dtypes: dict[str, str] = field(default_factory=dict)
@@ -172,6 +175,7 @@ class Tracker:
         self.live.clear()
         self.groups.clear()
         self.members.clear()
+        self.labels.clear()
         self.dtypes.clear()
         self.reliable = True
         self.base = {name: seq for name, (seq, _) in group_sequence_numbers().items()}
@@ -278,7 +282,8 @@ class Tracker:
             index = sequence_number(pg) - self.base.get(group, 0) - self.p2p[group]
             if method in _BLOCKING:
                 index += 1  # noted before the call: torch has not counted it yet
-            op = Op(kind, group, name, index, numel=numel, dtype=dtype, site=site)
+            label = self.labels.get(group, "")
+            op = Op(kind, group, name, index, numel=numel, dtype=dtype, site=site, label=label)
             self.issued[(group, index)] = op
             self.seen[group] += 1
             self.issued.pop((group, index - 64), None)  # recent ones only
@@ -294,7 +299,9 @@ class Tracker:
             counter = self.sends if kind == Kind.SEND else self.recvs
             counter[(group, peer, tag)] += 1
             index = counter[(group, peer, tag)]
-            op = Op(kind, group, name, index, peer, tag, numel, dtype, site)
+            op = Op(
+                kind, group, name, index, peer, tag, numel, dtype, site, self.labels.get(group, "")
+            )
         if work is not None:
             if len(self.live) > 512:  # keep only what may still matter
                 self.live = {
@@ -317,6 +324,8 @@ class Tracker:
             known = (group_name(pg), tuple(dist.get_process_group_ranks(pg)))
             self.groups[id(pg)] = known
             self.members[known[0]] = members_bits(known[1])
+            world = pg is dist.group.WORLD
+            self.labels[known[0]] = group_labels.label(known[0], known[1], world)
         return known
 
     def _site(self) -> str:
@@ -373,6 +382,7 @@ class Tracker:
                 op=op.op,
                 dtype=op.dtype,
                 site=op.site,
+                label=op.label,
             )
 
     def waited(self, issued: Issued, ok: bool) -> None:
@@ -474,6 +484,7 @@ def install() -> Tracker:
             if original is not None:
                 setattr(Work, method, _claim(original))
         INJECTOR.install_ddp(TRACKER._site)
+        group_labels.watch_creation(ProcessGroup)
         _DONE = True
     return TRACKER
 

@@ -10,12 +10,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pytest
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 from harness._launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch
 from harness._mutation.mode import current as mutant_mode
-from harness._records import FieldError
 from harness.compare import Bound, Tolerance
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError, GoldenError, exception_summary
@@ -530,18 +528,26 @@ def write_error_maps(report: EquivalenceReport, directory: str, nodeid: str) -> 
     ``Not plotted:`` line for a field whose map could not be drawn (a picture is a diagnosis:
     it never takes the verdict down)."""
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     stem = golden_stem(nodeid).replace("/", ".")
+    from harness import _plots as plots
+
     paths = []
     for fe in report.field_errors:
-        try:
-            path = _error_map(report, fe, out / f"{stem}.{fe.name}.step{fe.step}.png")
+        title = f"{report.case}: |partitioned - reference| of {fe.name!r}, step {fe.step}"
+        try:  # every field gets its map, whatever its layout, or says why not
+            path = plots.plot_field_error(
+                fe,
+                out / f"{stem}.{fe.name}.step{fe.step}.png",
+                title=title,
+                spatial_size=report.spatial_size,
+                latitudes=report.latitudes,
+            )
         except Exception as exc:  # noqa: BLE001 - any failure: said, and the report stands
             paths.append(
                 f"Not plotted: field {fe.name!r}, step {fe.step} ({exception_summary(exc)})"
             )
         else:
-            paths += [path] if path else []
+            paths.append(str(path))
     return paths
 
 
@@ -554,37 +560,6 @@ def _drawn(what: str, draw: Callable[[], str]) -> str:
         return f"Not plotted: {what} ({exception_summary(exc)})"
 
 
-def _error_map(report: EquivalenceReport, fe: FieldError, path: Path) -> str | None:
-    """Draw the error map of one failing field at ``path``; ``None`` where it has none (a
-    field neither on a lat x lon grid nor in HEALPix cells)."""
-    import numpy as np
-
-    from harness import _plots as plots
-
-    owners = fe.owners.numpy()
-    title = f"{report.case}: |partitioned - reference| of {fe.name!r}, step {fe.step}"
-    err = fe.error.numpy()
-    if fe.grid is not None:
-        rows, cols = fe.grid
-        grid = owners.reshape(rows, cols)
-        return str(
-            plots.plot_latlon_error(
-                err.reshape(rows, cols),
-                path,
-                lat_sizes=_run_lengths(grid[:, 0]),
-                lon_sizes=_run_lengths(grid[0, :]),
-                title=title,
-                latitudes=report.latitudes,
-            )
-        )
-    if fe.unit == "cell":
-        first = int(owners.min()) if owners.size else 0
-        counts = np.bincount(owners - first, minlength=report.spatial_size)
-        bounds = [0, *np.cumsum(counts).tolist()]
-        return str(plots.plot_healpix_error(err, path, bounds=bounds, title=title))
-    return None
-
-
 def write_rollout_curve(report: EquivalenceReport, directory: str, nodeid: str) -> str:
     """The rollout's per-step error curve of ``report`` as a PNG under ``directory``."""
     from harness.rollout import plot_rollout
@@ -594,17 +569,6 @@ def write_rollout_curve(report: EquivalenceReport, directory: str, nodeid: str) 
     path = Path(directory) / f"{stem}.rollout.png"
     title = f"{report.case}: rollout of {report.rollout.steps} steps"
     return str(plot_rollout(report.rollout, path, title=title))
-
-
-def _run_lengths(values: np.ndarray) -> list[int]:
-    """Lengths of the runs of equal values: ``[0, 0, 1, 1, 1] -> [2, 3]``."""
-    lengths: list[int] = []
-    for i, v in enumerate(values):
-        if i and v == values[i - 1]:
-            lengths[-1] += 1
-        else:
-            lengths.append(1)
-    return lengths
 
 
 def _golden_fixture(request: pytest.FixtureRequest) -> GoldenFixture:

@@ -12,6 +12,7 @@ measured in ``benchmarks/hangs.py``.
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -80,6 +81,12 @@ def empty_rank_skips_then_goes_on() -> None:
     dist.all_reduce(torch.ones(1))  # the next collective every rank makes (a loss)
 
 
+def hang_on_a_subgroup() -> None:
+    pair = dist.new_group([1, 2])  # the line the messages name as the group's maker
+    if dist.get_rank() == 1:  # rank 2 returns without its part
+        dist.all_reduce(torch.ones(1), group=pair)
+
+
 def _deadlock(spatial, fn) -> RankDeadlock:
     t0 = time.monotonic()
     with pytest.raises(RankDeadlock) as info:
@@ -95,7 +102,9 @@ def test_different_collectives_at_the_same_point_are_a_deadlock_naming_both(spat
     assert [p.rank for p in err.problems if p.kind == "deadlock"] == [0, 1, 2, 3]
     assert "they wait in a collective that members of its group entered as another one" in str(err)
     rank0 = next(p for p in err.problems if p.rank == 0)
-    assert rank0.summary.startswith("waits in all_reduce #1 on group 0 (3 elements float32)")
+    assert rank0.summary.startswith(
+        "waits in all_reduce #1 on the world group (3 elements float32)"
+    )
     assert "as broadcast 3 elements float32 at " in rank0.summary
     assert "in mismatched_operations" in rank0.summary  # both lines are named
     assert spatial.run(dist.get_rank) == [0, 1, 2, 3]  # only that run failed
@@ -123,7 +132,7 @@ def test_a_rank_gone_while_the_others_wait_in_work_wait_is_a_deadlock(spatial):
     assert err.returned == [1] and err.ranks == [0, 2, 3]
     stuck = [p for p in err.problems if p.kind == "deadlock"]
     assert all("in gone_while_others_wait_in_work_wait" in p.summary for p in stuck)
-    gone = "rank 1 never entered it: it returned after 0 collectives on group 0"
+    gone = "rank 1 never entered it: it returned after 0 collectives on the world group"
     assert all(p.summary.endswith(gone) for p in stuck)
 
 
@@ -172,8 +181,11 @@ def test_a_timeout_without_proof_blames_nobody(spatial):
     assert err.returned == [] and err.ranks == [0, 1, 2]
     assert "rank 3/4 (after " in str(err) and "Nothing proves a deadlock" in str(err)
     waiting = [p for p in err.problems if p.rank in (1, 2)]
+    lines, first = inspect.getsourcelines(_late_in_a_subgroup)
+    made = next(first + i for i, line in enumerate(lines) if "new_group" in line)
+    group = f"the group of ranks [0, 1, 2] (new_group at test_hangs.py:{made})"
     assert all(
-        "waiting since" in p.summary and "in all_reduce on group" in p.summary for p in waiting
+        "waiting since" in p.summary and f"in all_reduce on {group}" in p.summary for p in waiting
     )
 
 
@@ -336,3 +348,21 @@ def test_a_rank_that_skipped_a_collective_gloo_aborted_is_named_whichever_rank_d
     text = str(info.value)
     assert "(rank 3 skipped one, or added one, before it)" in text, text
     assert not any(f"(rank {r} skipped one" in text for r in (0, 1, 2)), text
+
+
+@pytest.mark.spatial_pool
+@pytest.mark.assumes_ranks(4)
+def test_a_hang_on_a_subgroup_names_the_group_by_its_ranks_and_the_line_that_made_it(spatial):
+    err = _deadlock(spatial, hang_on_a_subgroup)
+    lines, first = inspect.getsourcelines(hang_on_a_subgroup)
+    made = next(first + i for i, line in enumerate(lines) if "new_group" in line)
+    group = f"the group of ranks [1, 2] (new_group at test_hangs.py:{made})"
+    (stuck,) = [p for p in err.problems if p.kind == "deadlock"]
+    assert stuck.rank == 1
+    assert stuck.summary.startswith(f"waits in all_reduce #1 on {group} (1 element float32)")
+    assert stuck.summary.endswith(
+        f"rank 2 never entered it: it returned after 0 collectives on {group}"
+    )
+    culprit = next(p for p in err.problems if p.rank == 2)
+    assert f"having issued 0 collectives on {group}" in culprit.summary
+    assert "group 1" not in str(err) and "group 2" not in str(err)  # torch's ids: never shown

@@ -201,7 +201,7 @@ def test_a_skipped_collective_is_a_deadlock_found_long_before_the_timeout(spatia
     # the rank that returned is the culprit, by evidence: it never entered what they wait in
     assert err.returned == [3] and err.problems[0].rank == 3
     assert err.problems[0].summary.startswith("returned after ")
-    assert "having issued 0 collectives on group 0, while rank(s) 0, 1, 2 wait" in (
+    assert "having issued 0 collectives on the world group, while rank(s) 0, 1, 2 wait" in (
         err.problems[0].summary
     )
     assert str(err).startswith("run deadlocked on rank 0/4, 1/4, 2/4 (found ")
@@ -211,10 +211,12 @@ def test_a_skipped_collective_is_a_deadlock_found_long_before_the_timeout(spatia
     for problem in waiting:
         assert "skip_collective_on" in problem.detail  # each waiting rank's stack
         assert "all_reduce" in problem.detail
-        assert problem.summary.startswith("waits in all_reduce #1 on group 0 (1 element float32)")
+        assert problem.summary.startswith(
+            "waits in all_reduce #1 on the world group (1 element float32)"
+        )
         assert "test_pool.py:" in problem.summary  # the line that issued it
         assert problem.summary.endswith(
-            "rank 3 never entered it: it returned after 0 collectives on group 0"
+            "rank 3 never entered it: it returned after 0 collectives on the world group"
         )
     assert spatial.run(rank_and_sum, 0.0)[0][2] == 6.0  # only that run failed
 
@@ -435,7 +437,7 @@ def test_a_collective_left_pending_fails_its_own_run_and_not_the_next(spatial):
     err = info.value
     assert err.ranks == [2]
     assert str(err).startswith(
-        "rank 2/4 returned with communication still pending: all_reduce #1 on group 0 "
+        "rank 2/4 returned with communication still pending: all_reduce #1 on the world group "
         "(1 element float32) at "
     )
     assert "test_pool.py" in err.problems[0].summary  # where it was issued

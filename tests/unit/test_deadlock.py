@@ -648,3 +648,34 @@ def test_a_dead_rank_every_other_member_disagrees_with_alike_is_the_one_that_ski
     other = Op(Kind.COLLECTIVE, "0", "all_reduce", 1, numel=100, site="m.py:9 in g")
     mixed = [*members[:2], RankView(2, Status.WAITING, wait=other), members[3]]
     assert [r for r, _ in skipped_by(3, own, mixed)] == [0, 1, 2]
+
+
+PAIR = "the group of ranks [1, 2] (new_group at model.py:42)"
+
+
+def test_a_group_with_a_label_is_named_by_it_where_torch_s_id_would_be():
+    wait = Op(Kind.COLLECTIVE, "4", "all_reduce", 2, numel=1, dtype="float32", label=PAIR)
+    verdict = decide([waiting(1, wait), returned(2, collectives={"4": 1})], {"4": (1, 2)})
+    assert verdict is not None
+    assert verdict.reason(1) == (
+        f"waits in all_reduce #2 on {PAIR} (1 element float32) since 0.50s; "
+        f"rank 2 never entered it: it returned after 1 collective on {PAIR}"
+    )
+    # without one (evidence from a rank that could not name it): torch's id
+    assert Op(Kind.COLLECTIVE, "4", "barrier", 1).describe() == "barrier #1 on group 4"
+
+
+def test_a_blocked_rank_names_the_group_by_a_label_among_what_it_issued_there():
+    issued = {("4", 1): Op(Kind.COLLECTIVE, "4", "all_reduce", 1, label=PAIR)}
+    blocked = RankView(
+        1, Status.BLOCKED, counts=Counts(collectives={"4": 1}, issued=issued), where="x.py:1"
+    )
+    verdict = decide([blocked, returned(2, collectives={"4": 0})], {"4": (1, 2)})
+    assert verdict is not None
+    assert f"having issued 1 collective on {PAIR} (from Python" in verdict.reason(1)
+
+
+def test_members_that_skipped_are_named_with_the_group_s_label():
+    wait = Op(Kind.COLLECTIVE, "4", "all_to_all_single", 1, label=PAIR)
+    found = skipped_by(1, wait, [returned(2, collectives={"4": 0})])
+    assert found == [(2, f"rank 2 never entered it: it returned after 0 collectives on {PAIR}")]

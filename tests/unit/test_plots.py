@@ -216,3 +216,119 @@ def test_a_picture_that_cannot_be_drawn_is_a_not_plotted_line_not_an_exception()
     assert _drawn("the layout map", lambda: "maps/x.png") == "maps/x.png"
     said = _drawn("the rollout error curve", lambda: str(1 / 0))
     assert said == "Not plotted: the rollout error curve (ZeroDivisionError: division by zero)"
+
+
+def _report(spatial_size=4, ranks=4):
+    import torch
+
+    from harness.compare import Tolerance
+    from harness.report import EquivalenceReport
+
+    tol = Tolerance.for_dtype(torch.float64)
+    return EquivalenceReport("case", ranks, spatial_size, "", 1, "float64", tol)
+
+
+def test_a_multi_level_healpix_model_gets_a_map_per_level_whether_or_not_unit_is_cell(tmp_path):
+    import torch
+
+    from harness.plugin import write_error_maps
+    from harness.report import FieldError
+
+    fine, coarse = CellPartition.even(4, 4), CellPartition.even(2, 4)
+    report = _report()
+    # the fine level faulty on rank 0 (north), the coarse on rank 3 (south); the coarse
+    # level is the newcomer's plain Shard, unit left at "position"
+    for part, unit, rank in ((fine, "cell", 0), (coarse, "position", 3)):
+        owners = torch.as_tensor(part.rank_of(np.arange(part.npix)))
+        report.field_errors += [
+            FieldError(f"n{part.nside}", step, 0, torch.as_tensor(error), owners, None, unit)
+            for step, error in enumerate((_healpix_error(part, rank), _healpix_error(part, None)))
+        ]
+    paths = write_error_maps(report, str(tmp_path), "tests/x.py::test_levels")
+    assert len(paths) == 4 and all(p.endswith(".png") for p in paths), paths
+    for (faulty, clean), north in ((paths[0:2], True), (paths[2:4], False)):
+        mask = _half_colour_mask(_pixels(Path(faulty))) & ~_half_colour_mask(_pixels(Path(clean)))
+        rows, _ = np.nonzero(mask)
+        assert rows.size > 1000 and (rows.mean() < 0.5 * mask.shape[0]) == north
+
+
+def test_a_field_neither_on_a_grid_nor_in_cells_gets_an_error_per_position_map(tmp_path):
+    import torch
+
+    from harness.plugin import write_error_maps
+    from harness.report import FieldError
+
+    error = torch.zeros(10, dtype=torch.float64)
+    error[7] = 1.0
+    owners = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3, 3])
+    report = _report()
+    report.field_errors = [FieldError("h", 2, 0, error, owners, None, "position")]
+    (path,) = write_error_maps(report, str(tmp_path), "tests/x.py::test_line")
+    assert path.endswith(".h.step2.png")
+    clean = plots.plot_positions_error(
+        np.zeros(10), tmp_path / "clean.png", owners=owners, title="t"
+    )
+    # below the titles (which differ too) the error is the only change: a step at position
+    # 7 of 10, right of the middle
+    pixels, reference = _pixels(Path(path)), _pixels(clean)
+    changed = np.abs(pixels - reference).sum(-1) > 0.5
+    rows, cols = np.nonzero(changed[int(0.15 * changed.shape[0]) : int(0.65 * changed.shape[0])])
+    assert rows.size > 200 and 0.65 < np.median(cols) / changed.shape[1] < 0.85
+
+
+def test_a_data_group_s_cells_are_drawn_with_its_own_ranks_an_empty_first_one_included(
+    tmp_path, monkeypatch
+):
+    import torch
+
+    from harness.plugin import write_error_maps
+    from harness.report import FieldError
+
+    drawn = {}
+
+    def record(error, path, *, bounds, title):
+        drawn["bounds"] = list(bounds)
+        return Path(path)
+
+    monkeypatch.setattr(plots, "plot_healpix_error", record)
+    part = CellPartition.with_empty_rank(2, 4, empty=0)  # spatial rank 0 owns no cell
+    owners = torch.as_tensor(part.rank_of(np.arange(48))) + 4  # data group 1: ranks 4-7
+    report = _report(spatial_size=4, ranks=8)
+    report.field_errors = [FieldError("p", 0, 1, torch.rand(48), owners, None, "cell")]
+    write_error_maps(report, str(tmp_path), "tests/x.py::test_group")
+    assert drawn["bounds"] == list(part.bounds)
+
+
+def test_cells_not_owned_in_rank_order_are_a_not_plotted_line_naming_the_cell(tmp_path):
+    import torch
+
+    from harness.plugin import write_error_maps
+    from harness.report import FieldError
+
+    owners = torch.arange(12) % 2  # ranks alternate cell by cell: no range per rank
+    report = _report(spatial_size=2, ranks=2)
+    report.field_errors = [FieldError("p", 0, 0, torch.rand(12), owners, None, "cell")]
+    (line,) = write_error_maps(report, str(tmp_path), "tests/x.py::test_order")
+    assert line.startswith(
+        "Not plotted: field 'p', step 0 (ValueError: cell 2 belongs to rank 0 but cell 1 to rank 1"
+    ), line
+
+
+def test_a_plots_directory_that_cannot_be_made_is_a_not_plotted_line_per_field(tmp_path):
+    import torch
+
+    from harness.plugin import write_error_maps
+    from harness.report import FieldError
+
+    blocked = tmp_path / "maps"
+    blocked.write_text("a file where the directory should be")
+    report = _report()
+    owners = torch.arange(12) // 3
+    report.field_errors = [
+        FieldError(n, 0, 0, torch.rand(12), owners, (3, 4), "position") for n in "tu"
+    ]
+    lines = write_error_maps(report, str(blocked), "tests/x.py::test_blocked")
+    assert [line.split(" (")[0] for line in lines] == [
+        "Not plotted: field 't', step 0",
+        "Not plotted: field 'u', step 0",
+    ]

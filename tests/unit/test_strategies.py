@@ -193,3 +193,47 @@ def test_profiles_are_registered_with_no_deadline():
         assert profile.max_examples == examples
     assert settings.get_profile("ci").derandomize
     assert HealthCheck.too_slow in settings.get_profile("ci").suppress_health_check
+
+
+def test_no_profile_and_not_the_recipe_s_settings_run_the_explain_phase():
+    from hypothesis import Phase
+
+    from harness.strategies import check_settings
+
+    was = settings.get_current_profile_name()
+    settings.load_profile("default")  # a session without a profile: Hypothesis's own phases
+    try:
+        register_profiles()  # (this session loads ci, whose phases others would inherit)
+        for name in ("ci", "dev", "thorough"):
+            assert Phase.explain not in settings.get_profile(name).phases, name
+    finally:
+        settings.load_profile(was)
+    assert Phase.explain not in check_settings().phases
+    assert Phase.shrink in check_settings().phases  # a failure still shrinks
+
+
+def test_the_recipe_s_settings_shrink_a_failure_to_the_same_example_every_run():
+    from harness.strategies import check_settings
+
+    recipe = check_settings()
+    # reproducible: the same examples drawn every run, none replayed from a database
+    assert recipe.derandomize and recipe.database is None
+    assert recipe.deadline is None and recipe.max_examples == 10
+    assert HealthCheck.function_scoped_fixture in recipe.suppress_health_check
+
+    def shrunk() -> tuple[int, ...]:
+        seen: list[tuple[int, ...]] = []
+
+        @recipe
+        @given(part=cell_partitions(nside=1, ranks=4))
+        def uneven_is_a_bug(part):
+            if len(set(part.sizes)) > 1:
+                seen.append(part.bounds)
+                raise AssertionError("uneven")
+
+        with pytest.raises(AssertionError):
+            uneven_is_a_bug()
+        return seen[-1]  # Hypothesis replays the shrunk example last
+
+    first = shrunk()
+    assert shrunk() == first and len(set(CellPartition(1, first).sizes)) > 1
