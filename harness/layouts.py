@@ -368,8 +368,7 @@ class LayoutsReport:
         parts.append(
             "Every layout (grid x world size W; data groups = W / grid ranks; 'uneven': "
             "blocks of different sizes, 'empty-rank': a rank owning nothing; n/a: refused "
-            f"by the case; {_LEFT_OUT if self.covering else ''}'.': no such layout):\n"
-            + self.map()
+            f"by the case; {_LEFT_OUT if self.covering else ''}'.': no such layout):\n" + self.map()
         )
         failing = self.failing
         if len(failing) > 1:
@@ -392,8 +391,7 @@ class LayoutsReport:
 
 
 _LEFT_OUT = (
-    "'-': left out by the covering sweep (exhaustive=True or --spatial-layouts-all: every "
-    "layout); "
+    "'-': left out by the covering sweep (exhaustive=True or --spatial-layouts-all: every layout); "
 )
 
 

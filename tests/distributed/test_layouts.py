@@ -164,9 +164,7 @@ BUILT_IN = {
 @pytest.mark.spatial_pool
 @pytest.mark.parametrize("stepper", sorted(BUILT_IN))
 def test_each_correct_built_in_stepper_passes_every_layout_up_to_8_ranks(spatial, stepper):
-    report = spatial.check_layouts(
-        BUILT_IN[stepper](), max_ranks=8, locate=False, exhaustive=True
-    )
+    report = spatial.check_layouts(BUILT_IN[stepper](), max_ranks=8, locate=False, exhaustive=True)
     assert report.ok and {r.layout.world_size for r in report.passed} == set(range(1, 9))
     # only data splits the batch cannot make are refused, never a grid or blocks
     assert all("samples do not split" in r.refused for r in report.refused), report

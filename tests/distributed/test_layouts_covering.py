@@ -35,9 +35,7 @@ def assert_covering_loses_nothing(every: LayoutsReport, cover: LayoutsReport) ->
 
 
 @pytest.mark.parametrize("key", sorted(CATALOGUE), ids=lambda key: f"{key[0]}:{key[1]}")
-def test_the_covering_sweep_of_a_catalogue_fault_fails_first_where_every_layout_does(
-    spatial, key
-):
+def test_the_covering_sweep_of_a_catalogue_fault_fails_first_where_every_layout_does(spatial, key):
     make, kwargs = CATALOGUE[key]
     case = catalogue.sweep_case(key[0], make, kwargs, key[1])
     every, cover = both_sweeps(case, spatial.pool)

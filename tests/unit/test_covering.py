@@ -34,8 +34,13 @@ def test_each_level_and_world_domain_pair_keeps_its_smallest_layout(max_ranks, d
     # and nothing else: each kept layout is the smallest with something
     for x in kept:
         mine = set(features(x).items()) | pairs(x)
-        firsts = [min((y for y in every if i in set(features(y).items()) | pairs(y)),
-                      key=lambda y: y.order) for i in mine]
+        firsts = [
+            min(
+                (y for y in every if i in set(features(y).items()) | pairs(y)),
+                key=lambda y: y.order,
+            )
+            for i in mine
+        ]
         assert x in firsts, x
     assert kept == sorted(kept, key=lambda x: x.order) and len(set(kept)) == len(kept)
 
@@ -171,8 +176,10 @@ def test_check_layouts_runs_the_covering_set_and_says_k_of_n(fake_runs):
     assert sorted(report.left_out, key=lambda x: x.order) == [
         x for x in layouts(4, 1, blocks=BLOCKS) if x not in ran
     ]
-    rows = {line.split()[0] + line.split()[1] * ("empty" in line or "uneven" in line): line
-            for line in report.map().splitlines()}
+    rows = {
+        line.split()[0] + line.split()[1] * ("empty" in line or "uneven" in line): line
+        for line in report.map().splitlines()
+    }
     assert rows["1"].split()[1:] == ["pass", "pass", "-", "-"]  # 3 and 4 data groups left out
     assert "'-': left out by the covering sweep" in str(report)
 
