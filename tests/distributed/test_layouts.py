@@ -108,6 +108,11 @@ def test_spatial_layouts_turns_every_check_into_a_sweep_that_names_the_smallest_
     swept.stdout.fnmatch_lines(
         ["*Smallest failing layout, 2 ranks: grid 1x2:*", "*FAILED test_swept.py::test_halo*"]
     )
+    swept.stdout.fnmatch_lines(["*stencil-halo-2: layouts 4 of 4 (covering) up to 2 ranks*"])
+    # --spatial-layouts-all: every sweep of the session exhaustive (the nightly job's flag)
+    every = pytester.runpytest_subprocess(*args, "--spatial-layouts=2", "--spatial-layouts-all")
+    every.assert_outcomes(passed=1, failed=1)
+    every.stdout.fnmatch_lines(["*stencil-halo-2: 4 layout(s) up to 2 ranks, 3 passed, 1 failed*"])
 
 
 CATALOGUE = {(s, f): (make, kwargs) for s, make, kwargs, _sp, f, _q in fault_matrix(4)}
