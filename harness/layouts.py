@@ -449,24 +449,16 @@ def check_layouts(
     pool's) is multiplied by its ranks per core (``layout_timeout``). ``locate``: as for
     ``check_equivalence``, for the smallest failing layout only (the sweep itself never
     locates: the first failing layout is the one worth the cost); ``progress`` is told
-    each layout's result as it comes. More than 4 ranks a core (``max_ranks=100``) is
-    refused unless ``oversubscribe=True``.
+    each layout's result as it comes; ``oversubscribe=True`` allows more than 4 ranks a core.
     """
-    from harness.pool import check_oversubscription, shared_registry
-
-    check_max_ranks(max_ranks)
-    check_oversubscription(max_ranks, allow=oversubscribe, how="pass oversubscribe=True")
-    dims = _validate(case, kwargs)
+    dims = _validate(case, kwargs, max_ranks, oversubscribe)
     if pools is None:
+        from harness.pool import shared_registry
+
         pools = shared_registry().get
     t0 = time.perf_counter()
-    out = LayoutsReport(
-        case=case.label,
-        max_ranks=max_ranks,
-        mesh_dims=dims,
-        vacuous_ok=case.vacuous_ok,
-        covering=not exhaustive,
-    )
+    out = LayoutsReport(case.label, max_ranks, dims, vacuous_ok=case.vacuous_ok)
+    out.covering = not exhaustive
     cases = _cases(case, layouts(max_ranks, dims, world_sizes))
     reference = _reference(case, kwargs)  # the same for every layout: run once
     given = kwargs.pop("timeout", None)
@@ -517,8 +509,12 @@ def _check(
     )
 
 
-def _validate(case: SpatialCase, kwargs: dict[str, Any]) -> int:
+def _validate(case: SpatialCase, kwargs: dict[str, Any], max_ranks: Any, allow: bool) -> int:
     """One clear error for what a sweep cannot take; the case's ``mesh_dims``."""
+    from harness.pool import check_oversubscription
+
+    check_max_ranks(max_ranks)
+    check_oversubscription(max_ranks, allow=allow, how="pass oversubscribe=True")
     if not isinstance(case, SpatialCase):
         raise ConfigError(
             f"check_layouts needs a harness.SpatialCase, got {type(case).__name__}; "
