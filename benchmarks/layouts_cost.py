@@ -114,8 +114,8 @@ def timed_sweep(
 def sweep(name: str, case: SpatialCase, max_ranks: int, repeat: int) -> None:  # long: a table
     # The 4-rank check on its own warm pool, measured before and after the sweeps (the load
     # of a shared machine drifts within minutes; the ratios are against their mean). Each
-    # sweep's pools start inside it (cold), as in a CI job; the covering sweep then runs
-    # again on the pools it left (warm, as in a pytest session that swept before).
+    # sweep's pools start inside it (cold), as in a CI job; each then runs again on the
+    # pools it left (warm, as in a pytest session that swept before).
     check_pools = PoolRegistry(start_method="forkserver", max_processes=4)
     cover_pools = PoolRegistry(start_method="forkserver", max_processes=64)
     every_pools = PoolRegistry(start_method="forkserver", max_processes=64)
@@ -127,6 +127,9 @@ def sweep(name: str, case: SpatialCase, max_ranks: int, repeat: int) -> None:  #
             "covering, fresh pools": timed_sweep(case, max_ranks, cover_pools, False),
             "covering, warm pools": timed_sweep(case, max_ranks, cover_pools, False),
             "exhaustive, fresh pools": timed_sweep(case, max_ranks, every_pools, True),
+            # warm against warm, adjacent: the first sweep of a run pays more than its pools
+            "exhaustive, warm pools": timed_sweep(case, max_ranks, every_pools, True),
+            "covering, warm again": timed_sweep(case, max_ranks, cover_pools, False),
         }
         after = median_check(case, four, repeat)
         check = (before + after) / 2
