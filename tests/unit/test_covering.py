@@ -208,7 +208,10 @@ def test_a_layout_the_case_refuses_leaves_its_levels_to_the_next_layout(fake_run
         (0, r"^max_ranks must be an integer >= 1, got 0; e\.g\. max_ranks=4"),
         ("3", r"^max_ranks must be an integer >= 1, got '3'; e\.g\. max_ranks=4"),
         (True, r"^max_ranks must be an integer >= 1, got True"),
-        (100, r"^100 rank processes .* Use fewer ranks, or pass oversubscribe=True to insist"),
+        (
+            100_000,
+            r"^100000 rank processes .* Use fewer ranks, or pass oversubscribe=True to insist",
+        ),
     ],
 )
 def test_a_bad_max_ranks_is_one_config_error_line(fake_runs, value, message):
