@@ -1,17 +1,22 @@
-"""What a sweep of every layout costs against one check, what a pool start costs per world
-size, what an idle rank holds, and what a trivial run costs.
+"""What a sweep of the layouts costs against one check, covering and exhaustive, what a pool
+start costs per world size, what an idle rank holds, and what a trivial run costs; and with
+``--proof``, that the covering sweep names the exhaustive sweep's smallest failing layout for
+every fault of the catalogue and of the held-out stencil.
 
-    python benchmarks/layouts_cost.py [--max-ranks 8] [--repeat 3] [--steppers sfno healpix mlp]
+    PYTHONPATH=. python benchmarks/layouts_cost.py [--max-ranks 8] [--repeat 3]
+        [--steppers sfno healpix mlp stencil] [--proof [SELECT]]
 
 Every number is measured in this one run, so its ratios hold on a loaded machine:
 
 - pool start per world size 1..``--max-ranks`` (forkserver; the fork server already up, as
   it is after a session's first pool), and the first start with the fork server;
 - a trivial run (one all-reduce) on a warm 4-rank pool: the floor of every test's cost;
-- per built-in stepper: the median of one warm 4-rank ``check_equivalence``, then one
-  ``check_layouts`` up to ``--max-ranks`` ranks on fresh pools (started inside it, as a CI
-  job would), printed as a ratio, with the seconds of the largest world size's layouts and
-  the layouts the case refused;
+- per built-in stepper and the held-out lat x lon stencil (``tests/distributed/stencil.py``:
+  run from the repository root with ``PYTHONPATH=.``): the median of one warm 4-rank
+  ``check_equivalence``, then ``check_layouts`` up to ``--max-ranks`` ranks: the covering
+  sweep on fresh pools (started inside it, as a CI job would), the same again on the pools
+  it left warm, and the exhaustive sweep on fresh pools; each printed as a ratio to the
+  check, with the seconds per world size and the layouts the case refused;
 - the memory of the idle ranks the sweeps left alive (one ``PoolRegistry`` keeps a pool of
   every size within its budget): resident (RSS) and proportional (PSS: pages shared with the
   fork server and the other ranks counted once, split between them), per rank.
@@ -28,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from harness import SpatialCase, check_equivalence
-from harness.layouts import LayoutResult, check_layouts
+from harness.layouts import LayoutResult, LayoutsReport, check_layouts
 from harness.pool import PoolRegistry, RankPool
 
 
@@ -43,7 +48,12 @@ def steppers() -> dict[str, Callable[[], SpatialCase]]:
     from harness.steppers.mlp import CoupledMLPCase
     from harness.steppers.sfno import SFNOCase
 
-    return {"sfno": SFNOCase, "healpix": HealpixCase, "mlp": CoupledMLPCase}
+    def stencil() -> SpatialCase:
+        from tests.distributed.stencil import StencilCase
+
+        return StencilCase()
+
+    return {"sfno": SFNOCase, "healpix": HealpixCase, "mlp": CoupledMLPCase, "stencil": stencil}
 
 
 def pool_starts(max_ranks: int) -> None:
@@ -82,12 +92,10 @@ def median_check(case: SpatialCase, pool: RankPool, repeat: int) -> float:
     return statistics.median(times)
 
 
-def sweep(name: str, case: SpatialCase, max_ranks: int, repeat: int) -> None:
-    # The 4-rank check on its own warm pool, measured before and after the sweep (the load
-    # of a shared machine drifts within minutes; the ratio is against their mean). The
-    # sweep's pools start inside it (cold), as in a CI job.
-    check_pools = PoolRegistry(start_method="forkserver", max_processes=4)
-    registry = PoolRegistry(start_method="forkserver", max_processes=64)
+def timed_sweep(
+    case: SpatialCase, max_ranks: int, registry: PoolRegistry, exhaustive: bool
+) -> tuple[LayoutsReport, float, dict[int, float]]:
+    """One sweep on ``registry``'s pools: its report, seconds, and seconds per world size."""
     took: dict[int, float] = {}
     last = [time.perf_counter()]
 
@@ -96,36 +104,101 @@ def sweep(name: str, case: SpatialCase, max_ranks: int, repeat: int) -> None:
         took[result.layout.world_size] = took.get(result.layout.world_size, 0.0) + now - last[0]
         last[0] = now
 
+    t0 = last[0] = time.perf_counter()
+    report = check_layouts(
+        case, max_ranks=max_ranks, pools=registry.get, progress=tell, exhaustive=exhaustive
+    )
+    return report, time.perf_counter() - t0, took
+
+
+def sweep(name: str, case: SpatialCase, max_ranks: int, repeat: int) -> None:  # long: a table
+    # The 4-rank check on its own warm pool, measured before and after the sweeps (the load
+    # of a shared machine drifts within minutes; the ratios are against their mean). Each
+    # sweep's pools start inside it (cold), as in a CI job; each then runs again on the
+    # pools it left (warm, as in a pytest session that swept before).
+    check_pools = PoolRegistry(start_method="forkserver", max_processes=4)
+    cover_pools = PoolRegistry(start_method="forkserver", max_processes=64)
+    every_pools = PoolRegistry(start_method="forkserver", max_processes=64)
     try:
         four = check_pools.get(4)
         check_equivalence(case, ranks=4, pool=four)  # warm: a session pays this once
         before = median_check(case, four, repeat)
-        t0 = last[0] = time.perf_counter()
-        report = check_layouts(case, max_ranks=max_ranks, pools=registry.get, progress=tell)
-        seconds = time.perf_counter() - t0
+        runs = {
+            "covering, fresh pools": timed_sweep(case, max_ranks, cover_pools, False),
+            "covering, warm pools": timed_sweep(case, max_ranks, cover_pools, False),
+            "exhaustive, fresh pools": timed_sweep(case, max_ranks, every_pools, True),
+            # warm against warm, adjacent: the first sweep of a run pays more than its pools
+            "exhaustive, warm pools": timed_sweep(case, max_ranks, every_pools, True),
+            "covering, warm again": timed_sweep(case, max_ranks, cover_pools, False),
+        }
         after = median_check(case, four, repeat)
         check = (before + after) / 2
         print(
-            f"  {name:<8} one 4-rank check {check:5.2f} s ({before:.2f} before, {after:.2f} "
-            f"after); every layout up to {max_ranks} ranks {seconds:6.1f} s = "
-            f"{seconds / check:5.1f}x ({len(report.passed)} run, {len(report.refused)} "
-            f"refused, {len(report.failing)} failed)"
+            f"  {name:<8} one warm 4-rank check {check:5.2f} s ({before:.2f} before, "
+            f"{after:.2f} after); up to {max_ranks} ranks:"
         )
-        share = "  ".join(f"W={w}: {s:4.1f}" for w, s in sorted(took.items()))
-        print(f"           seconds per world size: {share}")
-        mem = registry.memory_kib()
+        for what, (report, seconds, took) in runs.items():
+            n = len(report.results) + len(report.left_out)
+            print(
+                f"    {what:<24} {seconds:6.1f} s = {seconds / check:5.1f}x: layouts "
+                f"{len(report.results)} of {n} ({len(report.passed)} run, "
+                f"{len(report.refused)} refused, {len(report.failing)} failed)"
+            )
+            share = "  ".join(f"W={w}: {s:4.1f}" for w, s in sorted(took.items()))
+            print(f"      seconds per world size: {share}")
+        mem = every_pools.memory_kib()
         rss = [r for ranks in mem.values() for r, _ in ranks]
         pss = [p for ranks in mem.values() for _, p in ranks]
         if pss:
             print(
-                f"           idle ranks left alive: {len(pss)} (sizes {sorted(mem)}); per rank "
+                f"    idle ranks left alive: {len(pss)} (sizes {sorted(mem)}); per rank "
                 f"RSS {statistics.median(rss) / 1024:5.0f} MiB, PSS "
                 f"{statistics.median(pss) / 1024:5.1f} MiB (median); all: PSS "
                 f"{sum(pss) / 1024:6.0f} MiB"
             )
     finally:
-        registry.close()
+        every_pools.close()
+        cover_pools.close()
         check_pools.close()
+
+
+def proof(max_ranks: int, select: str) -> int:
+    """Both sweeps of every catalogue fault and held-out stencil bug (whose label contains
+    ``select``) up to ``max_ranks``: the covering sweep must name the exhaustive sweep's
+    smallest failing layout. Returns the number that do not."""
+    from harness.steppers import catalogue
+    from tests.distributed.stencil import FAULTS, StencilCase
+
+    cases: list[tuple[str, SpatialCase]] = [
+        (f"{s}:{f}", catalogue.sweep_case(s, make, kwargs, f))
+        for s, make, kwargs, _sp, f, _q in catalogue.fault_matrix(4)
+    ]
+    cases += [(f"stencil:{f}", StencilCase(f)) for f in (None, *FAULTS)]
+    registry = PoolRegistry(start_method="forkserver", max_processes=64)
+    lost = 0
+    try:
+        for label, case in cases:
+            if select not in label:
+                continue
+            t0 = time.perf_counter()
+            every = check_layouts(
+                case, max_ranks=max_ranks, pools=registry.get, locate=False, exhaustive=True
+            )
+            t1 = time.perf_counter()
+            cover = check_layouts(case, max_ranks=max_ranks, pools=registry.get, locate=False)
+            t2 = time.perf_counter()
+            same = cover.smallest_failing == every.smallest_failing
+            lost += not same
+            print(
+                f"  {'same' if same else 'LOST':<4} {label:<36} layouts {len(cover.results):>2} "
+                f"of {len(every.results):>2} ({t2 - t1:5.1f} s vs {t1 - t0:5.1f} s); smallest "
+                f"failing: {every.smallest_failing}"
+                + ("" if same else f" / covering: {cover.smallest_failing}"),
+                flush=True,
+            )
+    finally:
+        registry.close()
+    return lost
 
 
 def main() -> None:
@@ -133,8 +206,21 @@ def main() -> None:
     parser.add_argument("--max-ranks", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steppers", nargs="+", default=list(steppers()))
+    parser.add_argument(
+        "--proof",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="SELECT",
+        help="only: both sweeps of each fault (whose stepper:fault contains SELECT)",
+    )
     args = parser.parse_args()
     print(f"torch {torch.__version__}")
+    if args.proof is not None:
+        print(f"covering vs exhaustive sweep up to {args.max_ranks} ranks, per fault:")
+        lost = proof(args.max_ranks, args.proof)
+        print(f"{lost} fault(s) whose smallest failing layout the covering sweep lost")
+        raise SystemExit(1 if lost else 0)
     pool_starts(args.max_ranks)
     registry = PoolRegistry(start_method="forkserver")
     try:
@@ -142,7 +228,7 @@ def main() -> None:
         print(f"trivial run (one all-reduce) on a warm 4-rank pool: {ms:.2f} ms (median)")
     finally:
         registry.close()
-    print("sweeps (fresh pools of every size, started inside the sweep):")
+    print("sweeps, covering and exhaustive:")
     makers = steppers()
     for name in args.steppers:
         sweep(name, makers[name](), args.max_ranks, args.repeat)

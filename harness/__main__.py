@@ -162,8 +162,13 @@ def _add_mode_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="instead: check every layout up to N ranks of each stepper (world sizes, "
-        "spatial x data splits, process grids) and name the smallest failing one",
+        help="instead: check the covering set of the layouts up to N ranks of each stepper "
+        "(world sizes, spatial x data splits, process grids) and name the smallest failing one",
+    )
+    parser.add_argument(
+        "--layouts-all",
+        action="store_true",
+        help="with --layouts N: every layout, not the covering set (a nightly job)",
     )
     parser.add_argument(
         "--mutants",
@@ -266,7 +271,9 @@ def _run(args: argparse.Namespace, registry: PoolRegistry, source: ModelAdapter)
         for c in configs(args.ranks, args.model):
             firsts.setdefault(c.make, c)
         cases = [(c.label, c.case()) for c in firsts.values() if _selected(c.label, args.select)]
-        failures += sweep_cases(cases, args.layouts, registry.get, timeout=args.timeout)
+        failures += sweep_cases(
+            cases, args.layouts, registry.get, timeout=args.timeout, exhaustive=args.layouts_all
+        )
     elif args.mutants:
         failures += _mutants(args, registry, source)
     else:

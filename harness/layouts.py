@@ -21,6 +21,13 @@ fails as ``vacuous`` unless the case says why with ``vacuous_ok``. The
 smallest failing layout is the one with the fewest ranks, then the simplest: fewest ranks
 splitting the domain, then even blocks before uneven before an empty rank, then fewest
 split grid axes, then the first axis split first (``Layout.order``).
+
+By default a sweep runs the covering set of these layouts (``harness._covering``): the
+smallest layout with each feature level (a split axis of 2, of 3, of more; both axes split;
+uneven blocks; a rank owning nothing; data groups; an odd rank count) and with each pair
+of a level of how the ranks are grouped and one of how the domain is cut; a layout the
+case refuses does not count, so the next with its levels runs. ``exhaustive=True`` runs
+every layout (a nightly job).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness._covering import Covering
 from harness._rank.run import run_case
 from harness._records import RunRecord
 from harness.case import SpatialCase
@@ -174,6 +182,11 @@ def block_cases(case: SpatialCase, mesh: tuple[int, ...]) -> dict[str, SpatialCa
     return found
 
 
+def check_max_ranks(max_ranks: Any) -> None:
+    """A sweep's ``max_ranks``: an integer >= 1, else one ``ConfigError`` line."""
+    _check_int(max_ranks, "max_ranks", "e.g. max_ranks=4 (the most ranks a layout may use)")
+
+
 def _check_int(value: Any, name: str, example: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}; {example}")
@@ -209,6 +222,9 @@ class LayoutsReport:
     seconds: float = 0.0
     #: the case's ``vacuous_ok``: a sweep that split nothing may pass, for this reason
     vacuous_ok: str | None = None
+    #: a covering sweep (``exhaustive=False``); ``left_out``: the layouts it did not run
+    covering: bool = False
+    left_out: list[Layout] = field(default_factory=list)
 
     @property
     def failing(self) -> list[LayoutResult]:
@@ -256,17 +272,20 @@ class LayoutsReport:
 
     def _rows(self) -> list[tuple[tuple[int, ...], str]]:
         """The map's rows, (grid, blocks), simplest first."""
+        every = [r.layout for r in self.results] + self.left_out
         return sorted(
-            {(r.layout.mesh, r.layout.blocks) for r in self.results},
+            {(x.mesh, x.blocks) for x in every},
             key=lambda row: Layout(0, math.prod(row[0]), 1, *row).order[1:],
         )
 
     def map(self) -> str:
         """Grid and blocks (rows: ``2x1``, ``2x1 uneven``...) x world size (columns):
-        ``pass``, ``FAIL``, ``n/a`` (refused) or ``.`` (no such layout: the grid's ranks do
-        not divide the world)."""
-        by = {(r.layout.mesh, r.layout.blocks, r.layout.world_size): r.status for r in self.results}
-        sizes = sorted({r.layout.world_size for r in self.results})
+        ``pass``, ``FAIL``, ``n/a`` (refused), ``-`` (left out by the covering sweep) or ``.``
+        (no such layout: the grid's ranks do not divide the world)."""
+        by = {(x.mesh, x.blocks, x.world_size): "-" for x in self.left_out}
+        for r in self.results:
+            by[(r.layout.mesh, r.layout.blocks, r.layout.world_size)] = r.status
+        sizes = sorted({w for _m, _b, w in by})
         rows = self._rows()
         names = [Layout(0, 0, 0, *row).row for row in rows]
         width = max([len("grid"), *map(len, names)])
@@ -286,7 +305,7 @@ class LayoutsReport:
         from matplotlib.figure import Figure  # no pyplot: the caller's backend is left alone
         from matplotlib.patches import Rectangle
 
-        sizes = sorted({r.layout.world_size for r in self.results})
+        sizes = sorted({x.world_size for x in [r.layout for r in self.results] + self.left_out})
         grids = self._rows()
         codes = {"pass": 1.0, "FAIL": 2.0, "n/a": 0.0}
         cells = np.full((len(grids), len(sizes)), np.nan)
@@ -318,8 +337,11 @@ class LayoutsReport:
         span = f"up to {self.max_ranks} ranks"
         if sizes and sizes != list(range(1, self.max_ranks + 1)):  # a restricted sweep
             span = f"of {'/'.join(map(str, sizes))} ranks only (up to {self.max_ranks} asked)"
+        count = f"{n} layout(s)"
+        if self.covering:  # how many of the exhaustive sweep's layouts it ran
+            count = f"layouts {n} of {n + len(self.left_out)} (covering)"
         head = (
-            f"{self.case}: {n} layout(s) {span}, "
+            f"{self.case}: {count} {span}, "
             f"{len(self.passed)} passed, {len(self.failing)} failed, "
             f"{len(self.refused)} refused by the case ({self.seconds:.1f} s)"
         )
@@ -346,7 +368,7 @@ class LayoutsReport:
         parts.append(
             "Every layout (grid x world size W; data groups = W / grid ranks; 'uneven': "
             "blocks of different sizes, 'empty-rank': a rank owning nothing; n/a: refused "
-            "by the case; '.': no such layout):\n" + self.map()
+            f"by the case; {_LEFT_OUT if self.covering else ''}'.': no such layout):\n" + self.map()
         )
         failing = self.failing
         if len(failing) > 1:
@@ -366,6 +388,11 @@ class LayoutsReport:
         __tracebackhide__ = True
         if not self.ok:
             raise AssertionError(str(self))
+
+
+_LEFT_OUT = (
+    "'-': left out by the covering sweep (exhaustive=True or --spatial-layouts-all: every layout); "
+)
 
 
 def _first_line(report: EquivalenceReport | None) -> str:
@@ -406,9 +433,12 @@ def check_layouts(
     pools: Callable[[int], Runner] | None = None,
     locate: bool | None = None,
     progress: Callable[[LayoutResult], None] | None = None,
+    exhaustive: bool = False,
+    oversubscribe: bool = False,
     **kwargs: Any,
 ) -> LayoutsReport:
-    """``check_equivalence(case, ...)`` on every layout up to ``max_ranks`` ranks.
+    """``check_equivalence(case, ...)`` on the covering set of the layouts up to
+    ``max_ranks`` ranks (``harness._covering``), or on every one with ``exhaustive=True``.
 
     ``world_sizes`` restricts the sweep to those world sizes; ``pools(W)`` gives the runner
     of ``W`` ranks (default: the process-wide warm pools, one per world size); ``kwargs``
@@ -419,23 +449,28 @@ def check_layouts(
     pool's) is multiplied by its ranks per core (``layout_timeout``). ``locate``: as for
     ``check_equivalence``, for the smallest failing layout only (the sweep itself never
     locates: the first failing layout is the one worth the cost); ``progress`` is told
-    each layout's result as it comes.
+    each layout's result as it comes; ``oversubscribe=True`` allows more than 4 ranks a core.
     """
-    dims = _validate(case, kwargs)
+    dims = _validate(case, kwargs, max_ranks, oversubscribe)
     if pools is None:
         from harness.pool import shared_registry
 
         pools = shared_registry().get
     t0 = time.perf_counter()
-    out = LayoutsReport(
-        case=case.label, max_ranks=max_ranks, mesh_dims=dims, vacuous_ok=case.vacuous_ok
-    )
+    out = LayoutsReport(case.label, max_ranks, dims, vacuous_ok=case.vacuous_ok)
+    out.covering = not exhaustive
     cases = _cases(case, layouts(max_ranks, dims, world_sizes))
     reference = _reference(case, kwargs)  # the same for every layout: run once
     given = kwargs.pop("timeout", None)
+    walk = None if exhaustive else Covering()
     for layout in sorted(cases, key=lambda x: (x.world_size, x.order)):
+        if walk is not None and not walk.wants(layout):
+            out.left_out.append(layout)
+            continue
         report = _check(layout, cases[layout], pools, reference, given, False, kwargs)
         why = refusal(report) if not report.ok else ""
+        if walk is not None and not why:  # refused: its levels are still wanted
+            walk.ran(layout)
         result = LayoutResult(layout, None if why else report, why)
         out.results.append(result)
         if progress is not None:
@@ -474,8 +509,12 @@ def _check(
     )
 
 
-def _validate(case: SpatialCase, kwargs: dict[str, Any]) -> int:
+def _validate(case: SpatialCase, kwargs: dict[str, Any], max_ranks: Any, allow: bool) -> int:
     """One clear error for what a sweep cannot take; the case's ``mesh_dims``."""
+    from harness.pool import check_oversubscription
+
+    check_max_ranks(max_ranks)
+    check_oversubscription(max_ranks, allow=allow, how="pass oversubscribe=True")
     if not isinstance(case, SpatialCase):
         raise ConfigError(
             f"check_layouts needs a harness.SpatialCase, got {type(case).__name__}; "
@@ -566,18 +605,27 @@ def sweep_cases(
     *,
     timeout: float | None = None,
     out: Callable[[str], None] = print,
+    exhaustive: bool = False,
 ) -> list[str]:
     """``harness-check --layouts N``: ``check_layouts`` of each ``(label, case)``, printed as
-    it goes (a line per layout, then the report); returns one failure line per failing case."""
+    it goes (a line per layout, then the report); returns one failure line per failing case.
+    ``exhaustive`` (``--layouts-all``): every layout, not the covering set."""
     failures = []
+    which = "every layout" if exhaustive else "the covering layouts"
     for label, case in cases:
-        out(f"\n{label}: every layout up to {max_ranks} ranks (mesh_dims {case.mesh_dims})")
+        out(f"\n{label}: {which} up to {max_ranks} ranks (mesh_dims {case.mesh_dims})")
 
         def tell(result: LayoutResult) -> None:
             out(f"  {result.status:<4}  {result.layout}")
 
         report = check_layouts(
-            case, max_ranks=max_ranks, pools=pools, timeout=timeout, progress=tell
+            case,
+            max_ranks=max_ranks,
+            pools=pools,
+            timeout=timeout,
+            progress=tell,
+            exhaustive=exhaustive,
+            oversubscribe=True,  # harness-check refused it already, naming --oversubscribe
         )
         out(str(report) if not report.ok else report.summary() + "\n" + report.map())
         if not report.ok:

@@ -23,7 +23,7 @@ from harness.goldens import (
     check_report,
     golden_stem,
 )
-from harness.layouts import LayoutsReport, check_layouts
+from harness.layouts import LayoutsReport, check_layouts, check_max_ranks
 from harness.plugin._keys import (
     _EQUIV_PROP,
     _GOLDEN_PROP,
@@ -106,7 +106,7 @@ class SpatialFixture:
         __tracebackhide__ = True
         settings = self._node.config.stash[_settings_key]
         if settings.layouts and not mutant_mode().verdict_only:
-            # --spatial-layouts N: every layout first; the usual check (goldens, summary) after
+            # --spatial-layouts N: the layouts first; the usual check (goldens, summary) after
             sweep = {k: v for k, v in kwargs.items() if k not in ("spatial_size", "mesh")}
             self.check_layouts(case, max_ranks=settings.layouts, timeout=timeout, **sweep)
         ranks = ranks or self.ranks
@@ -203,16 +203,22 @@ class SpatialFixture:
         max_ranks: int | None = None,
         timeout: float | None = None,
         locate: bool | None = None,
+        exhaustive: bool | None = None,
         **kwargs: Any,
     ) -> LayoutsReport:
-        """``harness.check_layouts`` on the warm pools (one per world size): every layout up
-        to ``max_ranks`` (default: ``--spatial-layouts``, else this test's rank count);
+        """``harness.check_layouts`` on the warm pools (one per world size): the covering set
+        of the layouts up to ``max_ranks`` (default: ``--spatial-layouts``, else this test's
+        rank count), every one with ``exhaustive=True`` (default: ``--spatial-layouts-all``);
         fail with the smallest failing layout's report and the map of every layout.
         Under torchrun/srun only the launcher's world size can run: its layouts are swept."""
         __tracebackhide__ = True
         settings = self._node.config.stash[_settings_key]
+        if max_ranks is not None:  # 0 or "3" is the caller's mistake, never the default
+            check_max_ranks(max_ranks)
         top = max_ranks or settings.layouts or self.ranks
         self._check_layout_ranks(top)
+        if exhaustive is None:
+            exhaustive = settings.layouts_all
         if self.launcher:  # only the launcher's world size can run here: say so, never hide it
             if self.ranks > top:
                 pytest.skip(
@@ -234,6 +240,8 @@ class SpatialFixture:
                 pools=pools,
                 timeout=self._timeout(timeout),
                 locate=locate,
+                exhaustive=exhaustive,
+                oversubscribe=True,  # this machine's limit was checked above, naming the flag
                 **kwargs,
             )
         record_sweep(self._node, report, case)

@@ -150,9 +150,16 @@ def _add_diagnosis_options(group: pytest.OptionGroup) -> None:
         dest="spatial_layouts",
         default=None,
         metavar="N",
-        help="turn every spatial.check into a sweep of every layout up to N ranks (world "
-        "sizes, spatial x data splits, process grids); a failure names the smallest failing "
-        "layout",
+        help="turn every spatial.check into a sweep of the layouts up to N ranks (world "
+        "sizes, spatial x data splits, process grids): their covering set, each feature level "
+        "and pair once; a failure names the smallest failing layout",
+    )
+    group.addoption(
+        "--spatial-layouts-all",
+        action="store_true",
+        dest="spatial_layouts_all",
+        help="sweeps (--spatial-layouts, spatial.check_layouts) run every layout, not the "
+        "covering set: a nightly job",
     )
 
 
@@ -283,8 +290,10 @@ class Settings:
     locate: bool = False
     #: print each check's measured rounding noise and the tolerance it supports
     calibrate: bool = False
-    #: sweep every layout up to this many ranks before each spatial.check (None: off)
+    #: sweep the layouts up to this many ranks before each spatial.check (None: off)
     layouts: int | None = None
+    #: sweeps run every layout, not the covering set (--spatial-layouts-all)
+    layouts_all: bool = False
     #: remove unused goldens after a whole, passing run
     goldens_prune: bool = False
     #: --spatial-report: the HTML page to write at session end (None: none)
@@ -335,6 +344,7 @@ class Settings:
             locate=bool(config.getoption("spatial_locate") or config.getini("spatial_locate")),
             calibrate=bool(config.getoption("spatial_calibrate")),
             layouts=_parse_layouts(config.getoption("spatial_layouts"), oversubscribe),
+            layouts_all=bool(config.getoption("spatial_layouts_all")),
             goldens_prune=bool(config.getoption("goldens_prune")),
             report=_parse_report(config),
         )

@@ -437,7 +437,9 @@ def smallest_layouts(
         if select not in f"{stepper}:{fault}":
             continue
         case = sweep_case(stepper, make, kwargs, fault)
-        report = check_layouts(case, max_ranks=max_ranks, pools=pools, locate=False)
+        report = check_layouts(
+            case, max_ranks=max_ranks, pools=pools, locate=False, exhaustive=True
+        )
         smallest = report.smallest_failing
         found[(stepper, fault)] = (
             None if smallest is None else (smallest.world_size, smallest.mesh, smallest.blocks)

@@ -39,7 +39,7 @@ SHOWS_ON = {
 
 @pytest.mark.spatial_pool  # the layouts of 1 to 4 ranks: under a launcher only its 4 run
 def test_a_correct_stencil_passes_every_layout_up_to_4_ranks(spatial):
-    report = spatial.check_layouts(StencilCase(), max_ranks=4)
+    report = spatial.check_layouts(StencilCase(), max_ranks=4, exhaustive=True)
     assert len(report.passed) == 11, report
     refused = {(r.layout.world_size, r.layout.data_size) for r in report.refused}
     assert refused == {(3, 3), (4, 4)}, report  # 2 samples over 3 or 4 data groups
@@ -47,7 +47,9 @@ def test_a_correct_stencil_passes_every_layout_up_to_4_ranks(spatial):
 
 @pytest.mark.parametrize("fault", sorted(SHOWS_ON))
 def test_a_bug_is_reported_at_the_smallest_layout_it_shows_on(spatial, fault):
-    report = check_layouts(StencilCase(fault), max_ranks=4, pools=spatial.pool, locate=False)
+    report = check_layouts(
+        StencilCase(fault), max_ranks=4, pools=spatial.pool, locate=False, exhaustive=True
+    )
     failing = {(r.layout.world_size, r.layout.mesh) for r in report.failing}
     assert failing == SHOWS_ON[fault], report
     smallest = report.smallest_failing
@@ -62,7 +64,8 @@ def test_the_fixture_fails_with_the_smallest_failing_layout_located_first(spatia
     with pytest.raises(pytest.fail.Exception) as failed:
         spatial.check_layouts(StencilCase("halo-2"), max_ranks=2)
     text = str(failed.value)
-    assert text.startswith("stencil-halo-2: 4 layout(s) up to 2 ranks, 3 passed, 1 failed")
+    # up to 2 ranks every layout is the smallest with some level: the covering set is all
+    assert text.startswith("stencil-halo-2: layouts 4 of 4 (covering) up to 2 ranks, 3 passed")
     lead = text.split("Every layout")[0]
     assert "Smallest failing layout, 2 ranks: grid 1x2:" in lead
     assert "First divergence:" in lead  # the smallest failing layout is located
@@ -105,6 +108,11 @@ def test_spatial_layouts_turns_every_check_into_a_sweep_that_names_the_smallest_
     swept.stdout.fnmatch_lines(
         ["*Smallest failing layout, 2 ranks: grid 1x2:*", "*FAILED test_swept.py::test_halo*"]
     )
+    swept.stdout.fnmatch_lines(["*stencil-halo-2: layouts 4 of 4 (covering) up to 2 ranks*"])
+    # --spatial-layouts-all: every sweep of the session exhaustive (the nightly job's flag)
+    every = pytester.runpytest_subprocess(*args, "--spatial-layouts=2", "--spatial-layouts-all")
+    every.assert_outcomes(passed=1, failed=1)
+    every.stdout.fnmatch_lines(["*stencil-halo-2: 4 layout(s) up to 2 ranks, 3 passed, 1 failed*"])
 
 
 CATALOGUE = {(s, f): (make, kwargs) for s, make, kwargs, _sp, f, _q in fault_matrix(4)}
@@ -140,7 +148,7 @@ def test_the_main_jobs_sweep_prints_each_layout_and_fails_naming_the_smallest(sp
         out=lines.append,
     )
     (failure,) = failures  # the correct stencil passed
-    assert failure.startswith("stencil halo: stencil-halo-2: 4 layout(s) up to 2 ranks, 3 passed")
+    assert failure.startswith("stencil halo: stencil-halo-2: layouts 4 of 4 (covering) up to 2")
     assert failure.endswith("smallest failing layout: 2 ranks: grid 1x2")
     assert any("Smallest failing layout, 2 ranks: grid 1x2:" in text for text in lines)
     assert "  pass  2 ranks: grid 2x1" in lines and "  FAIL  2 ranks: grid 1x2" in lines
@@ -161,7 +169,7 @@ BUILT_IN = {
 @pytest.mark.spatial_pool
 @pytest.mark.parametrize("stepper", sorted(BUILT_IN))
 def test_each_correct_built_in_stepper_passes_every_layout_up_to_8_ranks(spatial, stepper):
-    report = spatial.check_layouts(BUILT_IN[stepper](), max_ranks=8, locate=False)
+    report = spatial.check_layouts(BUILT_IN[stepper](), max_ranks=8, locate=False, exhaustive=True)
     assert report.ok and {r.layout.world_size for r in report.passed} == set(range(1, 9))
     # only data splits the batch cannot make are refused, never a grid or blocks
     assert all("samples do not split" in r.refused for r in report.refused), report
@@ -190,7 +198,7 @@ STEPPER_SHOWS_ON = {
 def test_a_built_in_fault_of_some_layouts_fails_on_those_only(spatial, key):
     make, kwargs = CATALOGUE[key]
     case = catalogue.sweep_case(key[0], make, kwargs, key[1])
-    report = check_layouts(case, max_ranks=4, pools=spatial.pool, locate=False)
+    report = check_layouts(case, max_ranks=4, pools=spatial.pool, locate=False, exhaustive=True)
     failing = {(r.layout.world_size, r.layout.mesh, r.layout.blocks) for r in report.failing}
     assert failing == STEPPER_SHOWS_ON[key], report
     assert len(report.passed) >= 8, report  # the others ran, and passed
