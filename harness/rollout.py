@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from harness._checks.fields import assemble_whole, flat_like
 from harness._overlap import Background, in_other_processes
+from harness._rank.deadline import Deadline, RanOut
 from harness._rank.nudge import NUDGE_ULPS
 from harness._rank.predict import (
     _rollout_entry,
@@ -38,7 +39,7 @@ from harness._rank.predict import (
 from harness._records import FieldRecord, StepRecord
 from harness._rollout_record import RolloutPoint, RolloutRecord
 from harness.compare import Bound, Mismatch, Quantity
-from harness.errors import ConfigError
+from harness.errors import ConfigError, RankFailure
 from harness.topology import Topology
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ __all__ = [
     "NUDGE_ULPS",
     "RolloutPoint",
     "RolloutRecord",
+    "SerialRanOut",
     "autocast_context",
     "check_rollout",
     "judge_rollout",
@@ -383,13 +385,17 @@ def check_rollout(
     # serial rollouts instead of after them (the ranks mostly wait on gloo; see OVERLAP).
     # A runner that runs the function in this very process (torchrun, srun) goes after.
     ranks_run = Background(pool, call, timeout) if _overlaps(pool) else None
+    # the serial rollouts stop at the ranks' timeout, and at once when the ranks failed
+    limit = timeout if timeout is not None else getattr(pool, "timeout", None)
+    clock = Deadline.after(limit, stop=None if ranks_run is None else ranks_run.failed)
     t_serial = time.perf_counter()
     try:
-        reference, high, ensemble = _serial(case, steps, seed, members, autocast)
-    except BaseException:
+        reference, high, ensemble, short = _serial(case, steps, seed, members, autocast, clock)
+    except RanOut as out:
+        _ran_out(out, ranks_run)
+    finally:
         if ranks_run is not None:
             ranks_run.join()  # never leave the ranks running behind a verdict
-        raise
     serial = time.perf_counter() - t_serial
     if ranks_run is not None:
         ranks = ranks_run.result()
@@ -408,6 +414,8 @@ def check_rollout(
         ratio=RATIO,
     )
     record.autocast = "" if autocast is None else str(autocast).replace("torch.", "")
+    if short:
+        record.not_calibrated.append(short)
     from harness._samples import RolloutSamples
 
     record.samples = RolloutSamples.of(reference)  # a few steps, strided: the rest is freed
@@ -419,24 +427,78 @@ def check_rollout(
 Steps = list[dict[str, FieldRecord]]
 
 
+class SerialRanOut(Exception):
+    """The serial reference's rollout (or, under autocast, its run without it) stopped at
+    the check's timeout; ``ranks``: the ranks' run's failure beside it, if it failed too."""
+
+    def __init__(self, cause: RanOut, ranks: RankFailure | None) -> None:
+        super().__init__(str(cause))
+        self.cause, self.ranks = cause, ranks
+
+
+def _ran_out(out: RanOut, ranks_run: Background | None) -> NoReturn:
+    """Raise what a serial rollout stopped by its clock leaves: the ranks' failure where
+    they failed first (the serial part was abandoned for it), else ``SerialRanOut``."""
+    failure = None
+    if ranks_run is not None:
+        try:
+            ranks_run.result()
+        except RankFailure as exc:
+            failure = exc
+    if out.abandoned and failure is not None:
+        raise failure from None
+    raise SerialRanOut(out, failure) from out
+
+
 def _serial(
-    case: SpatialCase, steps: int, seed: int, members: int, autocast: torch.dtype | None
-) -> tuple[Steps, Steps | None, list[Steps]]:
+    case: SpatialCase,
+    steps: int,
+    seed: int,
+    members: int,
+    autocast: torch.dtype | None,
+    clock: Deadline | None = None,
+) -> tuple[Steps, Steps | None, list[Steps], str]:
     """The serial rollouts, with ``SERIAL_THREADS`` torch threads: the reference, under
     autocast also without it (the reduced precision's own rounding, measured), and the
-    nudged members."""
+    nudged members, each stopped by ``clock`` (``RanOut``). Members that run out of time
+    leave the ensemble of those done and a line that says so (the last item)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(SERIAL_THREADS)
     try:
-        reference = run_prediction(case, Topology.single(), steps, seed, autocast=autocast)
+        reference = run_prediction(
+            case, Topology.single(), steps, seed, autocast=autocast, deadline=clock
+        )
         high = None
         if autocast is not None:
-            high = run_prediction(case, Topology.single(), steps, seed)
-        ensemble = [
-            run_prediction(case, Topology.single(), steps, seed, member=j, autocast=autocast)
-            for j in range(members)
-        ]
-        return reference, high, ensemble
+            high = run_prediction(case, Topology.single(), steps, seed, deadline=clock)
+        ensemble: list[Steps] = []
+        try:
+            for j in range(members):
+                ensemble.append(
+                    run_prediction(
+                        case,
+                        Topology.single(),
+                        steps,
+                        seed,
+                        member=j,
+                        autocast=autocast,
+                        deadline=clock,
+                    )
+                )
+        except RanOut as stop:
+            if stop.abandoned:
+                raise
+            judged = "their spread" if ensemble else "the check's field tolerance alone"
+            return (
+                reference,
+                high,
+                ensemble,
+                (
+                    f"the nudged reruns of the rollout {stop} ({len(ensemble)} of {members} "
+                    f"done); judged by {judged}"
+                ),
+            )
+        return reference, high, ensemble, ""
     finally:
         torch.set_num_threads(threads)
 

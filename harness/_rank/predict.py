@@ -19,6 +19,7 @@ from harness.errors import ConfigError
 from harness.topology import Topology
 
 if TYPE_CHECKING:
+    from harness._rank.deadline import Deadline
     from harness.case import SpatialCase
 
 __all__ = ["NUDGE_ULPS", "autocast_context", "run_prediction"]
@@ -88,13 +89,15 @@ def run_prediction(
     autocast: torch.dtype | None = None,
     progress: Callable[[str, int | None], None] | None = None,
     watch: _Watch | None = None,
+    deadline: Deadline | None = None,
 ) -> list[dict[str, FieldRecord]]:
     """Build the case (seeded as a check's build), take step 0's batch, and roll out
     ``steps`` steps with ``case.predict`` in eval mode under ``torch.no_grad()`` (and
     ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge;
     ``watch``: hooks on the model around ``predict`` (locating a rollout). Leaves the
     caller's RNG states, default dtype and grad mode as it found them. A failure leaves
-    with its phase in ``exc.harness_phase`` (``_Where``)."""
+    with its phase in ``exc.harness_phase`` (``_Where``). ``deadline`` (a serial rollout of
+    a check): checked at every phase, step and module call (``harness._rank.deadline``)."""
     from harness._declared import _check_batch, _check_model
     from harness._rank.run import _mark_phase, _seed, _step_seed
     from harness._rank.state import CallerState
@@ -103,8 +106,11 @@ def run_prediction(
     if case.dtype is not None:
         torch.set_default_dtype(case.dtype)
     model: torch.nn.Module | None = None
+    if deadline is not None:
+        progress = _checked(progress, deadline)
     where = _Where(steps, progress)
     hook = None
+    clocks: list[Any] = []
     try:
         where.enter("rollout build")
         _seed(seed)
@@ -117,6 +123,8 @@ def run_prediction(
             hook = model.register_forward_pre_hook(where.called)
         if watch is not None:
             watch.attach(model)
+        if deadline is not None:
+            clocks = deadline.watch_modules(model)
         where.predicting()
         with torch.no_grad(), autocast_context(autocast):
             out = case.predict(model, batch, topo, steps)
@@ -133,11 +141,25 @@ def run_prediction(
                 case.teardown(model, topo)
         raise
     finally:
-        if hook is not None:
-            hook.remove()
+        for h in [hook, *clocks]:
+            if h is not None:
+                h.remove()
         if watch is not None:
             watch.detach()
         saved.restore()
+
+
+def _checked(
+    progress: Callable[[str, int | None], None] | None, deadline: Deadline
+) -> Callable[[str, int | None], None]:
+    """``progress`` (if any), after ``deadline`` is checked."""
+
+    def tell(phase: str, step: int | None) -> None:
+        deadline.progress(phase, step)
+        if progress is not None:
+            progress(phase, step)
+
+    return tell
 
 
 def _nudged(member: int | None, model: torch.nn.Module, batch: Any) -> Any:
