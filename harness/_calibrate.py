@@ -132,11 +132,11 @@ def calibrate(
         return _LAST[2]
     t0 = time.perf_counter()
     out = Calibration()
-    runs: list[RunRecord] = []
+    done: list[RunRecord] = []  # how far the reruns got, should the clock stop them
     try:
-        spread_runs(case, steps, lr, seed, members=members, deadline=deadline, done=runs)
+        runs = spread_runs(case, steps, lr, seed, members=members, deadline=deadline, done=done)
     except RanOut as stop:
-        out.problem = f"the nudged reruns of the reference {stop} ({len(runs)} of {members} done)"
+        out.problem = f"the nudged reruns of the reference {stop} ({len(done)} of {members} done)"
     except Exception as exc:  # noqa: BLE001 - the check falls back to its tolerance, saying why
         out.problem = f"a nudged rerun of the reference raised ({exception_summary(exc)})"
     else:

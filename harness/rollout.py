@@ -385,9 +385,7 @@ def check_rollout(
     # serial rollouts instead of after them (the ranks mostly wait on gloo; see OVERLAP).
     # A runner that runs the function in this very process (torchrun, srun) goes after.
     ranks_run = Background(pool, call, timeout) if _overlaps(pool) else None
-    # the serial rollouts stop at the ranks' timeout, and at once when the ranks failed
-    limit = timeout if timeout is not None else getattr(pool, "timeout", None)
-    clock = Deadline.after(limit, stop=None if ranks_run is None else ranks_run.failed)
+    clock = _clock(pool, timeout, ranks_run)
     t_serial = time.perf_counter()
     try:
         reference, high, ensemble, short = _serial(case, steps, seed, members, autocast, clock)
@@ -397,10 +395,7 @@ def check_rollout(
         if ranks_run is not None:
             ranks_run.join()  # never leave the ranks running behind a verdict
     serial = time.perf_counter() - t_serial
-    if ranks_run is not None:
-        ranks = ranks_run.result()
-    else:
-        ranks = pool.run(*call, timeout=timeout)
+    ranks = ranks_run.result() if ranks_run is not None else pool.run(*call, timeout=timeout)
     from harness._autocast import RATIO
 
     record = judge_rollout(
@@ -425,6 +420,13 @@ def check_rollout(
 
 
 Steps = list[dict[str, FieldRecord]]
+
+
+def _clock(pool: Runner, timeout: float | None, ranks_run: Background | None) -> Deadline:
+    """The serial rollouts' clock: the ranks' timeout (``timeout``, else the pool's), and
+    stopped at once when the ranks' run beside them failed."""
+    limit = timeout if timeout is not None else getattr(pool, "timeout", None)
+    return Deadline.after(limit, stop=None if ranks_run is None else ranks_run.failed)
 
 
 class SerialRanOut(Exception):

@@ -94,10 +94,9 @@ def run_prediction(
     """Build the case (seeded as a check's build), take step 0's batch, and roll out
     ``steps`` steps with ``case.predict`` in eval mode under ``torch.no_grad()`` (and
     ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge;
-    ``watch``: hooks on the model around ``predict`` (locating a rollout). Leaves the
-    caller's RNG states, default dtype and grad mode as it found them. A failure leaves
-    with its phase in ``exc.harness_phase`` (``_Where``). ``deadline`` (a serial rollout of
-    a check): checked at every phase, step and module call (``harness._rank.deadline``)."""
+    ``watch``: hooks on the model around ``predict`` (locating a rollout); ``deadline``:
+    checked at every phase, step and module call (a check's serial rollout). Leaves RNG
+    states, dtype and grad mode as it found them; a failure's phase: ``exc.harness_phase``."""
     from harness._declared import _check_batch, _check_model
     from harness._rank.run import _mark_phase, _seed, _step_seed
     from harness._rank.state import CallerState
@@ -106,11 +105,8 @@ def run_prediction(
     if case.dtype is not None:
         torch.set_default_dtype(case.dtype)
     model: torch.nn.Module | None = None
-    if deadline is not None:
-        progress = _checked(progress, deadline)
-    where = _Where(steps, progress)
-    hook = None
-    clocks: list[Any] = []
+    where = _Where(steps, progress if deadline is None else _checked(progress, deadline))
+    hooks: list[Any] = []
     try:
         where.enter("rollout build")
         _seed(seed)
@@ -119,12 +115,9 @@ def run_prediction(
         where.enter("rollout batch")
         _seed(_step_seed(seed, 0))
         batch = _nudged(member, model, _check_batch(case, case.batch(topo, 0), 0))
-        with contextlib.suppress(RuntimeError):  # a module that takes no hooks: no counts
-            hook = model.register_forward_pre_hook(where.called)
+        hooks = _hooks(model, where, deadline)
         if watch is not None:
             watch.attach(model)
-        if deadline is not None:
-            clocks = deadline.watch_modules(model)
         where.predicting()
         with torch.no_grad(), autocast_context(autocast):
             out = case.predict(model, batch, topo, steps)
@@ -141,12 +134,20 @@ def run_prediction(
                 case.teardown(model, topo)
         raise
     finally:
-        for h in [hook, *clocks]:
-            if h is not None:
-                h.remove()
+        for h in hooks:
+            h.remove()
         if watch is not None:
             watch.detach()
         saved.restore()
+
+
+def _hooks(model: torch.nn.Module, where: _Where, deadline: Deadline | None) -> list[Any]:
+    """The rollout's hooks on ``model``: its calls counted (``_Where``), and every module's
+    calls clocked by ``deadline``."""
+    out = [] if deadline is None else deadline.watch_modules(model)
+    with contextlib.suppress(RuntimeError):  # a module that takes no hooks: no counts
+        out.append(model.register_forward_pre_hook(where.called))
+    return out
 
 
 def _checked(

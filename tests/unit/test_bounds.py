@@ -139,7 +139,7 @@ def test_a_predict_that_never_returns_stops_at_its_next_call_of_any_submodule():
             while True:  # computes inside predict, and never through the model itself
                 model.inner(batch)
 
-    with pytest.raises(RanOut, match="ran past the check's timeout of 0.2 s") as caught:
+    with pytest.raises(RanOut, match=r"ran past the check's timeout of 0\.2 s") as caught:
         run_prediction(Forever(), Topology.single(), 3, 0, deadline=Deadline.after(0.2))
     assert caught.value.harness_phase.startswith("rollout predict")
 
