@@ -66,3 +66,23 @@ def test_nudged_reruns_that_run_out_leave_a_not_calibrated_line_and_the_verdict_
     assert "nudged reruns of the reference ran past the check's timeout of 6 s (0 of 4" in line
     assert line.endswith("judged by the tolerance")
     assert len(SlowReruns.builds) == 2  # the reference and one rerun: the others never began
+
+
+class RanksRaise(RingCase):
+    """The ring, whose ranks raise at once in the rollout while the serial reference would
+    roll out for as long as it is let."""
+
+    def predict(self, model: torch.nn.Module, batch: Any, topo: Topology, steps: int) -> Any:
+        if not topo.is_reference:
+            raise RuntimeError("the ranks' rollout broke")
+        return super().predict(model, batch, topo, steps)
+
+
+def test_serial_rollouts_stop_when_the_ranks_beside_them_failed_and_the_ranks_are_named(spatial):
+    pool = spatial.pool(4)
+    report = check_equivalence(RanksRaise(), ranks=4, pool=pool, rollout=10**9, timeout=120)
+    # the ranks' error, and nothing of the reference: it was stopped, not out of time (on a
+    # clock of 120 s, which this test would otherwise wait for)
+    assert {m.quantity for m in report.mismatches} == {Quantity.ERROR}, report
+    assert all(m.run != "reference" for m in report.mismatches)
+    assert "the ranks' rollout broke" in str(report)
