@@ -122,12 +122,14 @@ def judge_rollout(
     factor: float = FACTOR,
     high: list[dict[str, FieldRecord]] | None = None,
     ratio: float = 4.0,
+    sticks: Yardsticks | None = None,
 ) -> RolloutRecord:
     """Judge every step and field of the ranks' rollout against the reference's, within
     ``factor`` times the members' spread (and at least the fixed ``bound``). Under autocast,
     ``high``: the reference's rollout without it; the bound is then at least ``ratio`` times
     the reference's distance from it (the reduced precision's own rounding, which nudges of
-    the inputs do not reach: ``harness._autocast``'s ratio rule, step by step)."""
+    the inputs do not reach: ``harness._autocast``'s ratio rule, step by step). ``sticks``:
+    what of it does not depend on the ranks (``yardsticks``), if measured already."""
     from harness._checks import Judge, Layout
     from harness.compare import NUMERIC, QuantityStats, Tolerance
 
@@ -138,6 +140,7 @@ def judge_rollout(
         Layout(len(ranks), spatial_size),
         {q: QuantityStats() for q in NUMERIC},
     )
+    sticks = yardsticks(reference, members) if sticks is None else sticks
     skipped: set[str] = set()  # keyed fields, said once
     stopped: set[str] = set()  # fields whose reference or spread stopped being finite
     for k, ref_fields in enumerate(reference):
@@ -148,8 +151,8 @@ def judge_rollout(
             if n in broken or n in stopped:
                 continue
             shards = [fs[n] for fs in rank_fields]
-            others = [m[k][n] for m in members]
-            point = _point(record, k, n, ref_field, shards, others, bound, factor, spatial_size)
+            stick = sticks[k][n]
+            point = _point(record, k, n, ref_field, shards, stick, bound, factor, spatial_size)
             if point is not None and high is not None and n in high[k]:
                 _precision(point, ref_field, high[k][n], shards, ratio)
             if point is None:
@@ -285,7 +288,7 @@ def _point(
     n: str,
     ref_field: FieldRecord,
     shards: list[FieldRecord],
-    members: list[FieldRecord],
+    stick: Yardstick,
     bound: Bound,
     factor: float,
     spatial_size: int,
@@ -293,8 +296,8 @@ def _point(
     """Field ``n`` at step ``k``: its error, spread and envelope; ``None`` (said on the
     record) where the reference or a member stopped being finite, so nothing after it can be
     judged."""
-    ref_values = flat_like(ref_field, shards)
-    if not bool(torch.isfinite(ref_values).all()):
+    finite, spread, scale = stick
+    if not finite:
         record.mismatches.append(
             Mismatch(
                 Quantity.NONFINITE,
@@ -308,17 +311,42 @@ def _point(
             )
         )
         return None
+    ref_values = flat_like(ref_field, shards)
     got = assemble_whole(n, ref_field.values, shards, spatial_size)
-    spread = max((_max_abs(flat_like(m, shards), ref_values) for m in members), default=0.0)
     if math.isinf(spread):
         record.not_compared.append(
             f"field '{n}' from step {k} on: a nudged rerun of the reference was not "
             "finite there, so the rounding spread is unknown"
         )
         return None
-    scale = float(ref_values.abs().max()) if ref_values.numel() else 0.0
     floor = bound.atol + bound.rtol * scale
     return RolloutPoint(k, n, _max_abs(got, ref_values), spread, max(factor * spread, floor), scale)
+
+
+#: a field at a step: whether the reference is finite there, the members' spread (the
+#: furthest distance of any member from it) and its largest magnitude
+Yardstick = tuple[bool, float, float]
+Yardsticks = list[dict[str, Yardstick]]
+
+
+def yardsticks(
+    reference: list[dict[str, FieldRecord]], members: list[list[dict[str, FieldRecord]]]
+) -> Yardsticks:
+    """Every step's and field's ``Yardstick``: what the judgement needs that does not depend
+    on the ranks, so ``check_rollout`` measures it while they still run. (Distances and
+    magnitudes do not depend on the layout ``flat_like`` gives a grid field.)"""
+    out: Yardsticks = []
+    for k, fields in enumerate(reference):
+        step: dict[str, Yardstick] = {}
+        for n, f in fields.items():
+            v = f.values
+            finite = bool(torch.isfinite(v).all())
+            others = [m[k][n].values for m in members if n in m[k]]
+            spread = max((_max_abs(o, v) for o in others), default=0.0)
+            scale = float(v.abs().max()) if v.numel() and finite else 0.0
+            step[n] = (finite, spread, scale)
+        out.append(step)
+    return out
 
 
 def _precision(
@@ -395,6 +423,7 @@ def check_rollout(
         if ranks_run is not None:
             ranks_run.join()  # never leave the ranks running behind a verdict
     serial = time.perf_counter() - t_serial
+    sticks = yardsticks(reference, ensemble)  # while the ranks still run
     ranks = ranks_run.result() if ranks_run is not None else pool.run(*call, timeout=timeout)
     from harness._autocast import RATIO
 
@@ -407,6 +436,7 @@ def check_rollout(
         factor=factor,
         high=high,
         ratio=RATIO,
+        sticks=sticks,
     )
     record.autocast = "" if autocast is None else str(autocast).replace("torch.", "")
     if short:

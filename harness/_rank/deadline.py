@@ -3,9 +3,10 @@ reruns and the serial rollouts stop at the check's timeout, as the ranks' run do
 at once when the ranks' run beside them has failed (nothing would be judged).
 
 Checked between the phases of a training step (``run_case``'s ``progress``), between the
-steps of a rollout and at every module call of a serial rollout (``run_prediction``): a
-single torch operation that runs past the deadline is not interrupted, the next module call
-or step is. No thread, no signal: the run stops itself, in the calling process's own thread.
+steps of a rollout and at every call of the model or of a child of it in a serial rollout
+(``run_prediction``): a single torch operation that runs past the deadline is not
+interrupted, the next call or step is. No thread, no signal: the run stops itself, in the
+calling process's own thread.
 
 Rank-side code (the serial runs are run_case's and run_prediction's): imports no pytest,
 nothing of the pool.
@@ -63,11 +64,12 @@ class Deadline:
             self.check()
 
     def watch_modules(self, model: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
-        """A forward pre-hook on every module of ``model`` that checks the deadline: a
-        rollout computed inside one ``predict`` call (a list returned at the end) stops at
-        its next module call, whichever submodule ``predict`` calls."""
+        """A forward pre-hook on ``model`` and each of its children that checks the
+        deadline: a rollout computed inside one ``predict`` call (a list returned at the
+        end) stops at its next call of the model or of a part of it (a step calls one of
+        them; the modules inside a child are left unhooked, a hook costs a Python call)."""
         out = []
-        for module in model.modules():
+        for module in [model, *model.children()]:
             try:
                 out.append(module.register_forward_pre_hook(self._hook))
             except RuntimeError:  # a module that takes no hooks (scripted): unwatched

@@ -95,7 +95,7 @@ def run_prediction(
     ``steps`` steps with ``case.predict`` in eval mode under ``torch.no_grad()`` (and
     ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge;
     ``watch``: hooks on the model around ``predict`` (locating a rollout); ``deadline``:
-    checked at every phase, step and module call (a check's serial rollout). Leaves RNG
+    checked at every phase, step and call of the model (a check's serial rollout). Leaves RNG
     states, dtype and grad mode as it found them; a failure's phase: ``exc.harness_phase``."""
     from harness._declared import _check_batch, _check_model
     from harness._rank.run import _mark_phase, _seed, _step_seed
