@@ -339,6 +339,8 @@ def yardsticks(
     for k, fields in enumerate(reference):
         step: dict[str, Yardstick] = {}
         for n, f in fields.items():
+            if f.keyed:  # not judged by the envelope (``_positional``)
+                continue
             v = f.values
             finite = bool(torch.isfinite(v).all())
             others = [m[k][n].values for m in members if n in m[k]]
@@ -409,19 +411,19 @@ def check_rollout(
     given = None if spatial_size == pool.world_size else spatial_size
     call = (_rollout_entry, case, given, steps, seed, autocast)
     # The ranks' rollout and the serial ones (reference, members) are independent: a
-    # RankPool's ranks are other processes, so they run while this process computes the
-    # serial rollouts instead of after them (the ranks mostly wait on gloo; see OVERLAP).
-    # A runner that runs the function in this very process (torchrun, srun) goes after.
+    # RankPool's ranks run while this process computes the serial ones (see OVERLAP); a
+    # runner that runs the function in this very process (torchrun, srun) goes after.
     ranks_run = Background(pool, call, timeout) if _overlaps(pool) else None
     clock = _clock(pool, timeout, ranks_run)
     t_serial = time.perf_counter()
     try:
         reference, high, ensemble, short = _serial(case, steps, seed, members, autocast, clock)
     except RanOut as out:
-        _ran_out(out, ranks_run)
-    finally:
+        _ran_out(out, ranks_run)  # joins the ranks' run
+    except BaseException:
         if ranks_run is not None:
             ranks_run.join()  # never leave the ranks running behind a verdict
+        raise
     serial = time.perf_counter() - t_serial
     sticks = yardsticks(reference, ensemble)  # while the ranks still run
     ranks = ranks_run.result() if ranks_run is not None else pool.run(*call, timeout=timeout)
