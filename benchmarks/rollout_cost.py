@@ -1,7 +1,16 @@
-"""What a 150-step rollout check costs against the 2-step training check, and how many
-nudged reruns (ensemble members) its envelope needs.
+"""What a 150-step rollout check costs against its own baseline and against the 2-step
+training check, and how many nudged reruns (ensemble members) its envelope needs.
 
     python benchmarks/rollout_cost.py [--steps 150] [--repeats 2] [--members 1 2 4 8]
+        [--only baseline|cost|members]
+
+Against its baseline, what a user would do by hand without the harness: the ranks of the
+same warm pool roll the model out (``predict`` on each rank's part, its shards returned),
+this process rolls out the serial model at the same time, then every step's reassembled
+field is compared with ``torch.allclose``. The rollout check (``check_rollout``: the same
+two rollouts, ``MEMBERS`` nudged serial reruns, the judgement of every step and field)
+and the whole check with ``rollout=`` (the 2-step training check too) against it,
+alternated, medians of ``--repeats`` (the goal: at most 1.3x).
 
 The SFNO stepper (16x32, 2x2 process grid, float32) on 4 ranks: the training check
 (``check_equivalence``, 2 steps) against the rollout that ``rollout=150`` adds (the
@@ -32,8 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.distribute
 
 import harness.rollout as rollout
 from harness import PoolRegistry, Tolerance, Topology, check_equivalence
+from harness._checks.fields import assemble_whole, flat_like
+from harness._overlap import Background
 from harness._rank.predict import _rollout_entry, run_prediction
-from harness.rollout import FACTOR, MEMBERS, SERIAL_THREADS, judge_rollout
+from harness.rollout import FACTOR, MEMBERS, SERIAL_THREADS, check_rollout, judge_rollout
 
 RANKS = 4
 
@@ -68,6 +79,51 @@ def _cost(case, pool, steps: int, repeats: int) -> None:
         )
 
 
+def _bare(case, pool, steps: int) -> bool:
+    """The rollout by hand: the ranks' partitioned one beside the serial one (one torch
+    thread, as the check runs it), then ``torch.allclose`` on every step's fields."""
+    ranks_run = Background(pool, (_rollout_entry, case, None, steps, 0, None), None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SERIAL_THREADS)
+    try:
+        serial = run_prediction(case, Topology.single(), steps, 0)
+    finally:
+        torch.set_num_threads(threads)
+    ranks = ranks_run.result()
+    close = True
+    for k, fields in enumerate(serial):
+        for n, ref in fields.items():
+            shards = [r[k][n] for r in ranks]
+            got = assemble_whole(n, ref.values, shards, RANKS)
+            close &= torch.allclose(got, flat_like(ref, shards), rtol=1e-3, atol=1e-3)
+    return close
+
+
+def _baseline(case, pool, steps: int, repeats: int) -> None:
+    """The rollout check and the whole check against the rollout by hand, alternated."""
+    bound = Tolerance.for_dtype(torch.float32).field
+    check_equivalence(case, ranks=RANKS, pool=pool, rollout=2)  # warm: imports, groups
+    _bare(case, pool, 2)
+    times: dict[str, list[float]] = {"bare": [], "rollout": [], "check": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _bare(case, pool, steps)  # its verdict: chaos may leave a correct rollout beyond 1e-3
+        times["bare"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        record = check_rollout(case, pool, spatial_size=RANKS, steps=steps, seed=0, bound=bound)
+        times["rollout"].append(time.perf_counter() - t0)
+        assert record.first is None and not record.mismatches, record.lines()
+        t0 = time.perf_counter()
+        report = check_equivalence(case, ranks=RANKS, pool=pool, rollout=steps)
+        times["check"].append(time.perf_counter() - t0)
+        assert report.ok, report
+    bare = statistics.median(times["bare"])
+    roll, check = statistics.median(times["rollout"]), statistics.median(times["check"])
+    print(f"  by hand (partitioned beside serial, allclose): {bare:6.2f} s")
+    print(f"  rollout check ({MEMBERS} members): {roll:6.2f} s -> {roll / bare:.2f}x")
+    print(f"  check, rollout={steps} + 2 training steps: {check:6.2f} s -> {check / bare:.2f}x")
+
+
 def _members(case, pool, steps: int, sizes: list[int]) -> None:
     bound = Tolerance.for_dtype(torch.float32).field
     threads = torch.get_num_threads()
@@ -97,6 +153,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--members", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--only", choices=("baseline", "cost", "members"), default=None)
     args = parser.parse_args()
     from harness.steppers.sfno import SFNOCase
     from tests.distributed.ring import RingCase
@@ -105,11 +162,21 @@ def main() -> None:
     registry = PoolRegistry()
     try:
         pool = registry.get(RANKS)
-        print(f"SFNO 16x32 on 2x2 ranks, float32, median of {args.repeats}")
-        _cost(sfno, pool, args.steps, args.repeats)
-        for label, case in (("SFNO 16x32", sfno), ("Lorenz-96 ring of 40", RingCase())):
-            print(f"{label}: ensemble size, {args.steps} steps")
-            _members(case, pool, args.steps, sorted(args.members))
+        cases = (("SFNO 16x32 on 2x2 ranks", sfno), ("Lorenz-96 ring of 40", RingCase()))
+        if args.only in (None, "baseline"):
+            for label, case in cases:
+                print(
+                    f"{label}, float32: {args.steps} steps against the rollout by hand, "
+                    f"median of {args.repeats}"
+                )
+                _baseline(case, pool, args.steps, args.repeats)
+        if args.only in (None, "cost"):
+            print(f"SFNO 16x32 on 2x2 ranks, float32, median of {args.repeats}")
+            _cost(sfno, pool, args.steps, args.repeats)
+        if args.only in (None, "members"):
+            for label, case in cases:
+                print(f"{label}: ensemble size, {args.steps} steps")
+                _members(case, pool, args.steps, sorted(args.members))
     finally:
         registry.close()
 

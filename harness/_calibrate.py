@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from harness._checks.spread import Spreads, spreads_of
+from harness._rank.deadline import Deadline, RanOut
 from harness._rank.nudge import Nudge
 from harness._rank.run import run_case
 from harness._records import RunRecord
@@ -86,16 +87,24 @@ def spread_runs(
     seed: int,
     *,
     members: int = MEMBERS,
+    deadline: Deadline | None = None,
+    done: list[RunRecord] | None = None,
 ) -> list[RunRecord]:
     """The reference rerun ``members`` times, each nudged by ``ULPS`` units of rounding
-    with a generator of its own, in this process with ``SERIAL_THREADS`` torch threads."""
+    with a generator of its own, in this process with ``SERIAL_THREADS`` torch threads;
+    each stopped by ``deadline`` (``RanOut``) at the check's timeout. ``done`` (if given)
+    collects the reruns as they finish, so a caller sees how far they got."""
+    out = [] if done is None else done
+    tick = None if deadline is None else deadline.progress
     threads = torch.get_num_threads()
     torch.set_num_threads(SERIAL_THREADS)
     try:
-        return [
-            run_case(case, Topology.single(), steps, lr, seed, nudge=Nudge(j, ULPS))
-            for j in range(members)
-        ]
+        for j in range(members):
+            nudge = Nudge(j, ULPS)
+            out.append(
+                run_case(case, Topology.single(), steps, lr, seed, progress=tick, nudge=nudge)
+            )
+        return out
     finally:
         torch.set_num_threads(threads)
 
@@ -109,9 +118,11 @@ def calibrate(
     *,
     members: int = MEMBERS,
     factor: float = FACTOR,
+    deadline: Deadline | None = None,
 ) -> Calibration:
     """Each entry's spread over ``members`` nudged reruns of ``reference``; a rerun that
-    raises leaves the check on its fixed tolerance, said in ``problem``. The same reference
+    raises, or that ``deadline`` stops (the check's timeout; the ranks' run failed), leaves
+    the check on its fixed tolerance, said in ``problem``. The same reference
     record judged again with the same arguments (every layout of a sweep: ``check_layouts``
     runs the reference once) reuses the spreads measured for it."""
     from harness.errors import exception_summary
@@ -121,8 +132,11 @@ def calibrate(
         return _LAST[2]
     t0 = time.perf_counter()
     out = Calibration()
+    done: list[RunRecord] = []  # how far the reruns got, should the clock stop them
     try:
-        runs = spread_runs(case, steps, lr, seed, members=members)
+        runs = spread_runs(case, steps, lr, seed, members=members, deadline=deadline, done=done)
+    except RanOut as stop:
+        out.problem = f"the nudged reruns of the reference {stop} ({len(done)} of {members} done)"
     except Exception as exc:  # noqa: BLE001 - the check falls back to its tolerance, saying why
         out.problem = f"a nudged rerun of the reference raised ({exception_summary(exc)})"
     else:

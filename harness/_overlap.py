@@ -38,6 +38,20 @@ class Background:
         self._thread = threading.Thread(target=target, name="harness-ranks", daemon=True)
         self._thread.start()
 
+    def failed(self) -> str:
+        """Why serial work beside the run should stop (``""``: it should not): the run has
+        ended in an error, so nothing of the serial work will be judged."""
+        from harness.errors import RankDeadlock, RankTimeout
+
+        error = self._error
+        if self._thread.is_alive() or error is None:
+            return ""
+        if isinstance(error, RankTimeout) and not isinstance(error, RankDeadlock):
+            # the serial work's own clock, as long as the ranks', runs out within moments:
+            # it then says itself what it did not finish (the report names both parts)
+            return ""
+        return "stopped: the ranks' run beside it failed"
+
     def join(self) -> None:
         self._thread.join()
 

@@ -52,6 +52,8 @@ class RolloutRecord:
     curve: list[RolloutPoint] = field(default_factory=list)
     mismatches: list[Mismatch] = field(default_factory=list)
     not_compared: list[str] = field(default_factory=list)
+    #: why the rounding spread was measured by fewer members than asked (the clock)
+    not_calibrated: list[str] = field(default_factory=list)
     seconds: float = 0.0
     serial_seconds: float = 0.0  # of ``seconds``: the reference and its nudged reruns
     #: the reference's rollout as a golden stores it (``harness._samples.RolloutSamples``)
@@ -103,4 +105,5 @@ class RolloutRecord:
                 f"field '{worst.name}')"
             )
         out += [f"Not compared: {n}" for n in self.not_compared]
+        out += [f"Not calibrated: {n}" for n in self.not_calibrated]
         return out

@@ -21,6 +21,7 @@ from harness._checks import compare_runs
 from harness._hints import culprit_hint
 from harness._mutation.mode import current as mutant_mode
 from harness._overlap import Background, in_other_processes
+from harness._rank.deadline import Deadline, RanOut
 from harness._rank.run import Progress, Watch, _rank_entry, run_case
 from harness._records import RunRecord
 from harness._vacuous import check_vacuous
@@ -141,9 +142,10 @@ def check_equivalence(
         tolerance=None,
         latitudes=None if case.latitudes is None else [float(v) for v in case.latitudes],
     )
+    limit = serial_limit(timeout, pool)
     if reference is None:
         try:
-            reference = run_case(case, Topology.single(), steps, lr, seed)
+            reference = bounded_reference(case, steps, lr, seed, limit)
         except Exception as exc:  # noqa: BLE001 - the reference's failure is the check's verdict
             return _reference_failed(report, case, exc, tolerance, t0)
     dtype = reference.steps[0].loss.dtype
@@ -153,7 +155,7 @@ def check_equivalence(
     # the reference ran first: its initial values can travel to ranks that load them
     loads = case.load_reference_shards or case.load_reference_init
     init = reference.init if loads else None
-    run = _Run(case, pool, spatial_size, steps, lr, seed, timeout, init, grid or None)
+    run = _Run(case, pool, spatial_size, steps, lr, seed, timeout, init, grid or None, limit)
     given = tolerance is not None or case.tolerance is not None
     calibrated = calibrates(dtype, asked=calibrate, tolerance_given=given, autocast=amp)
     _train(run, report, reference, tol, s, allow, amp, calibrated)
@@ -230,6 +232,22 @@ class _Run:
     timeout: float | None
     init: dict[str, torch.Tensor] | None
     mesh: tuple[int, ...] | None
+    #: the serial runs' clock: ``timeout``, else the pool's (``serial_limit``)
+    limit: float | None = None
+
+
+def serial_limit(timeout: float | None, pool: Runner) -> float | None:
+    """How long each serial part of a check (the reference, its nudged reruns, the serial
+    rollouts) may run: the check's ``timeout``, else its pool's, as the ranks' run beside it."""
+    return timeout if timeout is not None else getattr(pool, "timeout", None)
+
+
+def bounded_reference(
+    case: SpatialCase, steps: int, lr: float, seed: int, limit: float | None
+) -> RunRecord:
+    """The reference's training run, stopped (``RanOut``) past ``limit`` seconds."""
+    clock = Deadline.after(limit)
+    return run_case(case, Topology.single(), steps, lr, seed, progress=clock.progress)
 
 
 def _train(
@@ -264,12 +282,17 @@ def _train(
     try:
         if calibrated and in_other_processes(run.pool):
             ranks_run = Background(run.pool, call, run.timeout, **on_grid)
-            measured = calibrate(case, reference, run.steps, run.lr, run.seed)
-            records = ranks_run.result()
+            # the reruns stop at the check's timeout, and at once when the ranks failed
+            clock = Deadline.after(run.limit, stop=ranks_run.failed)
+            try:
+                measured = calibrate(case, reference, *_args(run), deadline=clock)
+            finally:
+                records = ranks_run.result()  # joined whatever happened: no thread outlives
         else:
             records = run.pool.run(call[0], *call[1:], timeout=run.timeout, **on_grid)
             if calibrated:
-                measured = calibrate(case, reference, run.steps, run.lr, run.seed)
+                clock = Deadline.after(run.limit)
+                measured = calibrate(case, reference, *_args(run), deadline=clock)
     except RankFailure as failure:
         report.mismatches = failure_mismatches(failure, case.label)
         report.likely = culprit_hint(failure)
@@ -296,6 +319,11 @@ def _train(
         ratio_rule(case, report, reference, judged, records, amp)
 
 
+def _args(run: _Run) -> tuple[int, float, int]:
+    """The steps, learning rate and seed of ``run``'s training, as the reruns take them."""
+    return run.steps, run.lr, run.seed
+
+
 def _roll_out(
     run: _Run,
     report: EquivalenceReport,
@@ -306,7 +334,7 @@ def _roll_out(
 ) -> None:
     """The inference rollout, judged step by step into ``report`` (not after a training
     run that raised, crashed or hung: its traceback says more)."""
-    from harness.rollout import check_rollout
+    from harness.rollout import SerialRanOut, check_rollout
 
     report.rollout_steps = n_rollout
     if report.quantities & set(FAILURES):
@@ -326,6 +354,11 @@ def _roll_out(
     except RankFailure as failure:
         report.mismatches += _rollout_failure(failure, run.case.label, n_rollout)
         report.likely = report.likely or culprit_hint(failure)
+    except SerialRanOut as out:  # the serial reference's rollout, and the ranks' if they did
+        phase = getattr(out.cause, "harness_phase", None) or "rollout"
+        report.mismatches.append(_reference_error(run.case.label, out.cause, phase, None))
+        if out.ranks is not None:
+            report.mismatches += _rollout_failure(out.ranks, run.case.label, n_rollout)
     except Exception as exc:  # noqa: BLE001 - the reference's rollout raised: a verdict
         phase = getattr(exc, "harness_phase", None) or "rollout"
         report.mismatches.append(_reference_error(run.case.label, exc, phase, None))
@@ -430,7 +463,20 @@ def _reference_failed(
 
 
 def _reference_error(label: str, exc: Exception, phase: str, step: int | None) -> Mismatch:
-    """The reference raised: one ``error`` of the reference, with its phase and traceback."""
+    """The reference raised: one ``error`` of the reference, with its phase and traceback
+    (stopped by the check's clock, ``RanOut``: a ``timeout`` of the serial reference)."""
+    if isinstance(exc, RanOut):
+        return Mismatch(
+            Quantity.TIMEOUT,
+            label,
+            step,
+            None,
+            where=f"the serial reference (this process) {exc}, in {phase or 'its run'}",
+            detail="the reference runs in the calling process under the same timeout as "
+            "the ranks: raise timeout= if the run is merely slow",
+            run="reference",
+            phase=phase,
+        )
     return Mismatch(
         Quantity.ERROR,
         label,

@@ -41,13 +41,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness._covering import Covering
-from harness._rank.run import run_case
 from harness._records import RunRecord
 from harness.case import SpatialCase
 from harness.compare import FAILURES, Quantity
 from harness.errors import ConfigError
 from harness.report import EquivalenceReport
-from harness.topology import Topology
 
 if TYPE_CHECKING:
     from harness.pool import Runner
@@ -545,10 +543,17 @@ def _cases(case: SpatialCase, todo: list[Layout]) -> dict[Layout, SpatialCase]:
 def _reference(case: SpatialCase, kwargs: dict[str, Any]) -> RunRecord | None:
     """The reference's run, which does not depend on the layout (``None`` where it raises:
     each layout's check then reports the reference's error)."""
+    from harness.equivalence import bounded_reference
+    from harness.pool import DEFAULT_TIMEOUT
+
     run = {k: kwargs[k] for k in ("steps", "lr", "seed") if k in kwargs}
-    try:
-        return run_case(
-            case, Topology.single(), run.get("steps", 2), run.get("lr", 0.1), run.get("seed", 0)
+    try:  # under the sweep's timeout (else the default pool's), as each check's reference
+        return bounded_reference(
+            case,
+            run.get("steps", 2),
+            run.get("lr", 0.1),
+            run.get("seed", 0),
+            kwargs.get("timeout") or DEFAULT_TIMEOUT,
         )
     except Exception:  # noqa: BLE001 - each layout's check reports the reference's error
         return None

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from harness._checks.fields import assemble_whole, flat_like
 from harness._overlap import Background, in_other_processes
+from harness._rank.deadline import Deadline, RanOut
 from harness._rank.nudge import NUDGE_ULPS
 from harness._rank.predict import (
     _rollout_entry,
@@ -38,7 +39,7 @@ from harness._rank.predict import (
 from harness._records import FieldRecord, StepRecord
 from harness._rollout_record import RolloutPoint, RolloutRecord
 from harness.compare import Bound, Mismatch, Quantity
-from harness.errors import ConfigError
+from harness.errors import ConfigError, RankFailure
 from harness.topology import Topology
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ __all__ = [
     "NUDGE_ULPS",
     "RolloutPoint",
     "RolloutRecord",
+    "SerialRanOut",
     "autocast_context",
     "check_rollout",
     "judge_rollout",
@@ -120,12 +122,14 @@ def judge_rollout(
     factor: float = FACTOR,
     high: list[dict[str, FieldRecord]] | None = None,
     ratio: float = 4.0,
+    sticks: Yardsticks | None = None,
 ) -> RolloutRecord:
     """Judge every step and field of the ranks' rollout against the reference's, within
     ``factor`` times the members' spread (and at least the fixed ``bound``). Under autocast,
     ``high``: the reference's rollout without it; the bound is then at least ``ratio`` times
     the reference's distance from it (the reduced precision's own rounding, which nudges of
-    the inputs do not reach: ``harness._autocast``'s ratio rule, step by step)."""
+    the inputs do not reach: ``harness._autocast``'s ratio rule, step by step). ``sticks``:
+    what of it does not depend on the ranks (``yardsticks``), if measured already."""
     from harness._checks import Judge, Layout
     from harness.compare import NUMERIC, QuantityStats, Tolerance
 
@@ -136,6 +140,7 @@ def judge_rollout(
         Layout(len(ranks), spatial_size),
         {q: QuantityStats() for q in NUMERIC},
     )
+    sticks = yardsticks(reference, members) if sticks is None else sticks
     skipped: set[str] = set()  # keyed fields, said once
     stopped: set[str] = set()  # fields whose reference or spread stopped being finite
     for k, ref_fields in enumerate(reference):
@@ -146,8 +151,8 @@ def judge_rollout(
             if n in broken or n in stopped:
                 continue
             shards = [fs[n] for fs in rank_fields]
-            others = [m[k][n] for m in members]
-            point = _point(record, k, n, ref_field, shards, others, bound, factor, spatial_size)
+            stick = sticks[k][n]
+            point = _point(record, k, n, ref_field, shards, stick, bound, factor, spatial_size)
             if point is not None and high is not None and n in high[k]:
                 _precision(point, ref_field, high[k][n], shards, ratio)
             if point is None:
@@ -283,7 +288,7 @@ def _point(
     n: str,
     ref_field: FieldRecord,
     shards: list[FieldRecord],
-    members: list[FieldRecord],
+    stick: Yardstick,
     bound: Bound,
     factor: float,
     spatial_size: int,
@@ -291,8 +296,8 @@ def _point(
     """Field ``n`` at step ``k``: its error, spread and envelope; ``None`` (said on the
     record) where the reference or a member stopped being finite, so nothing after it can be
     judged."""
-    ref_values = flat_like(ref_field, shards)
-    if not bool(torch.isfinite(ref_values).all()):
+    finite, spread, scale = stick
+    if not finite:
         record.mismatches.append(
             Mismatch(
                 Quantity.NONFINITE,
@@ -306,17 +311,44 @@ def _point(
             )
         )
         return None
+    ref_values = flat_like(ref_field, shards)
     got = assemble_whole(n, ref_field.values, shards, spatial_size)
-    spread = max((_max_abs(flat_like(m, shards), ref_values) for m in members), default=0.0)
     if math.isinf(spread):
         record.not_compared.append(
             f"field '{n}' from step {k} on: a nudged rerun of the reference was not "
             "finite there, so the rounding spread is unknown"
         )
         return None
-    scale = float(ref_values.abs().max()) if ref_values.numel() else 0.0
     floor = bound.atol + bound.rtol * scale
     return RolloutPoint(k, n, _max_abs(got, ref_values), spread, max(factor * spread, floor), scale)
+
+
+#: a field at a step: whether the reference is finite there, the members' spread (the
+#: furthest distance of any member from it) and its largest magnitude
+Yardstick = tuple[bool, float, float]
+Yardsticks = list[dict[str, Yardstick]]
+
+
+def yardsticks(
+    reference: list[dict[str, FieldRecord]], members: list[list[dict[str, FieldRecord]]]
+) -> Yardsticks:
+    """Every step's and field's ``Yardstick``: what the judgement needs that does not depend
+    on the ranks, so ``check_rollout`` measures it while they still run. (Distances and
+    magnitudes do not depend on the layout ``flat_like`` gives a grid field.)"""
+    out: Yardsticks = []
+    for k, fields in enumerate(reference):
+        step: dict[str, Yardstick] = {}
+        for n, f in fields.items():
+            if f.keyed:  # not judged by the envelope (``_positional``)
+                continue
+            v = f.values
+            finite = bool(torch.isfinite(v).all())
+            others = [m[k][n].values for m in members if n in m[k]]
+            spread = max((_max_abs(o, v) for o in others), default=0.0)
+            scale = float(v.abs().max()) if v.numel() and finite else 0.0
+            step[n] = (finite, spread, scale)
+        out.append(step)
+    return out
 
 
 def _precision(
@@ -379,22 +411,22 @@ def check_rollout(
     given = None if spatial_size == pool.world_size else spatial_size
     call = (_rollout_entry, case, given, steps, seed, autocast)
     # The ranks' rollout and the serial ones (reference, members) are independent: a
-    # RankPool's ranks are other processes, so they run while this process computes the
-    # serial rollouts instead of after them (the ranks mostly wait on gloo; see OVERLAP).
-    # A runner that runs the function in this very process (torchrun, srun) goes after.
+    # RankPool's ranks run while this process computes the serial ones (see OVERLAP); a
+    # runner that runs the function in this very process (torchrun, srun) goes after.
     ranks_run = Background(pool, call, timeout) if _overlaps(pool) else None
+    clock = _clock(pool, timeout, ranks_run)
     t_serial = time.perf_counter()
     try:
-        reference, high, ensemble = _serial(case, steps, seed, members, autocast)
+        reference, high, ensemble, short = _serial(case, steps, seed, members, autocast, clock)
+    except RanOut as out:
+        _ran_out(out, ranks_run)  # joins the ranks' run
     except BaseException:
         if ranks_run is not None:
             ranks_run.join()  # never leave the ranks running behind a verdict
         raise
     serial = time.perf_counter() - t_serial
-    if ranks_run is not None:
-        ranks = ranks_run.result()
-    else:
-        ranks = pool.run(*call, timeout=timeout)
+    sticks = yardsticks(reference, ensemble)  # while the ranks still run
+    ranks = ranks_run.result() if ranks_run is not None else pool.run(*call, timeout=timeout)
     from harness._autocast import RATIO
 
     record = judge_rollout(
@@ -406,8 +438,11 @@ def check_rollout(
         factor=factor,
         high=high,
         ratio=RATIO,
+        sticks=sticks,
     )
     record.autocast = "" if autocast is None else str(autocast).replace("torch.", "")
+    if short:
+        record.not_calibrated.append(short)
     from harness._samples import RolloutSamples
 
     record.samples = RolloutSamples.of(reference)  # a few steps, strided: the rest is freed
@@ -419,24 +454,85 @@ def check_rollout(
 Steps = list[dict[str, FieldRecord]]
 
 
+def _clock(pool: Runner, timeout: float | None, ranks_run: Background | None) -> Deadline:
+    """The serial rollouts' clock: the ranks' timeout (``timeout``, else the pool's), and
+    stopped at once when the ranks' run beside them failed."""
+    limit = timeout if timeout is not None else getattr(pool, "timeout", None)
+    return Deadline.after(limit, stop=None if ranks_run is None else ranks_run.failed)
+
+
+class SerialRanOut(Exception):
+    """The serial reference's rollout (or, under autocast, its run without it) stopped at
+    the check's timeout; ``ranks``: the ranks' run's failure beside it, if it failed too."""
+
+    def __init__(self, cause: RanOut, ranks: RankFailure | None) -> None:
+        super().__init__(str(cause))
+        self.cause, self.ranks = cause, ranks
+
+
+def _ran_out(out: RanOut, ranks_run: Background | None) -> NoReturn:
+    """Raise what a serial rollout stopped by its clock leaves: the ranks' failure where
+    they failed first (the serial part was abandoned for it), else ``SerialRanOut``."""
+    failure = None
+    if ranks_run is not None:
+        try:
+            ranks_run.result()
+        except RankFailure as exc:
+            failure = exc
+    if out.abandoned and failure is not None:
+        raise failure from None
+    raise SerialRanOut(out, failure) from out
+
+
 def _serial(
-    case: SpatialCase, steps: int, seed: int, members: int, autocast: torch.dtype | None
-) -> tuple[Steps, Steps | None, list[Steps]]:
+    case: SpatialCase,
+    steps: int,
+    seed: int,
+    members: int,
+    autocast: torch.dtype | None,
+    clock: Deadline | None = None,
+) -> tuple[Steps, Steps | None, list[Steps], str]:
     """The serial rollouts, with ``SERIAL_THREADS`` torch threads: the reference, under
     autocast also without it (the reduced precision's own rounding, measured), and the
-    nudged members."""
+    nudged members, each stopped by ``clock`` (``RanOut``). Members that run out of time
+    leave the ensemble of those done and a line that says so (the last item)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(SERIAL_THREADS)
     try:
-        reference = run_prediction(case, Topology.single(), steps, seed, autocast=autocast)
+        reference = run_prediction(
+            case, Topology.single(), steps, seed, autocast=autocast, deadline=clock
+        )
         high = None
         if autocast is not None:
-            high = run_prediction(case, Topology.single(), steps, seed)
-        ensemble = [
-            run_prediction(case, Topology.single(), steps, seed, member=j, autocast=autocast)
-            for j in range(members)
-        ]
-        return reference, high, ensemble
+            high = run_prediction(case, Topology.single(), steps, seed, deadline=clock)
+        ensemble: list[Steps] = []
+        try:
+            for j in range(members):
+                ensemble.append(
+                    run_prediction(
+                        case,
+                        Topology.single(),
+                        steps,
+                        seed,
+                        member=j,
+                        autocast=autocast,
+                        deadline=clock,
+                    )
+                )
+        except RanOut as stop:
+            if stop.abandoned:
+                raise
+            judged = "their spread" if ensemble else "the check's field tolerance alone"
+            return (
+                reference,
+                high,
+                ensemble,
+                (
+                    f"the nudged reruns of the rollout {stop} ({len(ensemble)} of {members} "
+                    f"done); judged by {judged}"
+                ),
+            )
+        return reference, high, ensemble, ""
     finally:
         torch.set_num_threads(threads)
 

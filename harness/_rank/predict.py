@@ -19,6 +19,7 @@ from harness.errors import ConfigError
 from harness.topology import Topology
 
 if TYPE_CHECKING:
+    from harness._rank.deadline import Deadline
     from harness.case import SpatialCase
 
 __all__ = ["NUDGE_ULPS", "autocast_context", "run_prediction"]
@@ -88,13 +89,14 @@ def run_prediction(
     autocast: torch.dtype | None = None,
     progress: Callable[[str, int | None], None] | None = None,
     watch: _Watch | None = None,
+    deadline: Deadline | None = None,
 ) -> list[dict[str, FieldRecord]]:
     """Build the case (seeded as a check's build), take step 0's batch, and roll out
     ``steps`` steps with ``case.predict`` in eval mode under ``torch.no_grad()`` (and
     ``autocast``); each step's fields as records. ``member``: an ensemble member's nudge;
-    ``watch``: hooks on the model around ``predict`` (locating a rollout). Leaves the
-    caller's RNG states, default dtype and grad mode as it found them. A failure leaves
-    with its phase in ``exc.harness_phase`` (``_Where``)."""
+    ``watch``: hooks on the model around ``predict`` (locating a rollout); ``deadline``:
+    checked at every phase, step and call of the model (a check's serial rollout). Leaves RNG
+    states, dtype and grad mode as it found them; a failure's phase: ``exc.harness_phase``."""
     from harness._declared import _check_batch, _check_model
     from harness._rank.run import _mark_phase, _seed, _step_seed
     from harness._rank.state import CallerState
@@ -103,8 +105,8 @@ def run_prediction(
     if case.dtype is not None:
         torch.set_default_dtype(case.dtype)
     model: torch.nn.Module | None = None
-    where = _Where(steps, progress)
-    hook = None
+    where = _Where(steps, progress if deadline is None else _checked(progress, deadline))
+    hooks: list[Any] = []
     try:
         where.enter("rollout build")
         _seed(seed)
@@ -113,8 +115,7 @@ def run_prediction(
         where.enter("rollout batch")
         _seed(_step_seed(seed, 0))
         batch = _nudged(member, model, _check_batch(case, case.batch(topo, 0), 0))
-        with contextlib.suppress(RuntimeError):  # a module that takes no hooks: no counts
-            hook = model.register_forward_pre_hook(where.called)
+        hooks = _hooks(model, where, deadline)
         if watch is not None:
             watch.attach(model)
         where.predicting()
@@ -133,11 +134,33 @@ def run_prediction(
                 case.teardown(model, topo)
         raise
     finally:
-        if hook is not None:
-            hook.remove()
+        for h in hooks:
+            h.remove()
         if watch is not None:
             watch.detach()
         saved.restore()
+
+
+def _hooks(model: torch.nn.Module, where: _Where, deadline: Deadline | None) -> list[Any]:
+    """The rollout's hooks on ``model``: its calls counted (``_Where``), and every module's
+    calls clocked by ``deadline``."""
+    out = [] if deadline is None else deadline.watch_modules(model)
+    with contextlib.suppress(RuntimeError):  # a module that takes no hooks: no counts
+        out.append(model.register_forward_pre_hook(where.called))
+    return out
+
+
+def _checked(
+    progress: Callable[[str, int | None], None] | None, deadline: Deadline
+) -> Callable[[str, int | None], None]:
+    """``progress`` (if any), after ``deadline`` is checked."""
+
+    def tell(phase: str, step: int | None) -> None:
+        deadline.progress(phase, step)
+        if progress is not None:
+            progress(phase, step)
+
+    return tell
 
 
 def _nudged(member: int | None, model: torch.nn.Module, batch: Any) -> Any:

@@ -259,7 +259,7 @@ def test_the_same_reference_is_calibrated_once_for_every_layout_of_a_sweep(monke
 
     runs: list[int] = []
 
-    def reruns(case, steps, lr, seed, *, members):  # type: ignore[no-untyped-def]
+    def reruns(case, steps, lr, seed, *, members, **clock):  # type: ignore[no-untyped-def]
         runs.append(members)
         return [_record(1.0, _values(seed=1), _values(), _values(seed=2))] * members
 
@@ -279,7 +279,7 @@ def test_the_same_reference_is_calibrated_once_for_every_layout_of_a_sweep(monke
 def test_spreads_that_cannot_be_measured_leave_the_check_on_its_tolerance(monkeypatch):
     import harness._calibrate as calibrate_module
 
-    def reruns(case, steps, lr, seed, *, members):  # type: ignore[no-untyped-def]
+    def reruns(case, steps, lr, seed, *, members, **clock):  # type: ignore[no-untyped-def]
         return [_record(1.0, _values(seed=1), _values(), _values(seed=2))] * members
 
     def unreadable(*args, **kwargs):  # type: ignore[no-untyped-def]
