@@ -184,13 +184,8 @@ class SpatialFixture:
         """A failing report's pictures drawn under ``directory`` (for ``--spatial-report``):
         paths, or ``Not plotted:`` lines."""
         nodeid = self._node.nodeid
+        # a map per failing field, or its Not plotted line (write_error_maps says why)
         figures = write_error_maps(report, directory, nodeid) if report.field_errors else []
-        if report.field_errors and not figures:
-            names = sorted({repr(fe.name) for fe in report.field_errors})
-            figures.append(
-                f"Not plotted: field {', '.join(names)} (neither on a lat x lon grid nor in "
-                "HEALPix cells: no map to draw)"
-            )
         if report.rollout is not None and report.rollout.curve:
             curve = lambda: write_rollout_curve(report, directory, nodeid)  # noqa: E731
             figures.append(_drawn("the rollout error curve", curve))
