@@ -342,6 +342,15 @@ class _Rank:
         # would in production, not break them by tearing down. (A rank whose function
         # raised has torn its group down already, to free peers blocked on it.)
         send(self.conn, Done(run_id=call.run_id, ok=ok, **fields))
+        # Then put back what the run changed (RNG, dtype, cwd, environment...: none of it is
+        # the group's), while the pool waits for the other ranks: a kept group then needs no
+        # message at all before the next run (the pool sends a ``Release`` only to tear the
+        # group down or prove it with the fence), and on a loaded machine each message is a
+        # wake-up of every rank, on the pool's path between two tests.
+        self.run_id = None
+        if self.saved is not None:
+            self.saved.restore()
+            self.saved = None
 
     def on_fence(self, fence: Fence) -> None:
         """Every rank returned and what this rank left in flight is matched: wait for it."""
@@ -349,21 +358,20 @@ class _Rank:
 
     def on_release(self, release: Release) -> None:
         """The run is over: keep the group for the next run (after proving it still pairs
-        every rank, if asked) or tear it down; then put back what the run changed."""
+        every rank, if asked) or tear it down. Not sent for a kept group the counts alone
+        prove: the next ``RunCall`` (``reuse``) is its release."""
         ok, detail = True, ""
         if release.keep and release.verify:
             ok, detail = _verify_group(release.run_id, self.world)
-        # Answer first, then put things back: the parent returns the run's results while
-        # the ranks restore, and the next run's message waits in the pipe until they have.
-        # Only a fence is answered: the pool reads nothing else (``Run.verified``), and an
+        # Answer first, then tear down: the parent returns the run's results meanwhile, and
+        # the next run's message waits in the pipe until this rank is done. Only a fence
+        # is answered: the pool reads nothing else (``Run.verified``), and an
         # answer nobody reads is a write, a wake-up and a stale event for the next run.
         if release.verify:
             send(self.conn, Released(run_id=release.run_id, ok=ok, detail=detail))
-        self.run_id = None
         self.board.leave(time.monotonic(), State.IDLE)
-        if self.saved is not None:
-            _end_run(self.saved, keep_group=release.keep and ok and self.ok)
-            self.saved = None
+        if not (release.keep and ok and self.ok):
+            _end_group()  # the state the run changed was put back when it returned
 
 
 def _verify_group(run_id: int, world: int) -> tuple[bool, str]:
@@ -492,7 +500,3 @@ def _end_group() -> None:
     clear_group_cache()
 
 
-def _end_run(saved: RankState, *, keep_group: bool = False) -> None:
-    if not keep_group:
-        _end_group()
-    saved.restore()
