@@ -264,9 +264,7 @@ class RankPool:
         )
         with self._lock:
             for attempt in (1, 2):
-                if not self.alive:
-                    self.start()
-                run = self._begin(payload, timeout)
+                run = self._begin(payload, timeout)  # starts the ranks if they are not alive
                 try:
                     results = run.collect()
                 except DiedIdle:

@@ -149,15 +149,36 @@ def _watch_parent(parent_pid: int, workdir: str) -> None:
     # more). This is what keeps rank processes and their files from outliving a session.
     # Under forkserver the direct parent is the fork server, so watch both: the owner by pid,
     # the direct parent by being re-parented.
+    # Where the OS gives process file descriptors (Linux >= 5.3), the thread sleeps until one
+    # of them exits: no wake-ups at all while the pool serves, on a machine other suites load.
     import shutil
 
     direct_parent = os.getppid()
+    owner = _pidfd(parent_pid)
+    parent = _pidfd(direct_parent) if direct_parent != parent_pid else None
+    if owner is not None and (parent is not None or direct_parent == parent_pid):
+        import select
+
+        watched = [fd for fd in (owner, parent) if fd is not None]
+        ready, _, _ = select.select(watched, [], [])  # readable once that process has exited
+        if owner in ready:  # gone (a zombie not yet reaped still answers kill(pid, 0))
+            shutil.rmtree(workdir, ignore_errors=True)
+        os._exit(3)
     while True:
         time.sleep(0.5)
         if os.getppid() != direct_parent or not _pid_alive(parent_pid):
             if not _pid_alive(parent_pid):
                 shutil.rmtree(workdir, ignore_errors=True)
             os._exit(3)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A file descriptor that becomes readable when ``pid`` exits; ``None`` where the OS has
+    none (not Linux, a kernel before 5.3, a process already gone)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def _worker_main(
@@ -498,5 +519,3 @@ def _end_group() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     clear_group_cache()
-
-
