@@ -2,6 +2,7 @@
 
     python benchmarks/peer.py [--quick] [--tests 200] [--wall-tests 400] [--check-tests 40]
                               [--rounds 3] [--burners 2] [--conditions quiet burners xdist pools]
+                              [--baseline OTHER_CHECKOUT]
 
 ``torch.testing._internal.common_distributed.MultiProcContinuousTest`` is what a user would
 pick instead of the harness: its rank processes are spawned once per test class and each
@@ -40,6 +41,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]  # this checkout: its harness is measured
 
 TIMING = """
 import statistics, time
@@ -94,7 +97,7 @@ PEER_TRIVIAL_TEST = """
 
 # The check by hand: what a user of the peer writes to compare the partitioned run with the
 # reference (the case's own build/batch/forward, plain SGD, as the harness runs it).
-PEER_CHECK = '''
+PEER_CHECK = """
 from harness.case import Shard
 from harness.steppers.mlp import CoupledMLPCase, position_range
 from harness.topology import Topology
@@ -136,7 +139,7 @@ def check(rank):
         torch.testing.assert_close(a, b[:, cols.start:cols.stop], rtol=1e-12, atol=1e-12)
     for n, p in params.items():
         torch.testing.assert_close(p, ref_params[n], rtol=1e-12, atol=1e-12)
-'''
+"""
 
 PEER_CHECK_TEST = """
     def test_{i}(self):
@@ -170,7 +173,9 @@ def write_suites(folder: Path, tests: int, wall_tests: int, check_tests: int) ->
         "harness_wall": _harness_trivial(wall_tests),
         "peer_wall": PEER + "".join(PEER_TRIVIAL_TEST.format(i=i) for i in range(wall_tests)),
         "harness_check": HARNESS_CHECK
-        + "".join(f"\ndef test_{i}(spatial):\n    spatial.check(CASE)\n" for i in range(check_tests)),
+        + "".join(
+            f"\ndef test_{i}(spatial):\n    spatial.check(CASE)\n" for i in range(check_tests)
+        ),
         "peer_trivial": PEER + "".join(PEER_TRIVIAL_TEST.format(i=i) for i in range(tests)),
         "peer_check": PEER_CHECK
         + PEER
@@ -184,15 +189,16 @@ def write_suites(folder: Path, tests: int, wall_tests: int, check_tests: int) ->
     (folder / "background" / "test_background.py").write_text(BACKGROUND)
 
 
-def session(folder: Path, suite: str, *, workers: int = 0) -> float:
+def session(folder: Path, suite: str, *, workers: int = 0, harness: Path = HERE) -> float:
     """Run one suite as a pytest session: its per-test median (ms), or with ``workers`` the
-    wall of the whole session (s), start-up included."""
+    wall of the whole session (s), start-up included. ``harness``: the checkout whose
+    ``harness`` package the session (and its ranks) import."""
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
     args += ["--spatial-ranks", "4"] + (["-n", str(workers)] if workers else [])
     args.append(f"test_{suite}.py")
     t0 = time.perf_counter()
     out = subprocess.run(
-        args, cwd=folder / suite, capture_output=True, text=True, env=_env(), timeout=1800
+        args, cwd=folder / suite, capture_output=True, text=True, env=_env(harness), timeout=900
     )
     wall = time.perf_counter() - t0
     if out.returncode != 0:
@@ -205,10 +211,9 @@ def session(folder: Path, suite: str, *, workers: int = 0) -> float:
     return float(found.group(1))
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    here = str(Path(__file__).resolve().parents[1])  # this checkout's harness, on every rank
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+def _env(harness: Path = HERE) -> dict[str, str]:
+    env = dict(os.environ)  # that checkout's harness first, on every rank too
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(harness), env.get("PYTHONPATH", "")) if p)
     return env
 
 
@@ -255,7 +260,9 @@ def other_pools(folder: Path) -> Iterator[None]:
         proc.wait()
 
 
-def condition(name: str, args: argparse.Namespace, folder: Path) -> contextlib.AbstractContextManager[None]:
+def condition(
+    name: str, args: argparse.Namespace, folder: Path
+) -> contextlib.AbstractContextManager[None]:
     if name == "burners":
         return burners(args.burners)
     if name == "pools":
@@ -271,24 +278,31 @@ LABELS = {
 }
 
 
-def measure(folder: Path, args: argparse.Namespace) -> list[tuple[str, str, list[float], list[float], str]]:
+Row = tuple[str, str, list[float], list[float], str, list[float]]
+
+
+def measure(folder: Path, args: argparse.Namespace) -> list[Row]:
     rows = []
     for cond in args.conditions:
         for kind, n in (("trivial", args.tests), ("check", args.check_tests)):
-            harness, peer = [], []
+            harness: list[float] = []
+            peer: list[float] = []
+            base: list[float] = []
             workers = 2 if cond == "xdist" else 0
             count = args.wall_tests if kind == "trivial" else n
             suite = "wall" if workers and kind == "trivial" else kind
             with condition(cond, args, folder):
                 for r in range(args.rounds):
                     # alternated, and the order swapped each round: neither always goes first
-                    order = ("harness", "peer") if r % 2 == 0 else ("peer", "harness")
-                    for who in order:
-                        got = session(folder, f"{who}_{suite}", workers=workers)
-                        (harness if who == "harness" else peer).append(got)
+                    order = ["harness", "peer"] + (["baseline"] if args.baseline else [])
+                    for who in order if r % 2 == 0 else order[::-1]:
+                        kit = args.baseline if who == "baseline" else HERE
+                        suite_of = f"{'peer' if who == 'peer' else 'harness'}_{suite}"
+                        got = session(folder, suite_of, workers=workers, harness=kit)
+                        {"harness": harness, "peer": peer, "baseline": base}[who].append(got)
             unit = "s" if workers else "ms"
             label = LABELS[cond].format(burners=args.burners, n=count)
-            rows.append((label, kind, harness, peer, unit))
+            rows.append((label, kind, harness, peer, unit, base))
             _print_row(rows[-1])
     return rows
 
@@ -299,11 +313,14 @@ def _fmt(xs: list[float], unit: str) -> str:
     return f"{med:.1f} {unit}{spread}"
 
 
-def _print_row(row: tuple[str, str, list[float], list[float], str]) -> None:
-    label, kind, h, p, unit = row
+def _print_row(row: Row) -> None:
+    label, kind, h, p, unit, base = row
     ratio = statistics.median(h) / statistics.median(p)
+    before = ""
+    if base:
+        before = f" {_fmt(base, unit)} | {statistics.median(base) / statistics.median(p):.2f}x |"
     print(
-        f"| {label} | {kind} | {_fmt(h, unit)} | {_fmt(p, unit)} | {ratio:.2f}x |"
+        f"| {label} | {kind} | {_fmt(h, unit)} | {_fmt(p, unit)} | {ratio:.2f}x |{before}"
         f" load {os.getloadavg()[0]:.1f}",
         flush=True,
     )
@@ -317,8 +334,14 @@ def main() -> None:
     parser.add_argument("--check-tests", type=int, default=40, help="check tests per session")
     parser.add_argument("--rounds", type=int, default=3, help="alternations per condition")
     parser.add_argument("--burners", type=int, default=2)
+    parser.add_argument("--conditions", nargs="+", default=list(LABELS), choices=list(LABELS))
     parser.add_argument(
-        "--conditions", nargs="+", default=list(LABELS), choices=list(LABELS)
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="CHECKOUT",
+        help="another checkout of the harness (an older commit) to alternate with this one: "
+        "two more columns, its figure and its ratio to the peer",
     )
     args = parser.parse_args()
     if args.quick:
@@ -326,7 +349,9 @@ def main() -> None:
     try:
         import expecttest  # noqa: F401 - torch's test base needs it
     except ImportError:
-        raise SystemExit("MultiProcContinuousTest needs expecttest: pip install -e .[bench]")
+        raise SystemExit(
+            "MultiProcContinuousTest needs expecttest: pip install -e .[bench]"
+        ) from None
     import torch
 
     print(
@@ -334,8 +359,9 @@ def main() -> None:
         f"start; {args.tests} trivial / {args.check_tests} check tests a session, "
         f"{args.rounds} round(s)\n"
     )
-    print("| condition | test | harness | MultiProcContinuousTest | ratio |")
-    print("|---|---|---|---|---|")
+    extra = " baseline | baseline ratio |" if args.baseline else ""
+    print(f"| condition | test | harness | MultiProcContinuousTest | ratio |{extra}")
+    print("|---|---|---|---|---|" + ("---|---|" if args.baseline else ""))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         write_suites(folder, args.tests, args.wall_tests, args.check_tests)
