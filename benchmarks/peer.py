@@ -345,7 +345,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.quick:
-        args.tests, args.wall_tests, args.check_tests, args.rounds = 60, 120, 12, 1
+        args.tests, args.wall_tests, args.check_tests, args.rounds = 40, 80, 8, 1
     try:
         import expecttest  # noqa: F401 - torch's test base needs it
     except ImportError:
