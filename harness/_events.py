@@ -18,6 +18,7 @@ Pure data: no torch, no pytest.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -134,6 +135,17 @@ class Probed:
 def send(conn: Connection, event: object) -> None:
     """Send one event over a pool pipe."""
     conn.send_bytes(pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def send_all(conns: Iterable[Connection], event: object) -> None:
+    """Send one event to several pipes, pickled once (a run's call goes to every rank). A
+    closed pipe, a rank that died, is passed over: its process sentinel tells the pool."""
+    data = pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL)
+    for conn in conns:
+        try:
+            conn.send_bytes(data)
+        except OSError:
+            pass
 
 
 def receive(conn: Connection) -> Any:

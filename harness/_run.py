@@ -39,6 +39,7 @@ from harness._events import (
     handler_name,
     receive,
     send,
+    send_all,
 )
 from harness._rank.loop import VERIFY_TIMEOUT as _VERIFY_TIMEOUT
 from harness._watch import CHECK_EVERY, DeadlockWatch, Ranks, _skipped_here, name_the_stuck
@@ -175,7 +176,9 @@ class Run:
                         if getattr(event, "run_id", self.run_id) != self.run_id:
                             continue  # a late answer of an earlier, failed run
                         getattr(self, handler_name(event))(r, event)
-            if r not in self.dead and (proc.sentinel in ready or not proc.is_alive()):
+            # ``wait`` returns every object ready at once: a sentinel not among them is a
+            # live process (asking ``is_alive`` again is a wait of its own per rank)
+            if r not in self.dead and proc.sentinel in ready:
                 self.dead.add(r)
                 self._died(r)
 
@@ -282,10 +285,8 @@ class Run:
 
     def release_all(self, *, keep: bool, verify: bool = False) -> None:
         """Every rank that answered waits for this, error or not."""
-        for r, conn in enumerate(self.ranks.conns):
-            if r in self.returned_at:
-                with contextlib.suppress(OSError):
-                    send(conn, Release(self.run_id, keep=keep, verify=verify))
+        returned = [c for r, c in enumerate(self.ranks.conns) if r in self.returned_at]
+        send_all(returned, Release(self.run_id, keep=keep, verify=verify))
 
     # ------------------------------------------------------------------ the verdict
 
@@ -367,8 +368,11 @@ def prove_clean(run: Run) -> list[Any]:
         # groups out of step with operations nobody saw complete: tearing them down could
         # wait in one of those (see ``Run.end_failed``); the next run gets fresh ranks
         run.kill()
-    else:
+    elif verify or not keep:
         run.release_all(keep=keep, verify=verify)
+    # else: groups the counts alone prove are kept without a message: the next run's
+    # ``RunCall`` (``reuse``) is their release, and the ranks put back what the run changed
+    # as they returned. On a loaded machine every message wakes every rank, between tests.
     run.verify = verify
     run.keep = keep
     run.unwaited = [(r, op) for r, rep in enumerate(reports) if rep for op in rep.unwaited]

@@ -35,7 +35,7 @@ from typing import Any, Protocol, TypedDict, runtime_checkable
 
 from harness._board import Board
 from harness._compat import stop_forkserver
-from harness._events import RunCall, send
+from harness._events import RunCall, send_all
 from harness._mutation.catalogue import SiteStats
 from harness._mutation.mode import current as mutant_mode
 from harness._pickling import dump_call
@@ -264,9 +264,7 @@ class RankPool:
         )
         with self._lock:
             for attempt in (1, 2):
-                if not self.alive:
-                    self.start()
-                run = self._begin(payload, timeout)
+                run = self._begin(payload, timeout)  # starts the ranks if they are not alive
                 try:
                     results = run.collect()
                 except DiedIdle:
@@ -338,11 +336,9 @@ class RankPool:
             reuse=reuse,
             mutation=mutant_mode(),
         )
-        for conn in ranks.conns:
-            try:
-                send(conn, call)
-            except OSError:  # a rank that died since the last run: its pipe is closed
-                pass  # its sentinel tells the run, which then starts afresh
+        # a rank that died since the last run has its pipe closed: its sentinel tells the
+        # run, which then starts afresh
+        send_all(ranks.conns, call)
         return run
 
     def discard(self) -> None:

@@ -149,15 +149,36 @@ def _watch_parent(parent_pid: int, workdir: str) -> None:
     # more). This is what keeps rank processes and their files from outliving a session.
     # Under forkserver the direct parent is the fork server, so watch both: the owner by pid,
     # the direct parent by being re-parented.
+    # Where the OS gives process file descriptors (Linux >= 5.3), the thread sleeps until one
+    # of them exits: no wake-ups at all while the pool serves, on a machine other suites load.
     import shutil
 
     direct_parent = os.getppid()
+    owner = _pidfd(parent_pid)
+    parent = _pidfd(direct_parent) if direct_parent != parent_pid else None
+    if owner is not None and (parent is not None or direct_parent == parent_pid):
+        import select
+
+        watched = [fd for fd in (owner, parent) if fd is not None]
+        ready, _, _ = select.select(watched, [], [])  # readable once that process has exited
+        if owner in ready:  # gone (a zombie not yet reaped still answers kill(pid, 0))
+            shutil.rmtree(workdir, ignore_errors=True)
+        os._exit(3)
     while True:
         time.sleep(0.5)
         if os.getppid() != direct_parent or not _pid_alive(parent_pid):
             if not _pid_alive(parent_pid):
                 shutil.rmtree(workdir, ignore_errors=True)
             os._exit(3)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A file descriptor that becomes readable when ``pid`` exits; ``None`` where the OS has
+    none (not Linux, a kernel before 5.3, a process already gone)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def _worker_main(
@@ -342,6 +363,15 @@ class _Rank:
         # would in production, not break them by tearing down. (A rank whose function
         # raised has torn its group down already, to free peers blocked on it.)
         send(self.conn, Done(run_id=call.run_id, ok=ok, **fields))
+        # Then put back what the run changed (RNG, dtype, cwd, environment...: none of it is
+        # the group's), while the pool waits for the other ranks: a kept group then needs no
+        # message at all before the next run (the pool sends a ``Release`` only to tear the
+        # group down or prove it with the fence), and on a loaded machine each message is a
+        # wake-up of every rank, on the pool's path between two tests.
+        self.run_id = None
+        if self.saved is not None:
+            self.saved.restore()
+            self.saved = None
 
     def on_fence(self, fence: Fence) -> None:
         """Every rank returned and what this rank left in flight is matched: wait for it."""
@@ -349,21 +379,20 @@ class _Rank:
 
     def on_release(self, release: Release) -> None:
         """The run is over: keep the group for the next run (after proving it still pairs
-        every rank, if asked) or tear it down; then put back what the run changed."""
+        every rank, if asked) or tear it down. Not sent for a kept group the counts alone
+        prove: the next ``RunCall`` (``reuse``) is its release."""
         ok, detail = True, ""
         if release.keep and release.verify:
             ok, detail = _verify_group(release.run_id, self.world)
-        # Answer first, then put things back: the parent returns the run's results while
-        # the ranks restore, and the next run's message waits in the pipe until they have.
-        # Only a fence is answered: the pool reads nothing else (``Run.verified``), and an
+        # Answer first, then tear down: the parent returns the run's results meanwhile, and
+        # the next run's message waits in the pipe until this rank is done. Only a fence
+        # is answered: the pool reads nothing else (``Run.verified``), and an
         # answer nobody reads is a write, a wake-up and a stale event for the next run.
         if release.verify:
             send(self.conn, Released(run_id=release.run_id, ok=ok, detail=detail))
-        self.run_id = None
         self.board.leave(time.monotonic(), State.IDLE)
-        if self.saved is not None:
-            _end_run(self.saved, keep_group=release.keep and ok and self.ok)
-            self.saved = None
+        if not (release.keep and ok and self.ok):
+            _end_group()  # the state the run changed was put back when it returned
 
 
 def _verify_group(run_id: int, world: int) -> tuple[bool, str]:
@@ -490,9 +519,3 @@ def _end_group() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     clear_group_cache()
-
-
-def _end_run(saved: RankState, *, keep_group: bool = False) -> None:
-    if not keep_group:
-        _end_group()
-    saved.restore()
