@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness._observe import observed
 from harness._rank.run import run_case
 from harness._records import RunRecord
 from harness.case import SpatialCase
@@ -398,6 +399,7 @@ def refusal(report: EquivalenceReport) -> str:
     return first.where.removeprefix("ConfigError: ")
 
 
+@observed  # the plugin's summary hears of it (harness._observe)
 def check_layouts(
     case: SpatialCase,
     *,

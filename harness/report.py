@@ -38,6 +38,9 @@ class SummaryRow(TypedDict, total=False):
     ok: bool
     problems: list[str]
     seconds: float
+    #: what ran, so rows of one case and partition tell apart: ``steps 2``, ``rollout 150``,
+    #: ``layouts 13 of 13`` (a sweep), ``examples 20`` (a Hypothesis test's checks)
+    label: str
     test: str
     golden: str
     calibration: list[str]  # --spatial-calibrate: the measured noise per quantity
@@ -228,6 +231,9 @@ class EquivalenceReport:
             "ok": self.ok,
             "problems": sorted(self.quantities),
             "seconds": round(self.seconds, 2),
+            "label": (
+                f"rollout {self.rollout_steps}" if self.rollout_steps else f"steps {self.steps}"
+            ),
         }
 
     def __str__(self) -> str:
@@ -470,19 +476,30 @@ def mismatch_table(mismatches: Sequence[Mismatch]) -> list[str]:
 def equivalence_table(
     rows: list[SummaryRow], width: int | None = None, *, show_ranks: bool = True
 ) -> list[str]:
-    """The terminal table of every equivalence checked: one line per check.
+    """The terminal table of every equivalence checked: one line per check, sweep or
+    Hypothesis test, labelled with what ran (``SummaryRow.label``).
 
     With ``width``, the partition column is shortened (ending in "...") until each line
     fits, down to 12 characters. ``show_ranks=False`` leaves out the ranks column (when
     every row has the same).
     """
-    header: tuple[str, ...] = ("case", "ranks", "partition", "dtype", *NUMERIC, "golden", "verdict")
+    header: tuple[str, ...] = (
+        "case",
+        "check",
+        "ranks",
+        "partition",
+        "dtype",
+        *NUMERIC,
+        "golden",
+        "verdict",
+    )
     body: list[tuple[str, ...]] = []
     for r in rows:
         w = r["worst"]
         body.append(
             (
                 r["case"],
+                r.get("label", "-"),
                 f"{r['ranks']}",
                 r["partition"],
                 r["dtype"],
@@ -492,8 +509,11 @@ def equivalence_table(
             )
         )
     if not show_ranks:
-        header = (header[0], *header[2:])
-        body = [(b[0], *b[2:]) for b in body]
+        header = (*header[:2], *header[3:])
+        body = [(*b[:2], *b[3:]) for b in body]
+    if any(r.get("test") for r in rows):  # the plugin's: rows alike but for their test
+        header = ("test", *header)
+        body = [(_test_name(r.get("test", "")), *b) for r, b in zip(rows, body, strict=True)]
     p = header.index("partition")
     if width is not None and body:
         longest = max(len(line) for line in format_table(header, body))
@@ -503,6 +523,15 @@ def equivalence_table(
         "worst relative error per quantity, partitioned vs reference:",
         *format_table(header, body),
     ]
+
+
+def _test_name(nodeid: str) -> str:
+    """A test's name without its file (the table is sorted by node id, so files group).
+
+    >>> _test_name("tests/test_a.py::TestX::test_b[2x2]")
+    'TestX::test_b[2x2]'
+    """
+    return nodeid.split("::", 1)[-1] or "-"
 
 
 def _shorten(text: str, room: int) -> str:

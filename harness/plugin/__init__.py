@@ -39,6 +39,7 @@ from harness.plugin.fixtures import (
 from harness.plugin.launched import LauncherMode, launcher_registry
 from harness.plugin.options import DEFAULT_RANKS, Settings, parse_seconds, pytest_addoption
 from harness.plugin.session import HarnessSession, _session_key
+from harness.plugin.summary import SummaryRows
 from harness.pool import PoolRegistry, keep_limits
 
 __all__ = [
@@ -96,6 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[_session_key] = session
     config.pluginmanager.register(session, "harness-session")
+    config.pluginmanager.register(SummaryRows(), "harness-summary-rows")
     if not hasattr(config, "workerinput"):  # once per session: the controller, not each worker
         session.swept = session.goldens.sweep()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 from harness._launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch
 from harness._mutation.mode import current as mutant_mode
+from harness._observe import quiet
 from harness._records import FieldError
 from harness.compare import Bound, Tolerance
 from harness.equivalence import SpatialCase, check_equivalence
@@ -25,7 +26,7 @@ from harness.goldens import (
     check_report,
     golden_stem,
 )
-from harness.layouts import LayoutsReport, check_layouts
+from harness.layouts import LayoutResult, LayoutsReport, check_layouts
 from harness.plugin._keys import (
     _EQUIV_PROP,
     _GOLDEN_PROP,
@@ -35,6 +36,7 @@ from harness.plugin._keys import (
 )
 from harness.plugin.mutants import collect_sites
 from harness.plugin.session import _session_key
+from harness.plugin.summary import planned_layouts, progress, sweep_row
 from harness.pool import (
     MIN_TIMEOUT,
     PoolRegistry,
@@ -112,7 +114,7 @@ class SpatialFixture:
         pool = self._pool(ranks)
         if locate is None and (settings.calibrate or settings.locate):
             locate = True
-        with self._heard([pool]):
+        with self._heard([pool]), quiet():  # its row is made here, with the golden's status
             report = check_equivalence(
                 case,
                 ranks=ranks,
@@ -208,15 +210,19 @@ class SpatialFixture:
             used.append(pool)
             return pool
 
-        with self._heard(used):
+        with self._heard(used), quiet():  # its row is made here
             report = check_layouts(
                 case,
                 max_ranks=top,
                 pools=pools,
                 timeout=self._timeout(timeout),
                 locate=locate,
+                progress=self._sweep_progress(case, top, kwargs.get("world_sizes")),
                 **kwargs,
             )
+        row = sweep_row(report)
+        row["test"] = self._node.nodeid
+        self._node.user_properties.append((_EQUIV_PROP, row))
         if not report.ok:
             text = str(report)
             plots = self._node.config.getoption("spatial_plots")
@@ -227,6 +233,22 @@ class SpatialFixture:
                 text += f"\n\nLayout map: {path}"
             pytest.fail(text, pytrace=False)
         return report
+
+    def _sweep_progress(
+        self, case: SpatialCase, top: int, world_sizes: Iterable[int] | None
+    ) -> Callable[[LayoutResult], None]:
+        """A sweep's progress line, a layout at a time (``layouts: 5 of 13 ...``)."""
+        total = planned_layouts(case, top, world_sizes)
+        of = f" of {total}" if total else ""
+        done = 0
+
+        def tell(result: LayoutResult) -> None:
+            nonlocal done
+            done += 1
+            line = f"{case.label}: layouts: {done}{of} ({result.layout}: {result.status})"
+            progress(self._node.config, line)
+
+        return tell
 
     def _check_layout_ranks(self, top: int) -> None:
         """Fail the test when this machine cannot run ``top`` ranks (without
