@@ -37,7 +37,13 @@ from harness.plugin.fixtures import (
     write_error_maps,
 )
 from harness.plugin.launched import LauncherMode, launcher_registry
-from harness.plugin.options import DEFAULT_RANKS, Settings, parse_seconds, pytest_addoption
+from harness.plugin.options import (
+    DEFAULT_RANKS,
+    Settings,
+    parse_seconds,
+    pytest_addoption,
+    pytest_load_initial_conftests,
+)
 from harness.plugin.session import HarnessSession, _session_key
 from harness.plugin.summary import SummaryRows
 from harness.pool import PoolRegistry, keep_limits
@@ -54,6 +60,7 @@ __all__ = [
     "golden",
     "parse_seconds",
     "pytest_addoption",
+    "pytest_load_initial_conftests",
     "spatial",
     "write_error_maps",
 ]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import ConfigError
+from harness.plugin._rootdir import check_rootdir
 from harness.pool import (
     DEADLOCK_WINDOW,
     DEFAULT_TIMEOUT,
@@ -29,6 +30,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _add_diagnosis_options(group)
     _add_golden_options(group)
     _add_ini(parser)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser) -> None:
+    # the first moment the plugin's options are known: was a value read as a test path?
+    check_rootdir(early_config, parser)
 
 
 def _add_run_options(group: pytest.OptionGroup) -> None:
