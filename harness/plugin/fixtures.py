@@ -470,7 +470,7 @@ class GoldenFixture:
         allow_nonfinite: bool = False,
     ) -> GoldenResult:
         __tracebackhide__ = True
-        path = self._store.path_for(self._node.nodeid, name)
+        path = self._path(name)
         if refuse_update and self._store.update:
             result = self._store.not_updated(path, refuse_update)
         else:
@@ -498,7 +498,7 @@ class GoldenFixture:
         """``report``'s reference against this test's golden, by the one golden policy
         (``harness.goldens.check_report``)."""
         __tracebackhide__ = True
-        path = self._store.path_for(self._node.nodeid, name)
+        path = self._path(name)
         try:
             result = check_report(
                 self._store, path, report, provenance=provenance, allow_nonfinite=allow_nonfinite
@@ -507,6 +507,17 @@ class GoldenFixture:
             pytest.fail(str(exc), pytrace=False)
         self._record(path, result)
         return result
+
+    def _path(self, name: str | None) -> Path:
+        """This test's golden path, claimed for it: another test mapping to the same file
+        fails here, naming both, before it reads or writes it."""
+        __tracebackhide__ = True
+        path = self._store.path_for(self._node.nodeid, name)
+        try:
+            self._store.claim(path, self._node.nodeid)
+        except GoldenError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        return path
 
     def _record(self, path: Path, result: GoldenResult) -> None:
         # plain text: user properties travel to xdist's controller
