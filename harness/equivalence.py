@@ -20,6 +20,7 @@ from harness._calibrate import note as calibration_note
 from harness._checks import compare_runs
 from harness._hints import culprit_hint
 from harness._mutation.mode import current as mutant_mode
+from harness._observe import observed
 from harness._overlap import Background, in_other_processes
 from harness._rank.deadline import Deadline, RanOut
 from harness._rank.run import Progress, Watch, _rank_entry, run_case
@@ -68,6 +69,7 @@ __all__ = [
 # ---------------------------------------------------------------------- check
 
 
+@observed  # the plugin's summary hears of it (harness._observe)
 def check_equivalence(
     case: SpatialCase,
     *,

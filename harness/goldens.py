@@ -82,6 +82,7 @@ __all__ = [
     "recorded_elsewhere",
     "report_provenance",
     "rollout_bounds",
+    "shared_golden",
     "unused_goldens",
 ]
 
@@ -101,6 +102,19 @@ def golden_stem(nodeid: str) -> str:
     path = path[:-3] if path.endswith(".py") else path
     name = re.sub(r"[^A-Za-z0-9_.\-\[\]]", "_", name.replace("::", "."))
     return f"{path}/{name}" if name else path
+
+
+def shared_golden(path: str | os.PathLike[str], tests: Iterable[str]) -> str:
+    """The error of tests whose ids map to one golden file (``"a b"`` and ``"a_b"``: a
+    test id's characters a file name cannot hold become ``_``), and its fix."""
+    names = ", ".join(repr(t) for t in sorted(set(tests)))
+    return (
+        f"golden {path} is the golden of more than one test: {names} (their ids differ only "
+        "in characters a golden's file name replaces with '_'), so each checks against, and "
+        "--update-goldens writes over, the other's. Rename one id (pytest.param(..., "
+        "id=...)) or give each test's golden its own name (spatial.check(case, "
+        "golden='name'), golden.check(tensors, name='name')), then run --update-goldens."
+    )
 
 
 class GoldenFile(TypedDict):
@@ -143,6 +157,15 @@ class GoldenStore:
     def __init__(self, root: str | os.PathLike[str], *, update: bool = False) -> None:
         self.root = Path(root)
         self.update = update
+        self._owners: dict[Path, str] = {}  # golden path -> the test that first used it
+
+    def claim(self, path: Path, owner: str) -> None:
+        """``path`` is ``owner``'s golden (a test's node id): a ``GoldenError`` naming both
+        tests when another test of this process already used it, before either can check
+        against, or write, the other's golden."""
+        first = self._owners.setdefault(path, owner)
+        if first != owner:
+            raise GoldenError(shared_golden(path, [first, owner]))
 
     def path_for(self, nodeid: str, name: str | None = None) -> Path:
         stem = golden_stem(nodeid)

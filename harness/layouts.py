@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness._covering import Covering
+from harness._observe import observed
 from harness._records import RunRecord
 from harness.case import SpatialCase
 from harness.compare import FAILURES, Quantity
@@ -423,6 +424,7 @@ def refusal(report: EquivalenceReport) -> str:
     return first.where.removeprefix("ConfigError: ")
 
 
+@observed  # the plugin's summary hears of it (harness._observe)
 def check_layouts(
     case: SpatialCase,
     *,

@@ -38,6 +38,9 @@ class SummaryRow(TypedDict, total=False):
     ok: bool
     problems: list[str]
     seconds: float
+    #: what ran, so rows of one case and partition tell apart: ``steps 2``, ``rollout 150``,
+    #: ``layouts 13 of 13`` (a sweep), ``examples 20`` (a Hypothesis test's checks)
+    label: str
     test: str
     golden: str
     calibration: list[str]  # --spatial-calibrate: the measured noise per quantity
@@ -231,6 +234,9 @@ class EquivalenceReport:
             "ok": self.ok,
             "problems": sorted(self.quantities),
             "seconds": round(self.seconds, 2),
+            "label": (
+                f"rollout {self.rollout_steps}" if self.rollout_steps else f"steps {self.steps}"
+            ),
         }
 
     def __str__(self) -> str:
@@ -473,19 +479,31 @@ def mismatch_table(mismatches: Sequence[Mismatch]) -> list[str]:
 def equivalence_table(
     rows: list[SummaryRow], width: int | None = None, *, show_ranks: bool = True
 ) -> list[str]:
-    """The terminal table of every equivalence checked: one line per check.
+    """The terminal table of every equivalence checked: one line per check, sweep or
+    Hypothesis test, labelled with what ran (``SummaryRow.label``).
 
     With ``width``, the partition column is shortened (ending in "...") until each line
-    fits, down to 12 characters. ``show_ranks=False`` leaves out the ranks column (when
-    every row has the same).
+    fits, down to 12 characters, then the test's name (shown only where rows are alike but
+    for their test) likewise. ``show_ranks=False`` leaves out the ranks column (when every
+    row has the same).
     """
-    header: tuple[str, ...] = ("case", "ranks", "partition", "dtype", *NUMERIC, "golden", "verdict")
+    header: tuple[str, ...] = (
+        "case",
+        "check",
+        "ranks",
+        "partition",
+        "dtype",
+        *NUMERIC,
+        "golden",
+        "verdict",
+    )
     body: list[tuple[str, ...]] = []
     for r in rows:
         w = r["worst"]
         body.append(
             (
                 r["case"],
+                r.get("label", "-"),
                 f"{r['ranks']}",
                 r["partition"],
                 r["dtype"],
@@ -495,17 +513,37 @@ def equivalence_table(
             )
         )
     if not show_ranks:
-        header = (header[0], *header[2:])
-        body = [(b[0], *b[2:]) for b in body]
-    p = header.index("partition")
-    if width is not None and body:
-        longest = max(len(line) for line in format_table(header, body))
-        room = max(12, max(len(b[p]) for b in body) - max(0, longest - width))
-        body = [(*b[:p], _shorten(b[p], room), *b[p + 1 :]) for b in body]
+        header = (*header[:2], *header[3:])
+        body = [(*b[:2], *b[3:]) for b in body]
+    if _alike(rows):  # rows alike but for their test (the plugin's rows know it): named
+        header = ("test", *header)
+        body = [(_test_name(r.get("test", "")), *b) for r, b in zip(rows, body, strict=True)]
+    # the partition gives way first, then the test's name, each to no less than 12
+    for p in [header.index(c) for c in ("partition", "test") if c in header]:
+        if width is not None and body:
+            longest = max(len(line) for line in format_table(header, body))
+            room = max(12, max(len(b[p]) for b in body) - max(0, longest - width))
+            body = [(*b[:p], _shorten(b[p], room), *b[p + 1 :]) for b in body]
     return [
         "worst relative error per quantity, partitioned vs reference:",
         *format_table(header, body),
     ]
+
+
+def _alike(rows: list[SummaryRow]) -> bool:
+    """Two rows of the same case, check, ranks and partition, whose tests are known: only
+    their tests tell them apart (a column the table otherwise spares: 100 columns)."""
+    seen = {(r["case"], r.get("label"), r["ranks"], r["partition"]) for r in rows}
+    return len(seen) < len(rows) and any(r.get("test") for r in rows)
+
+
+def _test_name(nodeid: str) -> str:
+    """A test's name without its file (the table is sorted by node id, so files group).
+
+    >>> _test_name("tests/test_a.py::TestX::test_b[2x2]")
+    'TestX::test_b[2x2]'
+    """
+    return nodeid.split("::", 1)[-1] or "-"
 
 
 def _shorten(text: str, room: int) -> str:

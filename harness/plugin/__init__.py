@@ -40,8 +40,15 @@ from harness.plugin.fixtures import (
     write_error_maps,
 )
 from harness.plugin.launched import LauncherMode, launcher_registry
-from harness.plugin.options import DEFAULT_RANKS, Settings, parse_seconds, pytest_addoption
+from harness.plugin.options import (
+    DEFAULT_RANKS,
+    Settings,
+    parse_seconds,
+    pytest_addoption,
+    pytest_load_initial_conftests,
+)
 from harness.plugin.session import HarnessSession, _session_key
+from harness.plugin.summary import SummaryRows
 from harness.pool import PoolRegistry, keep_limits
 
 __all__ = [
@@ -56,6 +63,7 @@ __all__ = [
     "golden",
     "parse_seconds",
     "pytest_addoption",
+    "pytest_load_initial_conftests",
     "spatial",
     "write_error_maps",
 ]
@@ -104,6 +112,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[_session_key] = session
     config.pluginmanager.register(session, "harness-session")
+    config.pluginmanager.register(SummaryRows(), "harness-summary-rows")
     if not hasattr(config, "workerinput"):  # once per session: the controller, not each worker
         session.swept = session.goldens.sweep()
 

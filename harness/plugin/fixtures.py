@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 from harness._launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch
 from harness._mutation.mode import current as mutant_mode
+from harness._observe import quiet
 from harness.compare import Bound, Tolerance
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError, GoldenError, exception_summary
@@ -23,7 +24,7 @@ from harness.goldens import (
     check_report,
     golden_stem,
 )
-from harness.layouts import LayoutsReport, check_layouts, check_max_ranks
+from harness.layouts import LayoutResult, LayoutsReport, check_layouts, check_max_ranks
 from harness.plugin._keys import (
     _EQUIV_PROP,
     _GOLDEN_PROP,
@@ -36,6 +37,7 @@ from harness.plugin.html_report import defer_figures
 from harness.plugin.html_report import record_sweep as page_sweep
 from harness.plugin.mutants import collect_sites
 from harness.plugin.session import _session_key
+from harness.plugin.summary import planned_layouts, progress, sweep_row
 from harness.pool import (
     MIN_TIMEOUT,
     PoolRegistry,
@@ -113,7 +115,7 @@ class SpatialFixture:
         pool = self._pool(ranks)
         if locate is None and (settings.calibrate or settings.locate):
             locate = True
-        with self._heard([pool]):
+        with self._heard([pool]), quiet():  # its row is made here, with the golden's status
             report = check_equivalence(
                 case,
                 ranks=ranks,
@@ -215,12 +217,7 @@ class SpatialFixture:
         if exhaustive is None:
             exhaustive = settings.layouts_all
         if self.launcher:  # only the launcher's world size can run here: say so, never hide it
-            if self.ranks > top:
-                pytest.skip(
-                    f"check_layouts(max_ranks={top}): the launcher started {self.ranks} ranks, "
-                    f"more than any layout it may use; run it on the pool, or launch {top}"
-                )
-            kwargs.setdefault("world_sizes", [self.ranks])
+            kwargs.setdefault("world_sizes", [self._launched_size(top)])
         used: list[RankPool | LauncherRunner] = []
 
         def pools(size: int) -> RankPool | LauncherRunner:
@@ -228,7 +225,7 @@ class SpatialFixture:
             used.append(pool)
             return pool
 
-        with self._heard(used):
+        with self._heard(used), quiet():  # its row is made here
             report = check_layouts(
                 case,
                 max_ranks=top,
@@ -237,10 +234,10 @@ class SpatialFixture:
                 locate=locate,
                 exhaustive=exhaustive,
                 oversubscribe=True,  # this machine's limit was checked above, naming the flag
+                progress=self._sweep_progress(case, top, kwargs.get("world_sizes"), exhaustive),
                 **kwargs,
             )
-        record_sweep(self._node, report, case)
-        page_sweep(self._node, report)
+        self._record_sweep(report, case)
         if not report.ok:
             defer_figures(self._node, lambda out: self._layout_figures(report, out))
             text = str(report)
@@ -253,6 +250,24 @@ class SpatialFixture:
             pytest.fail(text, pytrace=False)
         return report
 
+    def _launched_size(self, top: int) -> int:
+        """The one world size a sweep may use under torchrun/srun: the launcher's; a skip
+        naming why where the launcher started more ranks than the sweep may use."""
+        if self.ranks > top:
+            pytest.skip(
+                f"check_layouts(max_ranks={top}): the launcher started {self.ranks} ranks, "
+                f"more than any layout it may use; run it on the pool, or launch {top}"
+            )
+        return self.ranks
+
+    def _record_sweep(self, report: LayoutsReport, case: SpatialCase) -> None:
+        """A sweep's summary row, its GitHub summary and annotations, its report page row."""
+        record_sweep(self._node, report, case)
+        page_sweep(self._node, report)
+        row = sweep_row(report)
+        row["test"] = self._node.nodeid
+        self._node.user_properties.append((_EQUIV_PROP, row))
+
     def _layout_figures(self, report: LayoutsReport, directory: str) -> list[str]:
         """A failing sweep's pictures: its layout map, then the smallest failing layout's."""
         stem = golden_stem(self._node.nodeid).replace("/", ".")
@@ -260,6 +275,30 @@ class SpatialFixture:
         figures = [_drawn("the layout map", lambda: str(report.plot(out)))]
         smallest = report.smallest_report
         return figures + (self._figures(smallest, directory) if smallest is not None else [])
+
+    def _sweep_progress(
+        self,
+        case: SpatialCase,
+        top: int,
+        world_sizes: Iterable[int] | None,
+        exhaustive: bool,
+    ) -> Callable[[LayoutResult], None]:
+        """A sweep's progress line, a layout at a time (``layouts: 5 of 13 ...``; a
+        covering sweep's count is not known beforehand: ``layouts: 5 (covering, of 13)``)."""
+        total = planned_layouts(case, top, world_sizes)
+        if not total:
+            of = ""
+        else:
+            of = f" of {total}" if exhaustive else f" (covering, of {total})"
+        done = 0
+
+        def tell(result: LayoutResult) -> None:
+            nonlocal done
+            done += 1
+            line = f"{case.label}: layouts: {done}{of} ({result.layout}: {result.status})"
+            progress(self._node.config, line)
+
+        return tell
 
     def _check_layout_ranks(self, top: int) -> None:
         """Fail the test when this machine cannot run ``top`` ranks (without
@@ -481,7 +520,7 @@ class GoldenFixture:
         allow_nonfinite: bool = False,
     ) -> GoldenResult:
         __tracebackhide__ = True
-        path = self._store.path_for(self._node.nodeid, name)
+        path = self._path(name)
         if refuse_update and self._store.update:
             result = self._store.not_updated(path, refuse_update)
         else:
@@ -509,7 +548,7 @@ class GoldenFixture:
         """``report``'s reference against this test's golden, by the one golden policy
         (``harness.goldens.check_report``)."""
         __tracebackhide__ = True
-        path = self._store.path_for(self._node.nodeid, name)
+        path = self._path(name)
         try:
             result = check_report(
                 self._store, path, report, provenance=provenance, allow_nonfinite=allow_nonfinite
@@ -518,6 +557,17 @@ class GoldenFixture:
             pytest.fail(str(exc), pytrace=False)
         self._record(path, result)
         return result
+
+    def _path(self, name: str | None) -> Path:
+        """This test's golden path, claimed for it: another test mapping to the same file
+        fails here, naming both, before it reads or writes it."""
+        __tracebackhide__ = True
+        path = self._store.path_for(self._node.nodeid, name)
+        try:
+            self._store.claim(path, self._node.nodeid)
+        except GoldenError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        return path
 
     def _record(self, path: Path, result: GoldenResult) -> None:
         # plain text: user properties travel to xdist's controller

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import ConfigError
+from harness.plugin._rootdir import check_rootdir
 from harness.pool import (
     DEADLOCK_WINDOW,
     DEFAULT_TIMEOUT,
@@ -48,6 +49,12 @@ def _add_github_options(group: pytest.OptionGroup, parser: pytest.Parser) -> Non
         "spatial_github or auto)",
     )
     parser.addini("spatial_github", "default for --spatial-github (auto, on, off)", default="auto")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser) -> None:
+    # the first moment the plugin's options are known: was a value read as a test path?
+    check_rootdir(early_config, parser)
 
 
 def _add_run_options(group: pytest.OptionGroup) -> None:

@@ -16,6 +16,7 @@ from harness.goldens import (
     GoldenStore,
     GoldenTally,
     prune_goldens,
+    shared_golden,
     unused_goldens,
 )
 from harness.plugin._keys import _EQUIV_PROP, _GOLDEN_PROP, _settings_key
@@ -37,6 +38,7 @@ class HarnessSession:
         self.prune = prune
         self.golden_status: dict[str, str] = {}  # golden path -> last status
         self.golden_change: dict[str, GoldenChange] = {}  # golden path -> what a write changed
+        self.golden_tests: dict[str, set[str]] = {}  # golden path -> the tests that used it
         self.equivalences: list[SummaryRow] = []
         self.nodeids: set[str] = set()
         self.swept: list[Path] = []  # leftovers of interrupted golden writes, removed
@@ -75,6 +77,7 @@ class HarnessSession:
             if key == _GOLDEN_PROP:
                 path, status, *rest = value  # (path, status[, change]): plain, for xdist
                 self.golden_status[path] = status
+                self.golden_tests.setdefault(path, set()).add(report.nodeid)
                 if rest and rest[0] is not None:
                     self.golden_change[path] = GoldenChange.from_plain(rest[0])
             elif key == _EQUIV_PROP:
@@ -118,7 +121,20 @@ class HarnessSession:
                     tr.write_line(line)
         for line in tally.lines(self.goldens.root):
             tr.write_line(line)
+        for shared, tests in self.shared_goldens().items():
+            tr.write_line(f"ERROR {shared_golden(shared, tests)}", red=True)
         self._unused_summary(tr, tr.config, exitstatus)
+
+    def shared_goldens(self) -> dict[str, set[str]]:
+        """Goldens that tests of different ids used (under xdist, on different workers: a
+        worker fails the second test that uses one, but sees only its own tests)."""
+        return {p: tests for p, tests in sorted(self.golden_tests.items()) if len(tests) > 1}
+
+    @pytest.hookimpl
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        # a golden two tests share fails the session, though each test passed on its worker
+        if self.shared_goldens() and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def _unused_summary(
         self, tr: pytest.TerminalReporter, config: pytest.Config, exitstatus: int

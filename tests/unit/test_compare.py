@@ -622,7 +622,15 @@ def test_the_summary_row_is_every_column_of_the_table():
         "ok": False,
         "problems": ["batch", "grad"],
         "seconds": 1.23,
+        "label": "steps 1",
     }
+
+
+def test_a_rollout_check_is_labelled_with_its_rollout_steps():
+    # "steps 2" beside "rollout 150": two checks of one case and partition tell apart
+    report = _failed_report([], rollout_steps=150)
+    assert report.summary_row()["label"] == "rollout 150"
+    assert _failed_report([]).summary_row()["label"] == "steps 1"
 
 
 def _rows() -> list[dict]:
@@ -645,20 +653,35 @@ def _rows() -> list[dict]:
 def test_the_equivalence_table_has_a_line_per_check():
     assert equivalence_table(_rows()) == [
         "worst relative error per quantity, partitioned vs reference:",
-        "case  ranks  partition              dtype    loss     grad     field  param  golden  "
-        "verdict",
-        "----  -----  ---------------------  -------  -------  -------  -----  -----  ------  "
-        "--------------------",
-        "sfno  4      lat [8, 8] x lon [32]  float64  1.0e-15  2.5e-13  -      -      -       "
-        "equivalent",
-        "sfno  4      spatial 4              float32  -        -        -      -      passed  "
-        "MISMATCH: crash,grad",
+        "case  check    ranks  partition              dtype    loss     grad     field  param  "
+        "golden  verdict",
+        "----  -------  -----  ---------------------  -------  -------  -------  -----  -----  "
+        "------  --------------------",
+        "sfno  steps 2  4      lat [8, 8] x lon [32]  float64  1.0e-15  2.5e-13  -      -      "
+        "-       equivalent",
+        "sfno  steps 1  4      spatial 4              float32  -        -        -      -      "
+        "passed  MISMATCH: crash,grad",
     ]
     assert equivalence_table([]) == [
         "worst relative error per quantity, partitioned vs reference:",
-        "case  ranks  partition  dtype  loss  grad  field  param  golden  verdict",
-        "----  -----  ---------  -----  ----  ----  -----  -----  ------  -------",
+        "case  check  ranks  partition  dtype  loss  grad  field  param  golden  verdict",
+        "----  -----  -----  ---------  -----  ----  ----  -----  -----  ------  -------",
     ]
+
+
+def test_rows_alike_but_for_their_test_are_named_by_it_without_its_file():
+    ok = _rows()[0]
+    rows = [{**ok, "test": f"tests/test_a.py::test_{i}[x]"} for i in range(2)]
+    table = equivalence_table(rows)
+    assert [re.split(r"\s{2,}", line)[:3] for line in table[1:]] == [
+        ["test", "case", "check"],
+        ["---------", "----", "-------"],
+        ["test_0[x]", "sfno", "steps 2"],
+        ["test_1[x]", "sfno", "steps 2"],
+    ]
+    # told apart by their checks: no test column, the table stays narrow
+    apart = [rows[0], {**rows[1], "label": "rollout 3"}]
+    assert equivalence_table(apart)[1].startswith("case  check")
 
 
 def test_a_width_shortens_only_the_partition_and_only_as_much_as_needed():
@@ -666,17 +689,17 @@ def test_a_width_shortens_only_the_partition_and_only_as_much_as_needed():
     longest = max(map(len, full))
     fitted = equivalence_table(_rows(), width=longest - 4)
     assert max(map(len, fitted)) == longest - 4
-    assert re.split(r"\s{2,}", fitted[3])[2] == "lat [8, 8] x l..."  # 21 -> 17 characters
+    assert re.split(r"\s{2,}", fitted[3])[3] == "lat [8, 8] x l..."  # 21 -> 17 characters
     assert equivalence_table(_rows(), width=longest) == full
     # never below 12 characters, even when the line cannot fit
-    assert re.split(r"\s{2,}", equivalence_table(_rows(), width=10)[3])[2] == "lat [8, 8..."
+    assert re.split(r"\s{2,}", equivalence_table(_rows(), width=10)[3])[3] == "lat [8, 8..."
     assert [
-        re.split(r"\s{2,}", line)[:2] for line in equivalence_table(_rows(), show_ranks=False)[1:]
+        re.split(r"\s{2,}", line)[:3] for line in equivalence_table(_rows(), show_ranks=False)[1:]
     ] == [
-        ["case", "partition"],
-        ["----", "---------------------"],
-        ["sfno", "lat [8, 8] x lon [32]"],
-        ["sfno", "spatial 4"],
+        ["case", "check", "partition"],
+        ["----", "-------", "---------------------"],
+        ["sfno", "steps 2", "lat [8, 8] x lon [32]"],
+        ["sfno", "steps 1", "spatial 4"],
     ]
 
 
