@@ -43,26 +43,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]  # this checkout: its harness is measured
+sys.path.insert(0, str(HERE))  # benchmarks.pool_overhead: the same timing conftest and test
 
-TIMING = """
-import statistics, time
-T = []
-def pytest_runtest_logfinish(nodeid, location):
-    T.append(time.perf_counter())
-def pytest_sessionfinish(session):
-    d = [b - a for a, b in zip(T[1:], T[2:])]  # from the end of one test to the next
-    if d:
-        print(f"PER-TEST {statistics.median(d) * 1e3:.3f}")
-"""
-
-HARNESS_TRIVIAL = """
-import torch, torch.distributed as dist
-
-def trivial():
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return t.item()
-"""
+from benchmarks.pool_overhead import SPATIAL as HARNESS_TRIVIAL  # noqa: E402
+from benchmarks.pool_overhead import TIMING  # noqa: E402
 
 HARNESS_CHECK = """
 from harness.steppers.mlp import CoupledMLPCase

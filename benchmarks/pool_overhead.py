@@ -83,7 +83,8 @@ def pytest_runtest_logfinish(nodeid, location):
     T.append(time.perf_counter())
 def pytest_sessionfinish(session):
     d = [b - a for a, b in zip(T[1:], T[2:])]  # from the end of one test to the next
-    print(f"PER-TEST {statistics.median(d) * 1e3:.3f}")
+    if d:
+        print(f"PER-TEST {statistics.median(d) * 1e3:.3f}")
 """
 
 SPATIAL = """

@@ -67,22 +67,6 @@ def _nudged(model) -> bool:
     return not torch.equal(model.inner.weight, torch.nn.Linear(4, 4).weight)
 
 
-class InProcess:
-    """One rank, run in this process (as torchrun's runner does)."""
-
-    world_size = 1
-    last_outputs: ClassVar[list[str]] = []
-
-    def run(self, fn, *args, timeout=None, **kwargs):
-        return [fn(*args, **kwargs)]
-
-
-@pytest.fixture
-def in_process(monkeypatch):
-    monkeypatch.setattr(Topology, "create", staticmethod(lambda *a, **k: Topology.single()))
-    return InProcess()
-
-
 def test_a_rollout_of_a_billion_steps_ends_in_a_report_naming_the_serial_reference(in_process):
     t0 = time.perf_counter()
     report = check_equivalence(Tiny(), ranks=1, pool=in_process, rollout=10**9, timeout=1.0)

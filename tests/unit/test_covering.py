@@ -13,6 +13,7 @@ from harness import layouts as layouts_module
 from harness._covering import WORLD, Covering, covering, features, pairs
 from harness.layouts import BLOCKS, Layout, check_layouts, layouts
 from harness.steppers import catalogue
+from tests.unit.test_layouts import report_of
 
 SHAPES = [(m, d, b) for m in (2, 4, 6, 8) for d in (1, 2) for b in (("even",), BLOCKS)]
 
@@ -139,16 +140,7 @@ def fake_report(layout: Layout, fails, refuses) -> EquivalenceReport:
         ]
     elif fails(layout):
         bad = [Mismatch("loss", "loss", 0, 0, max_abs=1.0, max_rel=1.0, count=1, total=1)]
-    return EquivalenceReport(
-        case="demo",
-        ranks=layout.world_size,
-        spatial_size=layout.spatial_size,
-        partition="",
-        steps=2,
-        dtype="float64",
-        tolerance=None,
-        mismatches=bad,
-    )
+    return report_of(layout, *bad)
 
 
 @pytest.fixture

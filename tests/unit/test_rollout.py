@@ -458,23 +458,6 @@ def test_predict_runs_under_the_autocast_asked_for_and_not_otherwise():
     assert amp[1]["x"].values.dtype == torch.bfloat16  # the matmul ran at bf16
 
 
-class InProcess:
-    """A runner of one rank that runs the rank's function in this process (as torchrun's
-    runner does), its topology the single process's."""
-
-    world_size = 1
-    last_outputs: ClassVar[list[str]] = []
-
-    def run(self, fn, *args, timeout=None, **kwargs):
-        return [fn(*args, **kwargs)]
-
-
-@pytest.fixture
-def in_process(monkeypatch):
-    monkeypatch.setattr(Topology, "create", staticmethod(lambda *a, **k: Topology.single()))
-    return InProcess()
-
-
 def test_a_rollout_check_runs_distinct_members_and_the_ranks_all_under_its_autocast(in_process):
     from harness.rollout import MEMBERS, check_rollout
 
