@@ -37,7 +37,7 @@ from harness.plugin.html_report import defer_figures
 from harness.plugin.html_report import record_sweep as page_sweep
 from harness.plugin.mutants import collect_sites
 from harness.plugin.session import _session_key
-from harness.plugin.summary import planned_layouts, progress, sweep_row
+from harness.plugin.summary import planned_layouts, progress, rollout_progress, sweep_row
 from harness.pool import (
     MIN_TIMEOUT,
     PoolRegistry,
@@ -115,7 +115,12 @@ class SpatialFixture:
         pool = self._pool(ranks)
         if locate is None and (settings.calibrate or settings.locate):
             locate = True
-        with self._heard([pool]), quiet():  # its row is made here, with the golden's status
+        steps = int(kwargs.get("rollout") or 0)  # a long rollout says where it is
+        with (
+            self._heard([pool]),
+            quiet(),  # its row is made here, with the golden's status
+            rollout_progress(self._node.config, pool, case.label, steps),
+        ):
             report = check_equivalence(
                 case,
                 ranks=ranks,

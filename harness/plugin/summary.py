@@ -1,4 +1,5 @@
-"""The equivalence table's rows for everything a test ran, and the progress line of a sweep.
+"""The equivalence table's rows for everything a test ran, and the progress lines of a
+sweep and of a long rollout.
 
 A row per ``spatial.check`` (``steps 2``, ``rollout 150``), per sweep (``layouts 13 of 13``:
 ``spatial.check_layouts``, ``--spatial-layouts``, a bare ``check_layouts``), per check a
@@ -10,8 +11,10 @@ report's user properties, like the fixture's own.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
-from collections.abc import Generator, Iterable
+import threading
+from collections.abc import Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import pytest
@@ -150,16 +153,76 @@ def planned_layouts(
         return None
 
 
-def progress(config: pytest.Config, text: str) -> None:
-    """``text`` on the terminal now, while the test runs: only where a person watches (a
-    terminal, or ``-v``), and never from an xdist worker, whose output the controller does
-    not show (it would interleave with the other workers' lines if it did)."""
+def _watched(config: pytest.Config) -> bool:
+    """Whether a person watches this session's lines as they come: a terminal, or ``-v``;
+    never an xdist worker, whose output the controller does not show (it would interleave
+    with the other workers' lines if it did)."""
     if hasattr(config, "workerinput"):
-        return
+        return False
     tr = config.pluginmanager.get_plugin("terminalreporter")
-    if tr is None or not (config.option.verbose > 0 or bool(getattr(tr, "isatty", False))):
+    return tr is not None and (config.option.verbose > 0 or bool(getattr(tr, "isatty", False)))
+
+
+def progress(config: pytest.Config, text: str) -> None:
+    """``text`` on the terminal now, while the test runs, where a person watches."""
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None or not _watched(config):
         return
     capman = config.pluginmanager.get_plugin("capturemanager")
     shown = capman.global_and_fixture_disabled() if capman else contextlib.nullcontext()
     with shown:
         tr.write_line(text)
+
+
+#: How often a rollout's progress is read off the ranks' notice board, in seconds: a line at
+#: most this often, so a rollout shorter than this says nothing.
+ROLLOUT_EVERY = 5.0
+_ROLLOUT_STEP = re.compile(r"rollout step (\d+)")
+_MODEL_CALLS = re.compile(r"rollout predict \((\d+) model calls?")
+
+
+def _rollout_phase(phase: str, steps: int) -> str:
+    """Rank 0's phase as a progress line's text: ``rollout: step k of N`` where predict
+    yields its steps, ``rollout: k model calls of N steps`` where it returns them at the end
+    (calls are not steps: a step may call the model twice); another rollout phase as it is
+    (``rollout build``); ``""`` outside the rollout."""
+    step = _ROLLOUT_STEP.search(phase)
+    if step is not None:
+        return f"rollout: step {int(step.group(1)) + 1} of {steps}"
+    calls = _MODEL_CALLS.search(phase)
+    if calls is not None:
+        return f"rollout: {calls.group(1)} model calls, of {steps} steps"
+    return phase if phase.startswith("rollout") else ""  # its build, batch, or fields
+
+
+@contextlib.contextmanager
+def rollout_progress(config: pytest.Config, pool: object, label: str, steps: int) -> Iterator[None]:
+    """While a check's rollout of ``steps`` steps runs, ``label: rollout: step k of N`` (or
+    ``k model calls``: ``_rollout_phase``) every ``ROLLOUT_EVERY`` seconds, read from rank
+    0's phase on the pool's board (what the rank wrote for itself: no message, no CPU time
+    of the rank). Nothing where nobody watches or the runner has no board (torchrun/srun);
+    the reader stops before the check returns."""
+    if not steps or not hasattr(type(pool), "board") or not _watched(config):
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        said = ""
+        while not done.wait(ROLLOUT_EVERY):
+            try:
+                # the pool's board now: a rank replaced mid-check comes with a new one
+                found = _rollout_phase(pool.board.read(0).phase, steps)  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - no board this moment (pool restarting): a line less
+                continue
+            if found and found != said:
+                said = found
+                progress(config, f"{label}: {found}")
+
+    reader = threading.Thread(target=watch, name="harness-rollout-progress", daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        done.set()
+        reader.join()

@@ -3,6 +3,7 @@ Hypothesis test, and a progress line while a sweep runs."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
 # four tests whose checks share the case and its partition text: only the label tells them apart
@@ -76,15 +77,15 @@ def test_every_check_sweep_and_hypothesis_test_has_a_labelled_row(pytester):
     rows = _rows(result.stdout.str())
     labels = sorted(re.split(r"\s{2,}", row)[2] for row in rows)
     # a sweep of max_ranks=2 (mesh_dims 1): 1 rank; 2 data groups of 1; spatial 2
-    assert labels == ["examples 3", "layouts 3 of 3", "steps 2", "steps 2"], rows
+    assert labels == ["examples 3", "layouts 3 of 3 (covering)", "steps 2", "steps 2"], rows
     assert len(set(rows)) == 4  # distinguishable, though case and partition are alike
     # -v: the sweep says how far it is while it runs, a line per layout
     result.stdout.fnmatch_lines(
         [
             "*test_sweep*",
-            "Scale: layouts: 1 of 3 (1 rank: grid 1: pass)",
-            "Scale: layouts: 2 of 3 (2 ranks: grid 1, 2 data groups: pass)",
-            "Scale: layouts: 3 of 3 (2 ranks: grid 2: pass)",
+            "Scale: layouts: 1 (covering, of 3) (1 rank: grid 1: pass)",
+            "Scale: layouts: 2 (covering, of 3) (2 ranks: grid 1, 2 data groups: pass)",
+            "Scale: layouts: 3 (covering, of 3) (2 ranks: grid 2: pass)",
         ]
     )
 
@@ -96,9 +97,9 @@ def test_under_xdist_the_controller_has_every_row_and_no_worker_writes_progress(
     )
     result.assert_outcomes(passed=4)
     labels = sorted(re.split(r"\s{2,}", row)[2] for row in _rows(result.stdout.str()))
-    assert labels == ["examples 3", "layouts 3 of 3", "steps 2", "steps 2"]
+    assert labels == ["examples 3", "layouts 3 of 3 (covering)", "steps 2", "steps 2"]
     # a worker's line would land between the controller's result lines, or nowhere
-    assert "layouts: 1 of 3" not in result.stdout.str()
+    assert "layouts: 1 (covering" not in result.stdout.str()
 
 
 def test_a_hypothesis_tests_examples_fold_into_one_row_failing_if_any_failed():
@@ -127,3 +128,37 @@ def test_a_hypothesis_tests_examples_fold_into_one_row_failing_if_any_failed():
         "label": "examples 3",
         "test": "t.py::test_drawn",
     }
+
+
+ROLLOUT = """
+from harness.steppers.healpix import HealpixCase
+
+def test_rollout(spatial):
+    spatial.check(HealpixCase(), rollout=40)
+"""
+
+
+def test_a_long_rollout_says_which_step_it_is_in_while_it_runs_where_someone_watches(pytester):
+    # read every 20 ms instead of every 5 s, so a rollout of 40 steps says where it is
+    pytester.makeconftest("import harness.plugin.summary as s\ns.ROLLOUT_EVERY = 0.02\n")
+    pytester.makepyfile(test_roll=ROLLOUT)
+    watched = pytester.runpytest_subprocess("--spatial-ranks=2", "-v")
+    watched.assert_outcomes(passed=1)
+    # rank 0's rollout phases, each said once as it changes (its predict returns every step
+    # at the end, and calls the model functionally: no step or call count to show)
+    said = re.findall(r"^healpix: (rollout.*)$", watched.stdout.str(), flags=re.M)
+    assert "rollout predict (rollout of 40 steps)" in said, watched.stdout.str()
+    assert all(a != b for a, b in itertools.pairwise(said))
+    quiet = pytester.runpytest_subprocess("--spatial-ranks=2")  # no terminal, no -v: no lines
+    quiet.assert_outcomes(passed=1)
+    assert "healpix: rollout" not in quiet.stdout.str()
+
+
+def test_a_rollout_phase_reads_as_its_step_its_model_calls_or_as_it_is():
+    from harness.plugin.summary import _rollout_phase
+
+    assert _rollout_phase("rollout step 6 predict", 40) == "rollout: step 7 of 40"
+    calls = "rollout predict (3 model calls so far, rollout of 40 steps)"
+    assert _rollout_phase(calls, 40) == "rollout: 3 model calls, of 40 steps"
+    assert _rollout_phase("rollout build", 40) == "rollout build"
+    assert _rollout_phase("step 1 backward", 40) == ""  # the training before it: no line
