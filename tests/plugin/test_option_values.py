@@ -67,11 +67,13 @@ def test_every_option_that_takes_a_value_is_checked(tmp_path):
     pytest_addoption(parser)
     assert sorted(value_options(parser)) == [
         "--spatial-deadlock-window",
+        "--spatial-github",
         "--spatial-layouts",
         "--spatial-mutants-min-score",
         "--spatial-plots",
         "--spatial-preload",
         "--spatial-ranks",
+        "--spatial-report",
         "--spatial-timeout",
     ]
     (tmp_path / "4").mkdir()
