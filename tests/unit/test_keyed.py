@@ -27,7 +27,7 @@ from harness._records import FieldRecord, RunRecord
 from harness._vacuous import check_vacuous
 from harness.compare import Mismatch
 from harness.equivalence import KEYED_FORM, run_case
-from tests.unit.test_checks import F64, TOL, judge, same, step
+from tests.unit._judging import F64, TOL, judge, same, step
 from tests.unit.test_run_case import Configurable
 
 # (sample, cell, token) keys: tokens per (sample, cell) of a 12-cell (nside 1) sphere; two

@@ -18,7 +18,7 @@ from harness._records import ParamShard, RunRecord, StepRecord
 from harness.case import load_init, parameter_shards
 from harness.compare import Mismatch, Tolerance
 from harness.equivalence import run_case
-from tests.unit.test_checks import recs
+from tests.unit._judging import recs
 
 F64 = torch.float64
 TOL = Tolerance.for_dtype(F64)
