@@ -124,7 +124,7 @@ def test_a_loss_s_times_too_large_is_named_so_and_is_the_likely_cause():
 def test_records_holding_dtensor_like_values_are_compared_by_the_values_they_hold():
     from torch.distributed.tensor import Shard as DShard
 
-    from tests.unit.test_compare import Distributed, Mesh
+    from tests.unit._dtensor_like import Distributed, Mesh
 
     whole = torch.tensor([[0.0, 1.0, 2.0, 3.0]], dtype=F64)
 
