@@ -9,11 +9,11 @@ import math
 
 import torch
 
-from harness._checks import (
+from harness._judges import (
     Judge,
     Layout,
 )
-from harness._records import FieldRecord, RunRecord, StepRecord
+from harness._records.run import FieldRecord, RunRecord, StepRecord
 from harness.compare import NUMERIC, Mismatch, QuantityStats, Tolerance
 
 F64 = torch.float64

@@ -1,4 +1,4 @@
-"""What a case declares up front (harness/_declared.py, Shard.grid), refused before any
+"""What a case declares up front (harness/case/declared.py, Shard.grid), refused before any
 rank runs with one ConfigError naming the answer and the fix."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import ConfigError, Positions, Shard, SpatialCase, Topology
-from harness._declared import check_activation_shard, check_partition
+from harness.case.declared import check_activation_shard, check_partition
 
 
 class Declares(SpatialCase):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness._checks import (
+from harness._judges import (
     compare_runs,
     data_part,
     position_text,

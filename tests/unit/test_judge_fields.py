@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 
 from harness import Shard
-from harness._checks import (
+from harness._judges import (
     BATCH_HINT,
     SHARD_HINT,
     Judge,
     Layout,
     check_fields,
 )
-from harness._records import FieldRecord, StepRecord
+from harness._records.run import FieldRecord, StepRecord
 from harness.compare import NUMERIC, Mismatch, QuantityStats, Tolerance
 from tests.unit._judging import (
     F64,

@@ -7,12 +7,12 @@ import math
 
 import torch
 
-from harness._checks import (
+from harness._judges import (
     check_nonfinite_init,
     check_nonfinite_step,
     compare_runs,
 )
-from harness._records import FieldRecord
+from harness._records.run import FieldRecord
 from harness.compare import Mismatch
 from tests.unit._judging import (
     F64,

@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from harness._checks import (
+from harness._judges import (
     compare_runs,
 )
-from harness._records import FieldRecord
+from harness._records.run import FieldRecord
 from harness.compare import NUMERIC, Mismatch, Quantity
 from harness.report import EquivalenceReport
 from tests.unit._judging import (
@@ -140,14 +140,14 @@ def test_records_holding_dtensor_like_values_are_compared_by_the_values_they_hol
 
 
 def test_a_hint_that_raises_is_a_not_located_line_and_the_finding_stands(monkeypatch):
-    import harness._checks
-    import harness._checks.judge
+    import harness._judges
+    import harness._judges.judge
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(harness._checks.judge, "scale_hint", broken)
-    monkeypatch.setattr(harness._checks, "likely_cause", broken)
+    monkeypatch.setattr(harness._judges.judge, "scale_hint", broken)
+    monkeypatch.setattr(harness._judges, "likely_cause", broken)
     bad = run(step(grad=torch.tensor([1.0, 3.0], dtype=F64)))
     found = compare_runs(run(), [run(), bad], TOL, spatial_size=2)
     assert quantities(found.mismatches) == [("grad", 1)]

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from harness._checks import (
+from harness._judges import (
     check_buffers,
     check_grads,
     check_init,

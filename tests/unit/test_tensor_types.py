@@ -1,4 +1,4 @@
-"""harness/_values.py: what a recorded value is, whatever tensor type the model used: a
+"""harness/_base/values.py: what a recorded value is, whatever tensor type the model used: a
 DTensor's block from its placements, a ShardTensor's from its spec, anything else gathered
 or read as is."""
 
@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from harness._values import block, is_distributed, placed, plain
+from harness._base.values import block, is_distributed, placed, plain
 from tests.unit._dtensor_like import Distributed, Mesh, dshard
 
 F64 = torch.float64
