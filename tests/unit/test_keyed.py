@@ -27,7 +27,7 @@ from harness._judges.vacuous import check_vacuous
 from harness._records.run import FieldRecord, RunRecord
 from harness.compare import Mismatch
 from harness.equivalence import KEYED_FORM, run_case
-from tests.unit.test_checks import F64, TOL, judge, same, step
+from tests.unit._judging import F64, TOL, judge, same, step
 from tests.unit.test_run_case import Configurable
 
 # (sample, cell, token) keys: tokens per (sample, cell) of a 12-cell (nside 1) sphere; two
@@ -516,6 +516,25 @@ def test_a_rank_holding_every_item_is_vacuous():
     assert m.where == ("every rank's Shard of 'y' covers the whole domain: the ranks split nothing")
     split = [RunRecord(init={}, steps=[s]) for s in ranks(*halves())]
     assert check_vacuous("case", ref, split, 2) == []
+
+
+def test_a_keyed_shard_with_duplicated_keys_does_not_hold_the_whole_field():
+    # 2 ranks each hold 4 items of a 4-item field, but rank 1 holds item 0 twice and item 3
+    # not at all: it does not hold the whole field, so the check is not vacuous
+    keys = torch.arange(4)[:, None]
+    values = torch.arange(4, dtype=F64)[:, None]
+    ref = RunRecord(init={}, steps=[step(fields={"y": FieldRecord(values, None, 0, keys=keys)})])
+    doubled = torch.tensor([[0], [1], [2], [0]])
+    whole = [
+        RunRecord(init={}, steps=[step(fields={"y": FieldRecord(values, None, 0, keys=k)})])
+        for k in (keys, keys)
+    ]
+    assert check_vacuous("case", ref, whole, 2) != []  # both hold all four: vacuous
+    held = [
+        RunRecord(init={}, steps=[step(fields={"y": FieldRecord(values, None, 0, keys=k)})])
+        for k in (keys, doubled)
+    ]
+    assert check_vacuous("case", ref, held, 2) == []
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from harness._records.run import ParamShard, RunRecord, StepRecord
 from harness.case import load_init, parameter_shards
 from harness.compare import Mismatch, Tolerance
 from harness.equivalence import run_case
-from tests.unit.test_checks import recs
+from tests.unit._judging import recs
 
 F64 = torch.float64
 TOL = Tolerance.for_dtype(F64)
@@ -425,7 +425,7 @@ def test_loading_without_shards_or_into_a_shard_that_does_not_fit_is_refused():
 
 def _dtensor_model(placements, span, coordinate=(1,)):
     """A Linear(2, 4) whose weight (4, 2) is a DTensor-like holding rows ``span``."""
-    from tests.unit.test_compare import Distributed, Mesh
+    from tests.unit._dtensor_like import Distributed, Mesh
 
     model = torch.nn.Linear(2, 4).double()
     whole = model.weight.detach().clone()
@@ -504,7 +504,7 @@ def test_a_sharded_parameters_gradient_that_comes_whole_is_cut_to_the_shards_pos
     from torch.distributed.tensor import Partial
 
     from harness._rank.run import _value
-    from tests.unit.test_compare import Distributed, Mesh
+    from tests.unit._dtensor_like import Distributed, Mesh
 
     whole = torch.arange(8, dtype=F64).reshape(4, 2)
     # DTensor's gradient of a Shard(0) weight left as Partial sums: gathered, then cut
