@@ -267,7 +267,7 @@ class RankPool:
             for attempt in (1, 2):
                 run = self._begin(payload, timeout)  # starts the ranks if they are not alive
                 try:
-                    results = run.collect()
+                    results, clean = run.collect()
                 except DiedIdle:
                     self._kill()  # killed from outside between runs: not this run's fault
                     if attempt == 2:
@@ -280,15 +280,15 @@ class RankPool:
                     raise
                 finally:
                     self.last_outputs = run.outputs
-                self._group_ok = run.keep
-                self._verifying = run if run.verify else None
+                self._group_ok = clean.keep
+                self._verifying = run if clean.verify else None
                 self.last_sites = [r.sites for r in run.reports.values() if r.sites]
-                _warn_unwaited(run.unwaited)
+                _warn_unwaited(clean.unwaited)
                 return results
         raise AssertionError("unreachable")
 
     def _settle_fence(self) -> None:
-        """Read the answers of the last kept run's fence (see ``prove_clean``): a group not
+        """Read the answers of the last kept run's fence (see ``Run.prove_clean``): a group not
         proven in step is not reused, and its ranks are replaced."""
         previous, self._verifying = self._verifying, None
         if previous is None or not self._group_ok:
@@ -377,7 +377,7 @@ def check_seconds(value: Any, what: str, *, minimum: float = MIN_TIMEOUT) -> flo
     return seconds
 
 
-def _warn_unwaited(unwaited: list[tuple[int, Any]]) -> None:
+def _warn_unwaited(unwaited: Sequence[tuple[int, Any]]) -> None:
     """One warning per operation (by call site) that completed without anyone waiting on
     it: not a failure (it matched and finished), but a race on backends that do not
     finish an operation before its tensor is used (NCCL)."""

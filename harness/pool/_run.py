@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -89,10 +90,7 @@ class Run:
         self.dead: set[int] = set()
         self.outputs: list[str] = [""] * self.n
         self.outputs_read = False
-        self.keep = False  # may the next run reuse the process groups?
         self.reused = False  # did this run start on the groups of the run before?
-        self.verify = False  # was the fence collective asked for?
-        self.unwaited: list[tuple[int, Op]] = []
         self.probe_groups: dict[str, tuple[int, ...]] = {}
         self.watch = DeadlockWatch(deadlock_window)
 
@@ -194,8 +192,9 @@ class Run:
         summary = _describe_exit(proc.exitcode) + _skipped_here(self, rank)
         self.fail(rank, "crash", summary, self.ranks.crash_log(rank))
 
-    def collect(self) -> list[Any]:
-        """Wait for every rank's answer, then prove the groups clean; the results or raise."""
+    def collect(self) -> tuple[list[Any], Clean]:
+        """Wait for every rank's answer, then prove the groups clean: the results in rank
+        order and what the end proved about the groups, or raise."""
         __tracebackhide__ = True  # pytest: the failure is the rank's, not ours
         deadline = self.t0 + self.timeout
         while self.pending:
@@ -215,9 +214,86 @@ class Run:
         if self.problems:
             self.end_failed()
             raise self.failure()
-        return prove_clean(self)
+        clean = self.prove_clean()
+        return [self.results[r] for r in range(self.n)], clean
 
     # ------------------------------------------------------------------ the fence
+
+    def prove_clean(self) -> Clean:
+        """Every rank returned: prove the groups clean before the next run may reuse them.
+
+        Operations left in flight that can never complete (a collective some member never
+        entered, a send nobody receives) fail the run at once: the next run would inherit
+        them. Matched ones complete by themselves: the ranks wait for them (the fence).
+        Then groups whose members issued the same collectives and matched every send are
+        kept, after one fence collective with the run id proves them in step where the
+        counts alone cannot (``needs_fence``); any others are torn down (``judge_clean``).
+        """
+        __tracebackhide__ = True
+        reports = [self.reports.get(r) for r in range(self.n)]
+        groups = self.groups()
+        leftovers = {r: rep.leftovers for r, rep in enumerate(reports) if rep and rep.leftovers}
+        self._fail_unmatched(deadlock.unmatched(leftovers, _counts(reports), groups))
+        if leftovers:  # matched: they complete by themselves; wait for them
+            self._fence(leftovers)
+        clean = judge_clean(reports, groups, reused=self.reused)
+        # The fence collective runs while the caller goes on; its answers are read before
+        # the next run starts (``Run.verified``) and decide only whether that run may reuse
+        # the groups.
+        if clean.replace:
+            self.kill()  # the next run gets fresh ranks
+        elif clean.verify or not clean.keep:
+            self.release_all(keep=clean.keep, verify=clean.verify)
+        # else: groups the counts alone prove are kept without a message: the next run's
+        # ``RunCall`` (``reuse``) is their release, and the ranks put back what the run changed
+        # as they returned. On a loaded machine every message wakes every rank, between tests.
+        self.attach_outputs()
+        return clean
+
+    def _fail_unmatched(self, unmatched: Mapping[int, Sequence[tuple[Op, str]]]) -> None:
+        """Operations left in flight that can never complete, each with why: the run fails,
+        and its ranks are replaced (the next run would inherit them)."""
+        __tracebackhide__ = True
+        for r, ops in sorted(unmatched.items()):
+            first, why = ops[0]
+            more = f" (and {len(ops) - 1} more)" if len(ops) > 1 else ""
+            self.problems.append(
+                RankProblem(
+                    r,
+                    "pending",
+                    f"{first.describe()} can never complete: {why}{more}",
+                    "\n".join(f"{op.describe()}: {w}" for op, w in ops),
+                    seconds=self.returned_at.get(r),
+                )
+            )
+        if self.problems:
+            self.end_failed()
+            raise self.failure()
+
+    def _fence(self, leftovers: Mapping[int, Sequence[Op]]) -> None:
+        """The ranks with matched operations in flight wait for them to complete; what has
+        not, in time, fails the run."""
+        __tracebackhide__ = True
+        grace = max(1.0, min(FENCE_WAIT, self.t0 + self.timeout - time.monotonic()))
+        for r in leftovers:
+            with contextlib.suppress(OSError):
+                send(self.ranks.conns[r], Fence(self.run_id, grace))
+        self.await_answers(self.fenced, leftovers, grace + FENCE_MARGIN)
+        for r, still in sorted(self.fenced.items()):
+            if still:
+                self.problems.append(
+                    RankProblem(
+                        r,
+                        "pending",
+                        f"{still[0].describe()} never completed, {grace:.0f}s after every "
+                        "rank returned, although its peers did their part",
+                        "\n".join(op.describe() for op in still),
+                        seconds=self.returned_at.get(r),
+                    )
+                )
+        if self.problems:
+            self.end_failed()
+            raise self.failure()
 
     def await_answers(self, answers: dict[int, Any], ranks: Iterable[int], seconds: float) -> None:
         __tracebackhide__ = True
@@ -255,15 +331,9 @@ class Run:
         return (not bad), "; ".join(bad)
 
     def in_flight(self, *, seen: bool = True) -> list[int]:
-        """Ranks that may still have work in flight on their groups: operations they
-        issued that had not completed when they returned or raised (with ``seen``), or
-        operations torch counted that the harness did not see one by one (issued from C++:
-        nobody knows whether they completed), or counts that could not be read."""
-        return sorted(
-            r
-            for r, rep in self.reports.items()
-            if (seen and rep.leftovers) or rep.counts is None or rep.unseen != 0
-        )
+        """Ranks that may still have work in flight on their groups (``_unsure``); with
+        ``seen``, counting operations they issued that had not completed."""
+        return sorted(r for r, rep in self.reports.items() if _unsure(rep, seen=seen))
 
     def end_failed(self) -> None:
         """A failed run's ranks: torn down in place, or replaced where that could hang.
@@ -304,82 +374,50 @@ class Run:
         return failure_from(self.problems, self.n, self.timeout, headline=headline)
 
 
-def prove_clean(run: Run) -> list[Any]:
-    """Every rank returned: prove the groups clean before the next run may reuse them.
+@dataclass(frozen=True)
+class Clean:
+    """What a run whose every rank returned proved about its process groups."""
 
-    Operations left in flight that can never complete (a collective some member never
-    entered, a send nobody receives) fail the run at once: the next run would inherit them.
-    Matched ones complete by themselves: the ranks wait for them (the fence). Then groups
-    whose members issued the same collectives and matched every send are kept, after one
-    fence collective with the run id proves them in step; any others are torn down.
-    """
-    # long: one pass over the end-of-run evidence, each leftover said where it is found
-    __tracebackhide__ = True
-    everyone = range(run.n)
-    reports = [run.reports.get(r) for r in everyone]
-    counts: dict[int, Counts] = {
-        r: rep.counts for r, rep in enumerate(reports) if rep is not None and rep.counts is not None
-    }
-    groups = run.groups()
-    leftovers = {r: rep.leftovers for r, rep in enumerate(reports) if rep and rep.leftovers}
-    for r, ops in sorted(deadlock.unmatched(leftovers, counts, groups).items()):
-        first, why = ops[0]
-        more = f" (and {len(ops) - 1} more)" if len(ops) > 1 else ""
-        run.problems.append(
-            RankProblem(
-                r,
-                "pending",
-                f"{first.describe()} can never complete: {why}{more}",
-                "\n".join(f"{op.describe()}: {w}" for op, w in ops),
-                seconds=run.returned_at.get(r),
-            )
-        )
-    if run.problems:
-        run.end_failed()  # what can never complete is in flight: fresh ranks next run
-        raise run.failure()
-    if leftovers:  # matched: they complete by themselves; wait for them
-        grace = max(1.0, min(FENCE_WAIT, run.t0 + run.timeout - time.monotonic()))
-        for r in leftovers:
-            with contextlib.suppress(OSError):
-                send(run.ranks.conns[r], Fence(run.run_id, grace))
-        run.await_answers(run.fenced, leftovers, grace + FENCE_MARGIN)
-        for r, still in sorted(run.fenced.items()):
-            if still:
-                run.problems.append(
-                    RankProblem(
-                        r,
-                        "pending",
-                        f"{still[0].describe()} never completed, {grace:.0f}s after every rank "
-                        "returned, although its peers did their part",
-                        "\n".join(op.describe() for op in still),
-                        seconds=run.returned_at.get(r),
-                    )
-                )
-        if run.problems:
-            run.end_failed()
-            raise run.failure()
-    keep = len(counts) == run.n and deadlock.consistent(counts, groups)
-    # Kept groups are in step by the counts: torch's sequence numbers agree between members
-    # and with what the harness saw issued. Where some operations were not seen one by one
-    # (issued from C++: DDP, functional collectives) or the groups are new, a second witness
-    # proves it: one fence collective with the run id. It runs while the caller goes on;
-    # its answers are read before the next run starts (``Run.verified``) and decide only
-    # whether that run may reuse the groups.
-    verify = needs_fence(keep=keep, reused=run.reused, reports=reports)
-    if not keep and run.in_flight(seen=False):
-        # groups out of step with operations nobody saw complete: tearing them down could
-        # wait in one of those (see ``Run.end_failed``); the next run gets fresh ranks
-        run.kill()
-    elif verify or not keep:
-        run.release_all(keep=keep, verify=verify)
-    # else: groups the counts alone prove are kept without a message: the next run's
-    # ``RunCall`` (``reuse``) is their release, and the ranks put back what the run changed
-    # as they returned. On a loaded machine every message wakes every rank, between tests.
-    run.verify = verify
-    run.keep = keep
-    run.unwaited = [(r, op) for r, rep in enumerate(reports) if rep for op in rep.unwaited]
-    run.attach_outputs()
-    return [run.results[r] for r in everyone]
+    #: the groups are in step: the next run may reuse them
+    keep: bool
+    #: kept groups need one fence collective to prove them in step first (``needs_fence``)
+    verify: bool
+    #: groups not kept, with work on them nobody saw complete: tearing them down could wait
+    #: in that work (see ``Run.end_failed``), so the ranks are replaced instead
+    replace: bool
+    #: (rank, operation) for work that completed but was never waited on, in rank order
+    unwaited: tuple[tuple[int, Op], ...] = ()
+
+
+def judge_clean(
+    reports: Sequence[Report | None], groups: Mapping[str, Sequence[int]], *, reused: bool
+) -> Clean:
+    """What the ranks' end-of-run reports (one per rank, ``None``: it sent none) prove about
+    their ``groups``, once no operation is left in flight. Pure: the evidence in, the ruling
+    out; ``Run.prove_clean`` acts on it."""
+    counts = _counts(reports)
+    # kept groups are in step by the counts: torch's sequence numbers agree between members
+    # and with what the harness saw issued (where it saw everything: ``needs_fence``)
+    keep = len(counts) == len(reports) and deadlock.consistent(counts, groups)
+    return Clean(
+        keep=keep,
+        verify=needs_fence(keep=keep, reused=reused, reports=reports),
+        replace=not keep and any(rep is not None and _unsure(rep, seen=False) for rep in reports),
+        unwaited=tuple((r, op) for r, rep in enumerate(reports) if rep for op in rep.unwaited),
+    )
+
+
+def _counts(reports: Sequence[Report | None]) -> dict[int, Counts]:
+    """Rank -> its collective counts, for the ranks whose counts can be trusted."""
+    return {r: rep.counts for r, rep in enumerate(reports) if rep and rep.counts is not None}
+
+
+def _unsure(report: Report, *, seen: bool) -> bool:
+    """May this rank still have work in flight on its groups? Operations it issued that had
+    not completed when it returned (with ``seen``), operations torch counted that the
+    harness did not see one by one (issued from C++: nobody knows whether they completed),
+    or counts that could not be read."""
+    return (seen and bool(report.leftovers)) or report.counts is None or report.unseen != 0
 
 
 def needs_fence(*, keep: bool, reused: bool, reports: Sequence[Report | None]) -> bool:

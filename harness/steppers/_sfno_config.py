@@ -12,8 +12,10 @@ Communicates nothing: every collective of the SFNO stepper is issued in ``sfno.p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from difflib import get_close_matches
+from typing import Any
 
 import torch
 
@@ -170,6 +172,39 @@ class SFNOConfig:
                 f"process-grid axis; use embed >= {max(h, w)}"
             )
         return h, w
+
+
+#: ``SFNOCase``'s positional arguments, in order: fields of ``SFNOConfig`` (the grid, then
+#: the process grid), as ``SFNOCase(16, 32, 2, 2)`` has always meant
+POSITIONAL = ("nlat", "nlon", "h", "w")
+
+
+def config_from(
+    grid: Sequence[object], options: Mapping[str, object], base: SFNOConfig | None = None
+) -> SFNOConfig:
+    """The ``SFNOConfig`` of ``SFNOCase(*grid, config=base, **options)``: ``base`` (else the
+    defaults) with the positional ``grid`` (``POSITIONAL``) and the keyword ``options``
+    replacing its fields, validated once by ``SFNOConfig`` itself."""
+    if len(grid) > len(POSITIONAL):
+        raise ConfigError(
+            f"SFNOCase takes at most {len(POSITIONAL)} positional arguments "
+            f"({', '.join(POSITIONAL)}), got {len(grid)}; pass the others by keyword"
+        )
+    named = dict(zip(POSITIONAL, grid, strict=False))
+    twice = sorted(named.keys() & options.keys())
+    if twice:
+        raise ConfigError(f"SFNOCase got {twice} both by position and by keyword; pass it once")
+    known = [f.name for f in fields(SFNOConfig) if f.init]
+    for name in options:
+        if name not in known:
+            close = get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"SFNOCase got an unknown option {name!r}; {hint}besides its own (see "
+                f"SFNOCase.__init__) it takes the fields of SFNOConfig: {', '.join(known)}"
+            )
+    changes: dict[str, Any] = {**named, **options}
+    return replace(base, **changes) if base is not None else SFNOConfig(**changes)
 
 
 # ---------------------------------------------------------------------- geometry

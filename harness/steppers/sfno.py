@@ -39,7 +39,7 @@ never communicate, ``_sfno_layers``; every collective of the stepper is issued h
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -67,6 +67,7 @@ from harness.steppers._sfno_config import (
     _triangular,
     _truncation,
     check_faults,
+    config_from,
     data_partition,
     lat_weights,
 )
@@ -498,38 +499,20 @@ class SFNOCase(SpatialCase):
 
     def __init__(
         self,
-        nlat: int = 16,
-        nlon: int = 32,
-        h: int | None = None,
-        w: int | None = None,
-        *,
-        grid: str = "equiangular",
-        channels: int = 2,
-        embed: int = 8,
-        blocks: int = 2,
+        *grid: int | None,
+        config: SFNOConfig | None = None,
         batch_size: int = 2,
-        noise: int = 0,
         rollout: int = 2,
         dtype: torch.dtype = torch.float64,
-        faults: str | Iterable[str] = (),
-        shard_weights: bool = False,
-        shard_init: str = "sliced",
         load_reference_shards: bool = False,
+        **options: object,
     ) -> None:
-        self.config = SFNOConfig(
-            nlat=nlat,
-            nlon=nlon,
-            grid=grid,
-            h=h,
-            w=w,
-            channels=channels,
-            embed=embed,
-            blocks=blocks,
-            noise=noise,
-            faults=check_faults(faults),
-            shard_weights=shard_weights,
-            shard_init=shard_init,
-        )
+        """``grid``: ``nlat, nlon, h, w`` by position; ``options``: any field of
+        ``SFNOConfig`` by keyword (``nlat``, ``grid``, ``embed``, ``faults``,
+        ``shard_weights``, ...), with its defaults, over ``config`` where one is given. The
+        case's own: ``batch_size`` samples per step, a ``rollout``-step ``predict`` compared
+        (0: none), the ``dtype`` of the runs, and ``load_reference_shards``."""
+        self.config = config_from(grid, options, config)
         self.batch_size, self.rollout, self.dtype = batch_size, rollout, dtype
         self.load_reference_shards = load_reference_shards
 

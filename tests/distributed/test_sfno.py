@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -295,6 +296,46 @@ def test_a_process_grid_that_does_not_fit_the_spatial_group_is_refused():
     assert SFNOConfig().process_grid(_spatial_topology(4)) == (4, 1)
     assert SFNOConfig(w=2).process_grid(_spatial_topology(4)) == (2, 2)
     assert SFNOConfig(h=2, w=2).process_grid(Topology.single()) == (1, 1)
+
+
+def _defaults() -> dict[str, object]:
+    """Every field ``SFNOConfig`` takes, with its default: read from the dataclass, so a
+    field added there is checked here without a word changed."""
+    return {
+        f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+        for f in dataclasses.fields(SFNOConfig)
+        if f.init
+    }
+
+
+@pytest.mark.parametrize("name", list(_defaults()))
+def test_every_keyword_sfno_config_takes_is_taken_by_sfno_case_with_the_same_default(name):
+    default = _defaults()[name]
+    assert getattr(SFNOCase().config, name) == default
+    assert SFNOCase(**{name: default}).config == SFNOConfig(**{name: default}) == SFNOConfig()
+
+
+def test_sfno_case_takes_the_grid_by_position_and_a_config_to_start_from():
+    assert SFNOCase(12, 20, 1, 2).config == SFNOConfig(nlat=12, nlon=20, h=1, w=2)
+    assert SFNOCase(12, 20, embed=4).config == SFNOConfig(nlat=12, nlon=20, embed=4)
+    base = SFNOConfig(nlat=8, nlon=16, embed=4, faults=frozenset({"grad-sync-mean"}))
+    assert SFNOCase(config=base, h=2).config == dataclasses.replace(base, h=2)
+    assert SFNOCase(config=base).config == base
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ((), {"embd": 4}, r"unknown option 'embd'; did you mean 'embed'\?"),
+        ((), {"nlat": "16"}, r"SFNOConfig.nlat must be a positive integer"),
+        ((16, 32, 2, 2, 1), {}, r"at most 4 positional arguments \(nlat, nlon, h, w\)"),
+        ((16,), {"nlat": 32}, r"\['nlat'\] both by position and by keyword"),
+    ],
+    ids=["misspelt", "invalid", "too-many-positional", "twice"],
+)
+def test_sfno_case_options_are_refused_with_what_to_do_instead(args, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        SFNOCase(*args, **kwargs)
 
 
 def _spatial_topology(size: int) -> Topology:

@@ -1,5 +1,6 @@
 """The run's evidence rules on hand-made evidence: when a rank counts as blocked inside torch,
-how long a proof is held before it is reported, and when kept groups need a fence.
+how long a proof is held before it is reported, when kept groups need a fence, and what the
+end of a run rules on its groups.
 
 No rank processes: a ``Run`` is given a stand-in for the pool (a real notice board in a
 temporary file, pens on its slots, no pipes), and each rule is fed probe answers, board
@@ -9,6 +10,7 @@ answers' arrival): nothing here depends on how fast the machine is.
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -17,8 +19,8 @@ import pytest
 
 from harness._protocol.board import Board, State, Writer, members_bits
 from harness._protocol.deadlock import Counts, Kind, Op, Status
-from harness._protocol.events import Probed, Report
-from harness.pool._run import Run, needs_fence
+from harness._protocol.events import Done, Probed, Release, Report, receive
+from harness.pool._run import Run, judge_clean, needs_fence
 from harness.pool._watch import IDLE_CPU_SHARE, _Answers, _skipped_here, idle_in_torch
 
 WINDOW = 2.0
@@ -230,6 +232,87 @@ def test_kept_groups_are_fenced_when_new_or_after_collectives_the_interceptor_di
     keep: bool, reused: bool, reports: Sequence[Report | None], fence: bool
 ) -> None:
     assert needs_fence(keep=keep, reused=reused, reports=reports) is fence
+
+
+# ---------------------------------------------------------------- the ruling on the groups
+
+GROUPS = {"0": (0, 1)}
+LEFT = Op(Kind.SEND, "0", "isend", 1, peer=1)  # matched, fenced: it completed
+
+
+def ended(collectives: int, unseen: int = 0, leftovers: Sequence[Op] = ()) -> Report:
+    """A rank's report as it returned: ``collectives`` issued on group "0"."""
+    counts = Counts(collectives={"0": collectives})
+    return Report(counts, GROUPS, leftovers=list(leftovers), unseen=unseen)
+
+
+@pytest.mark.parametrize(
+    ("reports", "reused", "ruling"),
+    [
+        ([ended(3), ended(3)], True, (True, False, False)),
+        ([ended(3), ended(3)], False, (True, True, False)),
+        ([ended(3), ended(3, unseen=2)], True, (True, True, False)),
+        ([ended(3), ended(2)], True, (False, False, False)),
+        ([ended(3), ended(2, leftovers=[LEFT])], True, (False, False, False)),
+        ([ended(3), ended(2, unseen=2)], True, (False, False, True)),
+        ([ended(3), ended(2, unseen=-1)], True, (False, False, True)),
+        ([ended(3), Report(None, GROUPS, unseen=0)], True, (False, False, True)),
+        ([ended(3), None], True, (False, False, False)),
+    ],
+    ids=[
+        "in-step",  # every operation seen on groups proven before: kept without a word
+        "new-groups",  # in step by the counts, never proven by a fence: fence them
+        "from-cpp",  # in step by the counts, but DDP issued 2 the counts cannot vouch for
+        "out-of-step",  # members issued different collectives: torn down in place
+        "out-of-step-fenced",  # its leftover was fenced and completed: still torn down
+        "out-of-step-from-cpp",  # torn down could wait in work nobody saw: replaced
+        "out-of-step-unknown",  # unseen not known: the same
+        "counts-unreadable",  # a rank's counts cannot be trusted: not kept, replaced
+        "no-report",  # a rank said nothing of its groups: not kept, nothing in flight known
+    ],
+)
+def test_groups_are_kept_fenced_or_replaced_by_the_ranks_end_of_run_reports(
+    reports: Sequence[Report | None], reused: bool, ruling: tuple[bool, bool, bool]
+) -> None:
+    clean = judge_clean(reports, GROUPS, reused=reused)
+    assert (clean.keep, clean.verify, clean.replace) == ruling
+
+
+def test_work_never_waited_on_is_named_with_its_rank_in_rank_order() -> None:
+    a, b, c = (Op(Kind.COLLECTIVE, "0", "all_reduce", i) for i in (1, 2, 3))
+    reports = [
+        Report(COUNTS, GROUPS, unseen=0, unwaited=[a, b]),
+        None,
+        Report(COUNTS, GROUPS, unseen=0, unwaited=[c]),
+    ]
+    assert judge_clean(reports, GROUPS, reused=True).unwaited == ((0, a), (0, b), (2, c))
+
+
+@pytest.mark.parametrize(
+    ("second", "reused", "released"),
+    [
+        (ended(3), True, None),  # kept on the counts alone: the next run is the release
+        (ended(3), False, Release(1, keep=True, verify=True)),
+        (ended(2), True, Release(1, keep=False, verify=False)),
+    ],
+    ids=["kept-quietly", "kept-after-a-fence", "torn-down"],
+)
+def test_a_run_that_ended_clean_returns_its_results_and_the_ruling_it_acted_on(
+    tmp_path: Any, second: Report, reused: bool, released: Release | None
+) -> None:
+    import multiprocessing
+
+    run, _ = _run(tmp_path)
+    ends = [multiprocessing.Pipe() for _ in range(run.n)]
+    run.ranks.conns = [parent for parent, _ in ends]
+    run.reused = reused
+    for rank, report in enumerate([ended(3), second]):
+        run.on_done(rank, Done(1, True, pickle.dumps(f"r{rank}"), report=report))
+    results, clean = run.collect()
+    assert results == ["r0", "r1"]
+    assert clean == judge_clean([ended(3), second], GROUPS, reused=reused)
+    sent = [receive(child) if child.poll() else None for _, child in ends]
+    assert sent == [released, released]
 
 
 def test_ranks_that_may_have_work_in_flight_are_named(tmp_path):
