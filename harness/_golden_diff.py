@@ -6,7 +6,7 @@ from this run's (``recorded_elsewhere``). The store that reports them is ``harne
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ def diff_tensors(
     *,
     allow_nonfinite: bool = False,
     steps: Mapping[str, StepBound] | None = None,
+    run_nonfinite: Sequence[str] | None = None,
 ) -> list[str]:
     """Lines describing every difference between two tensor maps (empty if none).
 
@@ -36,7 +37,9 @@ def diff_tensors(
     golden cannot vouch for it, matching or not). ``steps``: the rollout's tensors, each
     judged by its step's bound (``StepBound``) and named by its step and field. A golden
     without a rollout where this run has one (or the other way round) is one line saying
-    so, not a line per tensor.
+    so, not a line per tensor. ``run_nonfinite``: the lines of ``actual``'s NaN and inf when
+    the caller has already scanned it (``judge_golden``: one scan serves the diff and the
+    refusal to write); ``None`` scans here.
     """
     # long: one pass over the names: missing, extra, shape, dtype, values, a row each
     steps = steps or {}
@@ -65,7 +68,9 @@ def diff_tensors(
         lines.append(f"  {name}: produced but not in the golden")
     if not allow_nonfinite:
         lines += _nonfinite_lines(golden, "the golden holds")
-        lines += _nonfinite_lines(actual, "this run produced")
+        if run_nonfinite is None:
+            run_nonfinite = _nonfinite_lines(actual, "this run produced")
+        lines += run_nonfinite
     for name in in_golden_order(actual.keys() & golden.keys()):
         step = steps.get(name)
         d = compare_tensors(
