@@ -40,7 +40,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import Any, cast
 
 import torch
 
@@ -49,6 +49,7 @@ from harness._golden_diff import (
     LAYOUT_KEYS,
     UPDATE_HINT,
     VERSION_KEYS,
+    GoldenFile,
     _nonfinite_lines,
     diff_tensors,
     recorded_elsewhere,
@@ -115,15 +116,6 @@ def shared_golden(path: str | os.PathLike[str], tests: Iterable[str]) -> str:
         "id=...)) or give each test's golden its own name (spatial.check(case, "
         "golden='name'), golden.check(tensors, name='name')), then run --update-goldens."
     )
-
-
-class GoldenFile(TypedDict):
-    """What a golden file holds (``GoldenStore.load``)."""
-
-    format: str  # FORMAT
-    version: int  # VERSION
-    provenance: dict[str, Any]  # plain scalars and text: weights_only loading accepts no other
-    tensors: dict[str, torch.Tensor]
 
 
 _OK = (GoldenStatus.PASSED, GoldenStatus.WRITTEN, GoldenStatus.UPDATED, GoldenStatus.UNCHANGED)
