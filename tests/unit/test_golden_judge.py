@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import GoldenError
+import harness._golden_diff as golden_diff
+from harness import GoldenError, GoldenStore
 from harness._golden_diff import (
     OUTCOMES,
     Facts,
@@ -145,3 +146,24 @@ def test_exactly_one_row_holds_for_any_facts():
         holding = [row for row in OUTCOMES if row.holds(facts)]
         assert len(holding) == 1, (facts, holding)
     assert all(any(row.holds(f) for f in every) for row in OUTCOMES)
+
+
+def test_a_check_scans_the_run_for_nan_once(tmp_path, monkeypatch):
+    """Updating over a differing golden with a NaN: the diff and the refusal share one scan
+    (each of the run's tensors is counted once, wherever the scan is called from)."""
+    counts = golden_diff.nonfinite_counts
+    scanned: list[torch.Tensor] = []
+
+    def counting(t: torch.Tensor) -> tuple[int, int, int | None]:
+        scanned.append(t)
+        return counts(t)
+
+    path = tmp_path / "a.pt"
+    store = GoldenStore(tmp_path, update=True)
+    store.check(path, run(), bound=EXACT)
+    monkeypatch.setattr(golden_diff, "nonfinite_counts", counting)
+    tensors = run(nan=True, moved=True)
+    result = store.check(path, tensors, bound=EXACT)
+    assert result.status == "refused"
+    assert [sum(s is t for s in scanned) for t in tensors.values()] == [1, 1]
+    assert len(scanned) == 2 * len(tensors)  # and the golden's, once each
