@@ -223,11 +223,9 @@ class Row(NamedTuple):
         return all(want is None or want == fact for want, fact in zip(self[:4], facts))
 
 
-# The golden check's outcome table. Exactly one row holds for any facts (no order to read):
-# checking, the golden decides (an unreadable file is raised, not judged); updating, a golden
-# as this run has it is left alone, NaN or inf is never written, everything else is.
-# A run with NaN or inf always differs from a golden (the diff lists them), so "updating,
-# a golden, no difference" needs no non-finite column of its own beyond False.
+# The golden check's outcome table (judge_golden's docstring says it in words). Exactly one
+# row holds for any facts, so no order is to be read. Updating, a golden that does not differ
+# and a run with NaN cannot meet (the diff lists the NaN): REFUSED's row takes it all the same.
 # fmt: off
 OUTCOMES: tuple[Row, ...] = (
     #   updating  found             differs  nonfinite  outcome
@@ -273,9 +271,17 @@ def judge_golden(
     steps: Mapping[str, StepBound] | None = None,
 ) -> GoldenVerdict:
     """Judge this run's ``tensors`` against what the store found at ``path``: ``None`` (no
-    file), the golden it loaded, or the ``GoldenError`` of a file it could not read. The
-    outcome is ``OUTCOMES``'s; ``running``: this run's provenance, said against the golden's
-    where a check fails. Pure: no file is read or written here.
+    file), the golden it loaded, or the ``GoldenError`` of a file it could not read. Pure: no
+    file is read or written here; the store acts on the verdict. The outcome is the one row of
+    ``OUTCOMES`` that holds:
+
+    - checking: an unreadable file is ``UNREADABLE`` (its error to raise), no file
+      ``MISSING``, a golden ``PASSED`` or, where it differs, ``FAILED`` (the differences,
+      then the versions and layout it was recorded with where they differ from ``running``,
+      this run's provenance);
+    - updating: a run with NaN or inf is ``REFUSED`` whatever was found; else no file is
+      ``WRITTEN``, a golden that does not differ ``UNCHANGED``, and an unreadable file or a
+      differing golden ``UPDATED``.
 
     A NaN or inf on either side is a difference unless ``allow_nonfinite``; this run's are
     scanned once, for the diff and for the refusal to write. ``steps``: the tensors of a
