@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import harness._golden_diff as golden_diff
+import harness.goldens._diff as golden_diff
 from harness import GoldenError, GoldenStore
-from harness._golden_diff import (
+from harness.compare import Bound
+from harness.goldens._diff import (
     OUTCOMES,
     Facts,
     Found,
@@ -25,7 +26,6 @@ from harness._golden_diff import (
     Outcome,
     judge_golden,
 )
-from harness.compare import Bound
 
 EXACT = Bound(0.0, 0.0)  # float64 values copied or changed by a whole 1.0: no rounding to allow
 PATH = Path("goldens/t/test_a.pt")
