@@ -40,7 +40,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import Any, cast
 
 import torch
 
@@ -52,8 +52,9 @@ from harness.goldens._diff import (
     LAYOUT_KEYS,
     UPDATE_HINT,
     VERSION_KEYS,
-    _nonfinite_lines,
+    GoldenFile,
     diff_tensors,
+    judge_golden,
     recorded_elsewhere,
 )
 from harness.goldens._rollout import StepBound, rollout_bounds
@@ -115,15 +116,6 @@ def shared_golden(path: str | os.PathLike[str], tests: Iterable[str]) -> str:
         "id=...)) or give each test's golden its own name (spatial.check(case, "
         "golden='name'), golden.check(tensors, name='name')), then run --update-goldens."
     )
-
-
-class GoldenFile(TypedDict):
-    """What a golden file holds (``GoldenStore.load``)."""
-
-    format: str  # FORMAT
-    version: int  # VERSION
-    provenance: dict[str, Any]  # plain scalars and text: weights_only loading accepts no other
-    tensors: dict[str, torch.Tensor]
 
 
 _OK = (GoldenStatus.PASSED, GoldenStatus.WRITTEN, GoldenStatus.UPDATED, GoldenStatus.UNCHANGED)
@@ -294,69 +286,41 @@ class GoldenStore:
         allow_nonfinite: bool = False,
         steps: Mapping[str, StepBound] | None = None,
     ) -> GoldenResult:
-        """Compare ``tensors`` with the golden at ``path`` (or write it, when updating).
+        """Compare ``tensors`` with the golden at ``path`` (or write it, when updating): load
+        what is there, let ``judge_golden`` decide (its table ``OUTCOMES`` lists every
+        outcome), then act on the verdict: raise an unreadable golden's error when checking,
+        write atomically when the verdict writes, and return the result.
 
         A NaN or inf on either side is a difference unless ``allow_nonfinite``; updating
         refuses to write non-finite tensors (status ``refused``). ``steps``: the tensors of a
         rollout, judged by their step's bound instead of ``bound`` (``StepBound``).
         """
-        # long: load, refuse, compare, update atomically: each branch one outcome
         provenance = {**default_provenance(), **(provenance or {})}
-        exists = path.exists()
-        lines: list[str] = []
-        golden: GoldenFile | None = None
-        if exists:
-            try:
-                golden = self.load(path)
-            except GoldenError:
-                if not self.update:
-                    raise
-            if golden is not None:
-                lines = diff_tensors(
-                    tensors, golden["tensors"], bound, allow_nonfinite=allow_nonfinite, steps=steps
-                )
-                if not lines:
-                    return GoldenResult(
-                        path, GoldenStatus.UNCHANGED if self.update else GoldenStatus.PASSED
-                    )
-        if not self.update:
-            if golden is None:
-                return GoldenResult(
-                    path,
-                    GoldenStatus.MISSING,
-                    [f"no golden at {path}: {UPDATE_HINT} (then commit the new file)."],
-                )
-            return GoldenResult(
-                path,
-                GoldenStatus.FAILED,
-                [
-                    *lines,
-                    *recorded_elsewhere(golden["provenance"], provenance),
-                    f"If the change is intended, {UPDATE_HINT}.",
-                ],
-            )
-        bad = [] if allow_nonfinite else _nonfinite_lines(tensors, "this run produced")
-        if bad:
-            return GoldenResult(
-                path,
-                GoldenStatus.REFUSED,
-                [
-                    f"not writing {path}: a golden vouches only for finite values, and this run "
-                    "produced NaN or inf:",
-                    *bad,
-                    "Make the run finite (or declare non-finite values expected), then update.",
-                ],
-            )
-        self.write(path, tensors, provenance)
-        old = None if golden is None else golden["tensors"]
-        return GoldenResult(
+        verdict = judge_golden(
             path,
-            GoldenStatus.UPDATED if exists else GoldenStatus.WRITTEN,
-            lines,
-            GoldenChange.between(
-                tensors, old, bound, unreadable=exists and golden is None, steps=steps
-            ),
+            tensors,
+            self._found(path),
+            updating=self.update,
+            bound=bound,
+            running=provenance,
+            allow_nonfinite=allow_nonfinite,
+            steps=steps,
         )
+        if verdict.error is not None:
+            raise verdict.error
+        if verdict.outcome.writes:
+            self.write(path, tensors, provenance)
+        return GoldenResult(path, verdict.outcome.status, list(verdict.lines), verdict.change)
+
+    def _found(self, path: Path) -> GoldenFile | GoldenError | None:
+        """What is at ``path``: nothing (``None``), a golden, or the ``GoldenError`` of a file
+        that is not one this harness reads (the judge decides whether it is raised)."""
+        if not path.exists():
+            return None
+        try:
+            return self.load(path)
+        except GoldenError as exc:
+            return exc
 
     def not_updated(self, path: Path, reason: str) -> GoldenResult:
         """The result for a golden left as it was because the check behind it failed."""
