@@ -1,5 +1,5 @@
-"""How long the guide's Hypothesis recipe takes to shrink one bug, and whether two runs
-shrink it to the same example.
+"""How long the Hypothesis recipe of docs/how-to/hypothesis.md takes to shrink one bug, and
+whether two runs shrink it to the same example.
 
     python benchmarks/hypothesis_shrink.py [--runs 2] [--explain] [--nside 1]
 
@@ -9,7 +9,7 @@ wrong only where the ranks' cell ranges differ in size. Hypothesis draws the par
 point observations (``observation_sets``: many choices, which is what the explain phase
 reruns the check for, one by one) and runs one ``check_equivalence`` per example on one
 warm pool. ``recipe``: ``check_settings()`` (the
-guide's: derandomized, no database, no explain phase, 10 examples), run ``--runs`` times;
+how-to's: derandomized, no database, no explain phase, 10 examples), run ``--runs`` times;
 ``--explain`` adds one run with Hypothesis's default phases (explain included), the recipe
 before this change. Printed per run: checks run, failing checks, seconds to the first
 failure and from it to the shrunk example (the shrink), and that example. Nothing asserts

@@ -1,16 +1,19 @@
-"""Every Python block of the README, the docs pages and the example repository's README runs.
+"""Every Python block of the README, the docs pages (the tutorial, the how-to pages under
+docs/how-to/, and the rest) and the example repository's README runs.
 
 Blocks are found and run with pytest-examples (each as its own ``__main__`` module, from a
 file, so rank processes can load the classes it defines). Conventions of these documents:
 
-- a block whose first line is ``# name.py`` is also a file that later blocks import (the
-  guide's model); all such files are written first, to a directory on ``sys.path``;
+- a block whose first line is ``# name.py`` is also a file that other blocks import, on its
+  page or another (the tutorial's ``my_emulator.py``, which how-to pages import); all such
+  files are written first, to a directory on ``sys.path``, so no two pages may write one name;
 - ``py test="pytest"``: a test module, run by pytest itself (with the plugin, on 4 ranks);
 - ``py test="skip"``: a fragment that cannot run alone (none is used to hide a feature).
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -18,10 +21,10 @@ import pytest
 from pytest_examples import CodeExample, EvalExample, find_examples
 
 ROOT = Path(__file__).resolve().parents[2]
-# every page under docs/, so a new page is tested the day it is written
+# every page under docs/ and its folders, so a new page is tested the day it is written
 DOCUMENTS = [
     ROOT / "README.md",
-    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "docs").rglob("*.md")),
     ROOT / "examples" / "downstream" / "README.md",
 ]
 EXAMPLES = [e for e in find_examples(*DOCUMENTS) if e.prefix_settings().get("test") != "skip"]
@@ -50,9 +53,25 @@ def modules(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sys.path.remove(str(where))
 
 
-def test_the_documents_have_examples_to_run():
-    found = {e.path.name for e in EXAMPLES}
-    assert {"README.md", "guide.md"} <= found
+def test_every_page_with_a_python_block_has_its_blocks_run():
+    # walked here, not read from DOCUMENTS: a page that list misses (a new folder) fails
+    pages = {
+        p for p in (ROOT / "docs").glob("**/*.md") if re.search(r"^```py", p.read_text(), re.M)
+    }
+    run = {e.path for e in EXAMPLES}
+    assert ROOT / "docs" / "tutorial.md" in pages and ROOT / "README.md" in run
+    assert pages <= run, f"pages whose Python blocks are not run: {sorted(pages - run)}"
+
+
+def test_no_two_blocks_write_the_same_module():
+    # the files of every page share one directory: a second my_emulator.py would replace the
+    # first, and the pages importing it would run the wrong one
+    written: dict[str, CodeExample] = {}
+    for example in EXAMPLES:
+        name = _file_name(example)
+        if name and not name.startswith("test"):
+            first = written.setdefault(name, example)
+            assert first is example, f"{name} is written by {first} and by {example}"
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=str)

@@ -16,7 +16,9 @@ from harness.goldens import GoldenStore
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
-DOCS = sorted((ROOT / "docs").glob("*.md"))
+DOCS = sorted((ROOT / "docs").rglob("*.md"))  # the tutorial, the how-to pages, the rest
+#: pages beside the README that it links, whose links must hold too
+BESIDE = [ROOT / "CHANGELOG.md", ROOT / "FAULTS.md", ROOT / "tests" / "README.md"]
 
 
 def _quick_start() -> str:
@@ -64,10 +66,28 @@ def test_the_readme_is_a_page_of_at_most_300_lines():
     assert len(README.splitlines()) <= 300, len(README.splitlines())
 
 
-def test_the_readme_links_every_page_of_docs():
-    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)[#)]", README))
-    unlinked = sorted({page.name for page in DOCS} - linked)
-    assert DOCS and not unlinked, f"pages of docs/ the README does not lead to: {unlinked}"
+def _links(document: Path) -> list[tuple[str, str]]:
+    """(target, anchor) of every relative link of a Markdown page (URLs left out)."""
+    return re.findall(r"\]\(([^)#:\s]*)(?:#([^)]*))?\)", document.read_text())
+
+
+def test_the_readme_leads_to_every_page_of_docs():
+    # directly or through pages it links (the how-to pages through their index)
+    reached, todo = set(), [ROOT / "README.md"]
+    while todo:
+        page = todo.pop()
+        for target, _ in _links(page):
+            path = (page.parent / target).resolve() if target else page
+            if path.suffix == ".md" and path.exists() and path not in reached:
+                reached.add(path)
+                todo.append(path)
+    unreached = sorted(str(p.relative_to(ROOT)) for p in DOCS if p.resolve() not in reached)
+    assert DOCS and not unreached, f"pages of docs/ the README does not lead to: {unreached}"
+
+
+def test_the_readme_links_the_tutorial_the_how_to_index_the_changelog_and_the_tests_readme():
+    for page in ("docs/tutorial.md", "docs/how-to/README.md", "CHANGELOG.md", "tests/README.md"):
+        assert f"]({page})" in README, page
 
 
 def _anchors(markdown: str) -> set[str]:
@@ -77,13 +97,16 @@ def _anchors(markdown: str) -> set[str]:
 
 
 def test_every_link_of_the_readme_and_docs_names_a_file_and_heading_that_exist():
-    for document in [ROOT / "README.md", *DOCS]:
-        text = document.read_text()
-        for target, anchor in re.findall(r"\]\(([^)#:\s]*)(?:#([^)]*))?\)", text):
+    for document in [ROOT / "README.md", *DOCS, *BESIDE]:
+        for target, anchor in _links(document):
             path = document.parent / target if target else document
-            assert path.exists(), f"{document.name} links {target}, which does not exist"
+            assert path.exists(), (
+                f"{document.relative_to(ROOT)} links {target}, which does not exist"
+            )
             if anchor and path.suffix == ".md":
-                assert anchor in _anchors(path.read_text()), f"{document.name} links #{anchor}"
+                assert anchor in _anchors(path.read_text()), (
+                    f"{document.relative_to(ROOT)} links #{anchor}"
+                )
 
 
 def test_the_fault_table_fits_100_columns_and_keeps_every_verdict_whole():

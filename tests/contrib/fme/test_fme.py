@@ -169,7 +169,7 @@ def test_harness_check_model_fme_prints_the_table_and_passes(tmp_path: Any) -> N
     assert "ALL CHECKS PASSED" in proc.stdout
 
 
-# ------------------------------------------ findings (docs/guide.md, "Found by harness")
+# ---------------------------- findings (docs/how-to/real-models.md, "Found by harness")
 
 
 @pytest.mark.spatial(ranks=RANKS)
