@@ -486,12 +486,28 @@ def _anchor(text: str) -> str:
     return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
 
 
+def markdown(doc: str) -> str:
+    """A docstring as Markdown shows it: a doctest paragraph as a code block (else its lines
+    run together), a numpydoc section title underlined with dashes in bold (else it becomes
+    a heading of the page). Everything else reads the same in both."""
+    paragraphs = []
+    for paragraph in doc.split("\n\n"):
+        lines = paragraph.split("\n")
+        if lines[0].startswith(">>>"):
+            lines = ["    " + line for line in lines]
+        for i in range(1, len(lines)):
+            if re.fullmatch(r"-{3,}", lines[i]) and lines[i - 1].strip():
+                lines[i - 1], lines[i] = f"**{lines[i - 1].strip()}**", ""
+        paragraphs.append("\n".join(lines))
+    return "\n\n".join(paragraphs)
+
+
 def _entry_lines(e: Entry, level: str) -> list[str]:
     lines = [f"{level} `{e.path}`", ""]
     if e.line:
         lines += ["```text", e.line, "```", ""]
     if e.doc:
-        lines += [e.doc, ""]
+        lines += [markdown(e.doc), ""]
     lines += _member_lines(e.members, level + "#", e.path.rsplit(".", 1)[-1])
     return lines
 
@@ -503,7 +519,7 @@ def _member_lines(entries: list[Entry], level: str, owner: str) -> list[str]:
     for m in entries:
         if not m.attribute:
             heading = f"{owner}.{m.line.removeprefix('def ')}" if m.line else m.path
-            lines += [f"{level} `{heading}`", "", m.doc, ""]
+            lines += [f"{level} `{heading}`", "", markdown(m.doc), ""]
     return lines
 
 
@@ -529,7 +545,7 @@ def plugin_lines() -> list[str]:
         lines += [f"### Fixture `{name}`", ""]
         if given is not None:
             lines += ["```text", f"{name}: {given.__name__}", "```", ""]
-        lines += [doc_of(function), ""]
+        lines += [markdown(doc_of(function)), ""]
         if given is not None:
             lines += _member_lines(members(given, set()), "####", name)
     return lines
@@ -551,7 +567,7 @@ def render() -> str:
         "",
     ]
     for module_name, doc, entries in modules:
-        lines += [f"## `{module_name}`", "", doc, ""]
+        lines += [f"## `{module_name}`", "", markdown(doc), ""]
         for e in entries:
             lines += _entry_lines(e, "###")
     lines += plugin_lines()

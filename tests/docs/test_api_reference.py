@@ -113,3 +113,10 @@ def test_the_options_listed_are_every_one_the_plugin_declares(gen_api):
     # pytest keeps ini values in a private dict: the only list of them there is
     ini = {name: (kind, default) for name, (_, kind, default) in parser._inidict.items()}
     assert {o.names[0]: (o.kind, o.default) for o in recorded.ini} == ini
+
+
+def test_a_doctest_and_a_numpydoc_section_title_keep_their_shape_in_markdown(gen_api):
+    doc = "Text.\n\n>>> 1 + 1\n2\n\nParameters\n----------\nn:\n    Size."
+    assert gen_api.markdown(doc) == (
+        "Text.\n\n    >>> 1 + 1\n    2\n\n**Parameters**\n\nn:\n    Size."
+    )
