@@ -461,7 +461,7 @@ def undocumented(values: bool = False) -> list[str]:
     """Every documented name, method, property and fixture whose documentation is empty;
     with ``values``, also the fields and class attributes without a ``#:`` comment (many
     are told in their class's docstring: listed, not held by a test)."""
-    missing = []
+    missing: list[str] = []
 
     def check(entries: list[Entry], prefix: str = "") -> None:
         missing.extend(
