@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.distribute
 
 import harness.rollout as rollout
 from harness import PoolRegistry, Tolerance, Topology, check_equivalence
-from harness._checks.fields import assemble_whole, flat_like
-from harness._overlap import Background
+from harness._judges.fields import assemble_whole, flat_like
 from harness._rank.predict import _rollout_entry, run_prediction
+from harness.pool.overlap import Background
 from harness.rollout import FACTOR, MEMBERS, SERIAL_THREADS, check_rollout, judge_rollout
 
 RANKS = 4

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from harness._rank.nudge import NUDGE_ULPS, Nudge
-from harness._records import FieldRecord
+from harness._records.run import FieldRecord
 from harness.errors import ConfigError
 from harness.topology import Topology
 
@@ -37,7 +37,8 @@ _Nudge = Nudge
 
 
 class _Watch(Protocol):
-    """What ``run_prediction`` tells an observer (``harness._locate_rollout``'s recorder)."""
+    """What ``run_prediction`` tells an observer (``harness.equivalence._locating_rollout``'s
+    recorder)."""
 
     def attach(self, model: torch.nn.Module) -> None: ...
 
@@ -97,9 +98,9 @@ def run_prediction(
     ``watch``: hooks on the model around ``predict`` (locating a rollout); ``deadline``:
     checked at every phase, step and call of the model (a check's serial rollout). Leaves RNG
     states, dtype and grad mode as it found them; a failure's phase: ``exc.harness_phase``."""
-    from harness._declared import _check_batch, _check_model
     from harness._rank.run import _mark_phase, _seed, _step_seed
     from harness._rank.state import CallerState
+    from harness.case.declared import _check_batch, _check_model
 
     saved = CallerState.save()
     if case.dtype is not None:
@@ -183,7 +184,7 @@ def _step_records(
     """``predict``'s steps as records: a list or tuple of one dict per step, or an
     iterator (a generator that ``yield``s them), of which the first ``steps`` are taken,
     each step's phase entered before it is computed."""
-    from harness._declared import _field_record
+    from harness.case.declared import _field_record
 
     where = where or _Where(steps, None)
     label = f"{case.label}.predict"

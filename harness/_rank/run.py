@@ -18,20 +18,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from harness._declared import (
-    ActivationCheck,
-    _check_batch,
-    _check_loss,
-    _check_model,
-    _field_record,
-    check_partition,
-)
+from harness._base.values import is_distributed, placed, plain
 from harness._mutation.catalogue import MutantKind
 from harness._rank.dtypes import OutputDtypes, collective_dtypes
 from harness._rank.nudge import Nudge
 from harness._rank.state import CallerState
-from harness._records import ParamShard, RunRecord, StepRecord, detached
-from harness._values import is_distributed, placed, plain
+from harness._records.run import ParamShard, RunRecord, StepRecord, detached
 from harness.case import (
     SpatialCase,
     _strip,
@@ -39,13 +31,21 @@ from harness.case import (
     load_shards,
     parameter_shards,
 )
+from harness.case.declared import (
+    ActivationCheck,
+    _check_batch,
+    _check_loss,
+    _check_model,
+    _field_record,
+    check_partition,
+)
 from harness.topology import Topology
 
 Progress = Callable[[str, "int | None"], None]
 
 
 class Watch(Protocol):
-    """What ``run_case`` tells an observer (``harness._locate.Recorder``)."""
+    """What ``run_case`` tells an observer (``harness.equivalence._locating.Recorder``)."""
 
     def attach(self, model: torch.nn.Module) -> None: ...
 
@@ -84,7 +84,8 @@ def run_case(
     rank of a case with ``load_reference_shards``), the reference's initial values are
     copied into the rank's parameter shards after build. ``watch`` (locating) is given
     the model after build and told each phase too. ``nudge`` (a nudged rerun of the
-    reference, ``harness._calibrate``) moves the parameters as built and every batch by a
+    reference, ``harness.equivalence._calibrate``) moves the parameters as built and every batch by
+    a
     few units of rounding.
     """
     # long: the phases in order inside one try, so every failure carries its phase
@@ -211,7 +212,7 @@ def _train_step(
 
 def _value(t: torch.Tensor, shard: ParamShard | None = None) -> torch.Tensor:
     """What a run records of ``t``: plain CPU values that share nothing with the model, a
-    DTensor's as its placements place them (``harness._values``). A sharded parameter's
+    DTensor's as its placements place them (``harness._base.values``). A sharded parameter's
     value that comes whole (a gradient gathered from ``Partial`` sums, a replicated one) is
     cut to the shard's positions, as its parameter is recorded."""
     at = placed(t)
