@@ -47,6 +47,7 @@ class Layout(NamedTuple):
     spatial_size: int | None = None
 
     def case(self, **extra: object) -> SpatialCase:
+        """The case to check: ``make(**kwargs, **extra)`` (``extra`` wins)."""
         return self.make(**{**self.kwargs, **extra})
 
 
@@ -63,6 +64,7 @@ class FaultCheck(NamedTuple):
 
     @property
     def layout(self) -> Layout:
+        """The layout the fault is injected on, without the fault."""
         return Layout(self.stepper, self.make, self.kwargs, self.spatial_size)
 
 
@@ -79,7 +81,9 @@ class ModelAdapter(Protocol):
     """What ``harness-check --model NAME`` needs of a model."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The name ``--model`` takes."""
+        ...
 
     @property
     def preload(self) -> tuple[str, ...]:
@@ -90,11 +94,17 @@ class ModelAdapter(Protocol):
         """Import the model; a ``ConfigError`` (or ``ImportError``) naming the fix if absent."""
         ...
 
-    def layouts(self, ranks: int) -> list[Layout]: ...
+    def layouts(self, ranks: int) -> list[Layout]:
+        """The equivalence checks of the main job on ``ranks`` ranks."""
+        ...
 
-    def faults(self, ranks: int) -> list[FaultCheck]: ...
+    def faults(self, ranks: int) -> list[FaultCheck]:
+        """The injected faults each check must catch on ``ranks`` ranks."""
+        ...
 
-    def skipped(self, ranks: int) -> list[Skipped]: ...
+    def skipped(self, ranks: int) -> list[Skipped]:
+        """The faults ``ranks`` ranks cannot show, each with why."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -109,18 +119,22 @@ class ModuleAdapter:
 
     @property
     def preload(self) -> tuple[str, ...]:
+        """The module's ``PRELOAD`` (none if it has none)."""
         return tuple(getattr(self._module(), "PRELOAD", ()))
 
     def require(self) -> None:
+        """Import the module, then call its ``require()`` or ``require_<name>()`` if it has one."""
         module = self._module()
         require = getattr(module, "require", None) or getattr(module, f"require_{self.name}", None)
         if require is not None:
             require()
 
     def layouts(self, ranks: int) -> list[Layout]:
+        """The module's ``main_configs(ranks)``, as ``Layout`` s."""
         return [Layout(*c) for c in self._module().main_configs(ranks)]
 
     def faults(self, ranks: int) -> list[FaultCheck]:
+        """The module's ``fault_matrix(ranks)``, as ``FaultCheck`` s (none without one)."""
         matrix = getattr(self._module(), "fault_matrix", None)
         if matrix is None:
             return []
@@ -130,14 +144,19 @@ class ModuleAdapter:
         ]
 
     def skipped(self, ranks: int) -> list[Skipped]:
+        """The module's ``skipped_faults(ranks)``, as ``Skipped`` (none without one)."""
         skipped = getattr(self._module(), "skipped_faults", None)
         return [] if skipped is None else [Skipped(*s) for s in skipped(ranks)]
 
 
 # what pyproject.toml registers; named here so that entry points can point at them
+#: the built-in steppers' layouts and fault catalogue (``harness.steppers.catalogue``)
 builtin = ModuleAdapter("builtin", "harness.steppers.catalogue")
+#: ACE's SFNO through fme's own distributed code path (``harness.contrib.fme``)
 fme = ModuleAdapter("fme", "harness.contrib.fme")
+#: anemoi-models' graph model through its own sharded path (``harness.contrib.anemoi``)
 anemoi = ModuleAdapter("anemoi", "harness.contrib.anemoi")
+#: makani's SFNO, model parallel over latitudes by its own code (``harness.contrib.makani``)
 makani = ModuleAdapter("makani", "harness.contrib.makani")
 _OWN = {a.name: a for a in (builtin, fme, anemoi, makani)}
 

@@ -406,6 +406,7 @@ def halo_exchange(
 
 # ---------------------------------------------------------------------- lat x lon halo
 
+#: what ``grid_halo_exchange`` puts beyond a pole: zeros, or the pole row again
 POLES = ("zeros", "edge")
 
 

@@ -100,6 +100,8 @@ class Tolerance:
 
     @classmethod
     def for_dtype(cls, dtype: torch.dtype) -> Tolerance:
+        """The default tolerance of a run in ``dtype`` (a complex one: of its real dtype's):
+        float64, float32, float16 and bfloat16 have their own; any other is exact."""
         # A complex value carries two numbers of its real dtype: the same rounding applies.
         dtype = _REAL_OF.get(dtype, dtype)
         if dtype == torch.float64:
@@ -130,11 +132,13 @@ class Tolerance:
 
     @classmethod
     def exact(cls) -> Tolerance:
+        """Bitwise equality for every quantity (``rtol = atol = 0``)."""
         b = Bound(rtol=0.0, atol=0.0)
         return cls(loss=b, grad=b, field=b, param=b)
 
     @classmethod
     def uniform(cls, rtol: float, atol: float) -> Tolerance:
+        """The same ``Bound(rtol, atol)`` for every quantity."""
         b = Bound(rtol=rtol, atol=atol)
         return cls(loss=b, grad=b, field=b, param=b)
 
@@ -144,6 +148,7 @@ class Tolerance:
         return dataclasses.replace(self, **fixed)
 
     def bound(self, quantity: Quantity | str) -> Bound:
+        """The bound of ``quantity`` (``"loss"``, ``"grad"``, ``"field"`` or ``"param"``)."""
         return getattr(self, str(quantity))  # type: ignore[no-any-return]
 
 
@@ -186,6 +191,8 @@ class Mismatch:
 
     @property
     def who(self) -> str:
+        """Whose values are at fault, as a report says it: ``rank 2``, ``all ranks``, ``the
+        reference``."""
         if self.run:
             return f"the {self.run}"
         return f"rank {self.rank}" if self.rank is not None else "all ranks"

@@ -490,6 +490,7 @@ class CellPartition:
 
     @property
     def ranks(self) -> int:
+        """Number of spatial ranks, ``len(bounds) - 1``."""
         return len(self.bounds) - 1
 
     @property

@@ -198,6 +198,7 @@ class Topology:
 
     @property
     def is_reference(self) -> bool:
+        """The single-process reference's topology (``Topology.single()``): no groups."""
         return self.spatial_group is None and self.world_size == 1
 
     @property

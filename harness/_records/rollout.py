@@ -32,12 +32,15 @@ class RolloutPoint:
 
     @property
     def ratio(self) -> float:
+        """The error as a multiple of the rounding spread (``inf``: an error where the
+        reruns agreed bitwise)."""
         if self.spread > 0:
             return self.error / self.spread
         return 0.0 if self.error == 0 else math.inf
 
     @property
     def divergent(self) -> bool:
+        """The error is beyond the step's bound (``envelope``), or NaN."""
         return not (self.error <= self.envelope)  # NaN is divergent
 
 
@@ -74,9 +77,11 @@ class RolloutRecord:
         )
 
     def field_curve(self, name: str) -> list[RolloutPoint]:
+        """The curve of field ``name``, one point per step."""
         return [p for p in self.curve if p.name == name]
 
     def lines(self) -> list[str]:
+        """The report's lines on the rollout: the first divergent step and its bound."""
         first = self.first
         out = []
         if first is not None:

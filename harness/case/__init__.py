@@ -144,7 +144,9 @@ class SpatialCase:
     define the class at module level.
     """
 
+    #: The case's name in reports and the summary table (``None``: the class's name).
     name: str | None = None
+    #: The default dtype every run of the case is built and stepped in (``None``: torch's).
     dtype: torch.dtype | None = None
     #: The latitude (degrees) of each row of the case's lat x lon fields, north first or
     #: south first: error maps then put north at the top. ``None``: row 0 drawn at the top.
@@ -184,12 +186,21 @@ class SpatialCase:
     autocast: torch.dtype | None = None
 
     def build(self, topo: Topology) -> torch.nn.Module:
+        """The model as this rank holds it for ``topo`` (the reference's topology: the whole
+        domain), with its gradient synchronisation in place. Called once per run, after the
+        seeds are set, on every rank and for the reference."""
         raise NotImplementedError
 
     def batch(self, topo: Topology, step: int) -> Any:
+        """This rank's part of step ``step``'s batch, handed to ``forward``. Seeded alike on
+        every rank: draw the whole batch, then take the rank's block and its data group's
+        samples (``data_share``), so every rank's part is the reference's."""
         raise NotImplementedError
 
     def forward(self, model: torch.nn.Module, batch: Any, topo: Topology) -> Outputs:
+        """One forward pass of ``model`` on ``batch``: the global loss, reduced to the same
+        value on every rank (``harness.collectives.reduce_loss``), and the fields to compare,
+        each this rank's ``Shard`` of the reference's or a whole tensor."""
         raise NotImplementedError
 
     def predict(self, model: torch.nn.Module, batch: Any, topo: Topology, steps: int) -> Any:
@@ -263,6 +274,7 @@ class SpatialCase:
 
     @property
     def label(self) -> str:
+        """The name reports give the case: ``name``, else the class's name."""
         return self.name or type(self).__name__
 
 

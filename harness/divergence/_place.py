@@ -38,6 +38,8 @@ class Positions:
     unit: str = "position"
 
     def positions(self) -> torch.Tensor:
+        """The rank's global positions as a 1-D LongTensor (a slice resolved against
+        ``size``)."""
         if isinstance(self.index, slice):
             return torch.arange(self.size)[self.index]
         return torch.as_tensor(list(self.index) if isinstance(self.index, range) else self.index)

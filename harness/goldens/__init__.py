@@ -160,6 +160,7 @@ class GoldenStore:
             raise GoldenError(shared_golden(path, [first, owner]))
 
     def path_for(self, nodeid: str, name: str | None = None) -> Path:
+        """The golden file of test ``nodeid`` (``golden_stem``), or of its golden ``name``."""
         stem = golden_stem(nodeid)
         if name:
             stem += "." + re.sub(r"[^A-Za-z0-9_.\-]", "_", name)

@@ -227,14 +227,17 @@ class LayoutsReport:
 
     @property
     def failing(self) -> list[LayoutResult]:
+        """The layouts that failed, smallest (fewest ranks, simplest grid) first."""
         return sorted((r for r in self.results if r.status == "FAIL"), key=lambda r: r.layout.order)
 
     @property
     def passed(self) -> list[LayoutResult]:
+        """The layouts that passed, in the order they ran."""
         return [r for r in self.results if r.status == "pass"]
 
     @property
     def refused(self) -> list[LayoutResult]:
+        """The layouts the case could not run (its ``ConfigError``: ``n/a`` in the map)."""
         return [r for r in self.results if r.status == "n/a"]
 
     @property
@@ -267,6 +270,7 @@ class LayoutsReport:
         return failing[0].report if failing else None
 
     def result(self, layout: Layout) -> LayoutResult:
+        """What ``layout`` gave (a ``StopIteration`` if the sweep did not run it)."""
         return next(r for r in self.results if r.layout == layout)
 
     def _rows(self) -> list[tuple[tuple[int, ...], str]]:
@@ -331,6 +335,7 @@ class LayoutsReport:
         return out
 
     def summary(self) -> str:
+        """One line: how many layouts ran, passed, failed and were refused, and how long."""
         n = len(self.results)
         sizes = sorted({r.layout.world_size for r in self.results})
         span = f"up to {self.max_ranks} ranks"

@@ -188,10 +188,12 @@ class RankPool:
 
     @property
     def alive(self) -> bool:
+        """The pool's rank processes are started and every one of them is running."""
         return self._ranks is not None and self._ranks.alive
 
     @property
     def pids(self) -> list[int]:
+        """The rank processes' ids in rank order (empty before the pool starts)."""
         return [p.pid for p in self._ranks.procs] if self._ranks else []
 
     def memory_kib(self) -> list[tuple[int, int]] | None:
@@ -351,6 +353,7 @@ class RankPool:
 
     @property
     def logs(self) -> RankLogs:
+        """What the ranks wrote to the pool's directory (output, crash traces, stacks)."""
         assert self._ranks is not None, "the pool is not started"
         return self._ranks.logs
 
@@ -460,6 +463,8 @@ class PoolRegistry:
         self._pools: dict[int, RankPool] = {}
 
     def get(self, world_size: int) -> RankPool:
+        """The warm pool of ``world_size`` ranks, made on first use; closes the least
+        recently used pools beyond ``max_processes`` or ``memory_budget_mib``."""
         pool = self._pools.pop(world_size, None)
         made = pool is None
         if pool is None:
@@ -524,6 +529,7 @@ class PoolRegistry:
         return list(self._pools)
 
     def close(self) -> None:
+        """Close every pool kept."""
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()

@@ -173,6 +173,7 @@ class EquivalenceReport:
 
     @property
     def ok(self) -> bool:
+        """Nothing mismatched: the partitioned run computed what the reference computed."""
         return not self.mismatches
 
     @property
@@ -202,6 +203,8 @@ class EquivalenceReport:
             raise EquivalenceFailure(str(self), self)
 
     def worst(self, quantity: str) -> float | None:
+        """The largest relative error of ``quantity`` over every entry compared (``None``:
+        none was compared)."""
         s = self.stats.get(quantity)
         return s.max_rel if s and s.compared else None
 

@@ -28,6 +28,8 @@ INFERENCE_CHECKS: dict[str, tuple[int, dict[str, object]]] = {
     "inference-noise-per-rank": (1, {"nside": 2}),  # perturbs the next step's latent
 }
 
+#: the HEALPix stepper's training fault ids (FAULTS.md); with ``INFERENCE_CHECKS``' ids, what
+#: ``HealpixCase(faults=...)`` takes
 HEALPIX_FAULTS = frozenset(
     {
         "rank-major-gather",  # gathered predictions viewed rank-major as (B, npix, C)

@@ -82,6 +82,8 @@ INFERENCE_CHECKS: dict[str, tuple[int, dict[str, object]]] = {
 #: the faults that live in the sharded spectral weights (``shard_weights=True``)
 SHARD_FAULTS = frozenset({"shard-wrong-l", "shard-grad-replicated"})
 SHARD_INITS = ("sliced", "per-rank")
+#: the SFNO stepper's training fault ids (FAULTS.md); with ``INFERENCE_CHECKS``' ids, what
+#: ``SFNOCase(faults=...)`` takes
 SFNO_FAULTS = frozenset(FAULT_CHECKS)
 GRIDS = ("equiangular", "legendre-gauss")
 

@@ -163,6 +163,7 @@ class HealpixStepper(nn.Module):
 
     @property
     def n_local(self) -> int:
+        """How many cells this rank owns."""
         return self.hi - self.lo
 
     # ------------------------------------------------------------ model stages
@@ -184,6 +185,7 @@ class HealpixStepper(nn.Module):
         return pooled.reshape(batch, self.n_local, self.hidden)
 
     def encode(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The latent of each own cell from its pooled observations: ``(B, n_local, H)``."""
         z: torch.Tensor = self.encoder(pooled + self.cell_embedding[self.lo : self.hi])
         return z
 

@@ -217,6 +217,7 @@ class SFNOStepper(nn.Module):
     # ------------------------------------------------------------ model step
 
     def forward(self, state: torch.Tensor) -> torch.Tensor:
+        """One model step on this rank's block: ``(B, C, lat, lon) -> (B, C, lat, lon)``."""
         if "buffer-broadcast" in self.faults:
             _broadcast_buffers(self, self.topo)
         x = state
