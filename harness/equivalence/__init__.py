@@ -99,12 +99,11 @@ def check_equivalence(
 
     When the check fails (or always, with ``locate=True``; never with ``locate=False``) the
     first failing step is rerun with hooks on every module to find where the partitioned
-    run first departs (``report.first_divergence``, ``harness.equivalence._locating``; where only
-    the
-    rollout failed, its first divergent step: ``harness.equivalence._locating_rollout``). A run
-    that raised,
-    crashed or hung is not rerun: its traceback says where. Locating is a diagnosis: if it
-    fails, a ``Not located:`` line says so and the verdict stands.
+    run first departs (``report.first_divergence``, ``harness.equivalence._locating``; where
+    only the rollout failed, its first divergent step:
+    ``harness.equivalence._locating_rollout``). A run that raised, crashed or hung is not
+    rerun: its traceback says where. Locating is a diagnosis: if it fails, a ``Not located:``
+    line says so and the verdict stands.
 
     ``mesh``: the spatial group's process grid handed to the case as ``Topology.mesh``
     (a tuple of ``case.mesh_dims`` sizes whose product is the spatial size); ``None``: the
