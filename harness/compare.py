@@ -65,7 +65,7 @@ FAILURES = (
     Quantity.VACUOUS,
 )
 
-_REAL_OF = {
+REAL_OF = {
     torch.complex128: torch.float64,
     torch.complex64: torch.float32,
     torch.complex32: torch.float16,
@@ -103,7 +103,7 @@ class Tolerance:
         """The default tolerance of a run in ``dtype`` (a complex one: of its real dtype's):
         float64, float32, float16 and bfloat16 have their own; any other is exact."""
         # A complex value carries two numbers of its real dtype: the same rounding applies.
-        dtype = _REAL_OF.get(dtype, dtype)
+        dtype = REAL_OF.get(dtype, dtype)
         if dtype == torch.float64:
             # A partitioned run computes the same sums in another order (per-rank partial sums,
             # then the all-reduce): rounding differs by about sqrt(n)*eps relative, with
