@@ -140,8 +140,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "rollout",
         R,
-        "call = (_rollout_entry, case, given, steps, seed, autocast)",
-        "call = (_rollout_entry, case, given, steps, seed, None)",
+        "call = (rollout_entry, case, given, steps, seed, autocast)",
+        "call = (rollout_entry, case, given, steps, seed, None)",
         "ranks roll out without autocast, the reference with it",
     ),
     _m(
@@ -183,8 +183,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "autocast",
         A,
-        "    with autocast_context(dtype):\n        return _rank_entry(",
-        "    with autocast_context(None):\n        return _rank_entry(",
+        "    with autocast_context(dtype):\n        return rank_entry(",
+        "    with autocast_context(None):\n        return rank_entry(",
         "training ranks run without autocast, the serial reference with it",
     ),
     _m(

@@ -65,7 +65,7 @@ FAILURES = (
     Quantity.VACUOUS,
 )
 
-_REAL_OF = {
+REAL_OF = {
     torch.complex128: torch.float64,
     torch.complex64: torch.float32,
     torch.complex32: torch.float16,
@@ -101,7 +101,7 @@ class Tolerance:
     @classmethod
     def for_dtype(cls, dtype: torch.dtype) -> Tolerance:
         # A complex value carries two numbers of its real dtype: the same rounding applies.
-        dtype = _REAL_OF.get(dtype, dtype)
+        dtype = REAL_OF.get(dtype, dtype)
         if dtype == torch.float64:
             # A partitioned run computes the same sums in another order (per-rank partial sums,
             # then the all-reduce): rounding differs by about sqrt(n)*eps relative, with

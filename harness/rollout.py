@@ -31,8 +31,8 @@ from harness._judges.fields import assemble_whole, flat_like
 from harness._rank.deadline import Deadline, RanOut
 from harness._rank.nudge import NUDGE_ULPS
 from harness._rank.predict import (
-    _rollout_entry,
     autocast_context,
+    rollout_entry,
     run_prediction,
 )
 from harness._records.rollout import RolloutPoint, RolloutRecord
@@ -408,9 +408,9 @@ def check_rollout(
     A rank that raised, crashed or hung raises its ``RankFailure`` (``check_equivalence``
     makes it the report's mismatches)."""
     t0 = time.perf_counter()
-    _has_predict(case)
+    has_predict(case)
     given = None if spatial_size == pool.world_size else spatial_size
-    call = (_rollout_entry, case, given, steps, seed, autocast)
+    call = (rollout_entry, case, given, steps, seed, autocast)
     # The ranks' rollout and the serial ones (reference, members) are independent: a
     # RankPool's ranks run while this process computes the serial ones (see OVERLAP); a
     # runner that runs the function in this very process (torchrun, srun) goes after.
@@ -543,7 +543,7 @@ def _overlaps(pool: Runner) -> bool:
     return OVERLAP and in_other_processes(pool)
 
 
-def _has_predict(case: SpatialCase) -> None:
+def has_predict(case: SpatialCase) -> None:
     from harness.case import SpatialCase, no_predict
 
     if type(case).predict is SpatialCase.predict:
@@ -570,10 +570,10 @@ def plot_rollout(record: RolloutRecord, path: Any, *, title: str = "") -> Any:
     """The error curve of each field (the partitioned run's distance from the reference,
     the rounding spread and the bound, per step, log scale) as a PNG at ``path``; the first
     divergent step marked. Needs matplotlib (``harness.report.plots``)."""
-    from harness.report.plots import _figure, _save
+    from harness.report.plots import new_figure, save_figure
 
     names = list(dict.fromkeys(p.name for p in record.curve))
-    fig = _figure(7.0, 2.4 * max(len(names), 1))
+    fig = new_figure(7.0, 2.4 * max(len(names), 1))
     axes = fig.subplots(max(len(names), 1), 1, squeeze=False)[:, 0]
     first = record.first
     for ax, name in zip(axes, names):
@@ -592,4 +592,4 @@ def plot_rollout(record: RolloutRecord, path: Any, *, title: str = "") -> Any:
         ax.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)

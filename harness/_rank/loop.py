@@ -1,6 +1,6 @@
 """What runs inside a rank process of a ``RankPool``.
 
-The pool's parent side (``harness.pool``) starts ``_worker_main`` in each rank process and
+The pool's parent side (``harness.pool``) starts ``worker_main`` in each rank process and
 talks to it in the events of ``harness._protocol.events`` (``RunCall`` -> ``Done``, ``Fence`` ->
 ``Fenced``, ``Release`` -> ``Released``), one handler each. What the rank is doing right now
 (its run, its phase, the operation its main thread waits on) it writes on its slot of the
@@ -182,7 +182,7 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _worker_main(
+def worker_main(
     rank: int,
     world: int,
     conn: Connection,

@@ -1,6 +1,6 @@
 """One run of a case: build, then each step's batch, forward, backward and SGD step,
 recorded (``run_case``); the same code for the reference (``Topology.single()``) and on
-every rank, where ``_rank_entry`` is what the pool runs.
+every rank, where ``rank_entry`` is what the pool runs.
 
 The rank side of the contract in ``harness.case``: the contract says what a case is and
 checks what it returns; this module runs it, with the watchers of the rank (the
@@ -26,18 +26,18 @@ from harness._rank.state import CallerState
 from harness._records.run import ParamShard, RunRecord, StepRecord, detached
 from harness.case import (
     SpatialCase,
-    _strip,
     load_init,
     load_shards,
     parameter_shards,
+    strip_module_prefix,
 )
 from harness.case.declared import (
     ActivationCheck,
-    _check_batch,
-    _check_loss,
-    _check_model,
-    _field_record,
+    check_batch,
+    check_model,
     check_partition,
+    check_returned_loss,
+    field_record,
 )
 from harness.topology import Topology
 
@@ -109,7 +109,7 @@ def run_case(
             seed
             + (7919 * (topo.rank + 1) if mutation.get("build") == MutantKind.RNG_PER_RANK else 0)
         )
-        model = _check_model(case, case.build(topo))
+        model = check_model(case, case.build(topo))
         if watch is not None:
             watch.attach(model)
         _note_buffers(case, model)
@@ -172,7 +172,7 @@ def _train_step(
     enter(f"step {step} batch", step)
     per_rank = topo.rank + 1 if mutation.get("batch") == MutantKind.RNG_PER_RANK else 0
     _seed(_step_seed(seed, step) + per_rank)
-    batch = _check_batch(case, case.batch(topo, step), step)
+    batch = check_batch(case, case.batch(topo, step), step)
     if nudge is not None:
         batch = nudge.batch(batch)
     model.zero_grad(set_to_none=True)
@@ -181,13 +181,15 @@ def _train_step(
     if mutation.get("build") == MutantKind.BUFFERS_BROADCAST:
         _broadcast_buffers(model, topo)
     out = case.forward(model, batch, topo)
-    loss = _check_loss(case, out, any(p.requires_grad for p in params.values()))
-    fields = {k: _field_record(case, k, v) for k, v in out.fields.items()}
+    loss = check_returned_loss(case, out, any(p.requires_grad for p in params.values()))
+    fields = {k: field_record(case, k, v) for k, v in out.fields.items()}
     if loss.requires_grad:  # a model without parameters has nothing to differentiate
         enter(f"step {step} backward", step)
         loss.backward()
     grads = {
-        _strip(n): (None if p.grad is None else _value(p.grad, shards.get(_strip(n))))
+        strip_module_prefix(n): (
+            None if p.grad is None else _value(p.grad, shards.get(strip_module_prefix(n)))
+        )
         for n, p in params.items()
         if p.requires_grad
     }
@@ -197,7 +199,7 @@ def _train_step(
             if p.grad is not None:
                 p.add_(p.grad, alpha=-lr)
     mutated = sorted(
-        _strip(n)
+        strip_module_prefix(n)
         for n, (b, version, before) in buffers.items()
         if b._version != version or not torch.equal(plain(b).detach().cpu(), before)
     )
@@ -225,7 +227,10 @@ def _value(t: torch.Tensor, shard: ParamShard | None = None) -> torch.Tensor:
 def _param_values(
     params: dict[str, torch.nn.Parameter], shards: dict[str, ParamShard]
 ) -> dict[str, torch.Tensor]:
-    return {_strip(n): _value(p, shards.get(_strip(n))) for n, p in params.items()}
+    return {
+        strip_module_prefix(n): _value(p, shards.get(strip_module_prefix(n)))
+        for n, p in params.items()
+    }
 
 
 def _load_reference(
@@ -281,7 +286,7 @@ def _mark_phase(exc: BaseException, phase: str) -> None:
             exc.add_note(f"(harness: raised in {phase})")
 
 
-def _rank_entry(
+def rank_entry(
     case: SpatialCase,
     spatial_size: int | None,
     steps: int,

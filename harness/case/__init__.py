@@ -294,7 +294,7 @@ def data_share(n: int, topo: Topology) -> slice:
     return slice(topo.data_rank * k, (topo.data_rank + 1) * k)
 
 
-def _strip(name: str) -> str:
+def strip_module_prefix(name: str) -> str:
     return name[len("module.") :] if name.startswith("module.") else name
 
 
@@ -347,10 +347,10 @@ def parameter_shards(
             f"{where} returned a {type(given).__name__}; return a dict "
             "{parameter name: Shard(param, index, dim)} ({} when nothing is sharded)"
         )
-    params = {_strip(n): p for n, p in model.named_parameters()}
+    params = {strip_module_prefix(n): p for n, p in model.named_parameters()}
     out: dict[str, ParamShard] = {}
     for key, shard in given.items():
-        name = _strip(key) if isinstance(key, str) else key
+        name = strip_module_prefix(key) if isinstance(key, str) else key
         if name not in params:
             close = difflib.get_close_matches(str(name), list(params), n=3)
             raise ConfigError(
@@ -452,7 +452,7 @@ def load_shards(
             f"{where}: parameter_shards returned no shards, so there is nothing to load; "
             "name the sharded parameters in parameter_shards, or drop load_reference_shards"
         )
-    params = {_strip(n): p for n, p in model.named_parameters()}
+    params = {strip_module_prefix(n): p for n, p in model.named_parameters()}
     with torch.no_grad():
         for name, shard in shards.items():
             _load_shard(where, name, params[name], shard, reference_init.get(name))
@@ -469,7 +469,7 @@ def load_init(
     """Copy the reference's initial values into every parameter, whole or sharded (the
     case's ``load_reference_init``); the names loaded."""
     where = f"{case.label}.load_reference_init {_whose(topo)}"
-    params = {_strip(n): p for n, p in model.named_parameters()}
+    params = {strip_module_prefix(n): p for n, p in model.named_parameters()}
     with torch.no_grad():
         for name, param in params.items():
             ref = reference_init.get(name)

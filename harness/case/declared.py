@@ -1,7 +1,7 @@
 """The checks of what a case returns and declares, each one clear ``ConfigError``: its fields
-(``_field_record``: a ``Shard`` by positions, ``Shard.keyed``, a whole tensor), its partition
+(``field_record``: a ``Shard`` by positions, ``Shard.keyed``, a whole tensor), its partition
 and activation shards (``check_partition``, ``check_activation_shard``, ``ActivationCheck``),
-its model, batch and loss (``_check_model``, ``_check_batch``, ``_check_loss``).
+its model, batch and loss (``check_model``, ``check_batch``, ``check_returned_loss``).
 
 The contract they check is ``harness.case`` (which imports nothing of this module); the
 checks of a case's parameter shards are there, beside the public ``parameter_shards``.
@@ -25,7 +25,7 @@ from harness.topology import Topology
 # ---------------------------------------------------------------------- fields
 
 
-def _field_record(case: SpatialCase, name: str, value: object, origin: str = "") -> FieldRecord:
+def field_record(case: SpatialCase, name: str, value: object, origin: str = "") -> FieldRecord:
     """Field ``name`` as a record. ``origin``: who returned it, for the errors
     (``"ring.predict step 2"``); ``forward``'s ``Outputs`` by default."""
     if isinstance(value, Shard) and isinstance(value.values, torch.Tensor):
@@ -36,7 +36,7 @@ def _field_record(case: SpatialCase, name: str, value: object, origin: str = "")
     if isinstance(value, Shard):
         index = value.index
         if not isinstance(index, slice):
-            index = detached(_shard_index(case, name, value, origin))
+            index = detached(shard_index(case, name, value, origin))
         return FieldRecord(detached(value.values), index, value.dim, value.grid_shape, value.unit)
     if isinstance(value, torch.Tensor):
         at = placed(value)  # a DTensor: as its placements place it (a plain tensor: whole)
@@ -102,7 +102,7 @@ def _keyed_record(case: SpatialCase, name: str, shard: Shard, origin: str = "") 
     return FieldRecord(detached(values), None, 0, None, shard.unit, detached(keys.long()), column)
 
 
-def _shard_index(case: SpatialCase, name: str, shard: Shard, origin: str = "") -> torch.Tensor:
+def shard_index(case: SpatialCase, name: str, shard: Shard, origin: str = "") -> torch.Tensor:
     """A shard's index as a 1-D LongTensor of non-negative positions, one per value along
     ``dim``; anything else is one clear error naming the field (the rank is named by the
     failure that carries it)."""
@@ -188,7 +188,7 @@ def check_activation_shard(case: SpatialCase, name: str, said: Any, whose: str =
             f"return {ACTIVATION_FORM}"
         )
     if not isinstance(said.index, slice):
-        _shard_index(
+        shard_index(
             case, f"activation of {name!r}", dataclasses.replace(said, values=plain(said.values))
         )
     return said
@@ -243,7 +243,7 @@ def _tensors_in(obj: Any) -> Any:
 # ---------------------------------------------------------------------- model, batch, loss
 
 
-def _check_batch(case: SpatialCase, batch: Any, step: int) -> Any:
+def check_batch(case: SpatialCase, batch: Any, step: int) -> Any:
     if batch is None or isinstance(batch, (str, bytes)):
         got = "None" if batch is None else f"a {type(batch).__name__}"
         raise ConfigError(
@@ -254,7 +254,7 @@ def _check_batch(case: SpatialCase, batch: Any, step: int) -> Any:
     return batch
 
 
-def _check_model(case: SpatialCase, model: object) -> torch.nn.Module:
+def check_model(case: SpatialCase, model: object) -> torch.nn.Module:
     if model is None:
         raise ConfigError(
             f"{case.label}.build returned None; it must return the torch.nn.Module under test "
@@ -268,7 +268,7 @@ def _check_model(case: SpatialCase, model: object) -> torch.nn.Module:
     return model
 
 
-def _check_loss(case: SpatialCase, out: object, trainable: bool) -> torch.Tensor:
+def check_returned_loss(case: SpatialCase, out: object, trainable: bool) -> torch.Tensor:
     if not isinstance(out, Outputs):
         raise ConfigError(
             f"{case.label}.forward must return harness.Outputs(loss, fields), got "

@@ -19,7 +19,7 @@ from harness._judges import compare_runs
 from harness._judges.vacuous import check_vacuous
 from harness._mutation.mode import current as mutant_mode
 from harness._rank.deadline import Deadline, RanOut
-from harness._rank.run import Progress, Watch, _rank_entry, run_case
+from harness._rank.run import Progress, Watch, rank_entry, run_case
 from harness._records.observe import observed
 from harness._records.run import RunRecord
 from harness.case import (
@@ -210,11 +210,11 @@ def _production_modes(
 ) -> tuple[int, torch.dtype | None]:
     """The rollout's step count (0: none) and the autocast dtype (``None``: off) asked for
     by the call or the case, checked up front."""
-    from harness.rollout import _has_predict, rollout_steps
+    from harness.rollout import has_predict, rollout_steps
 
     n_rollout = rollout_steps(case, rollout)
     if n_rollout:
-        _has_predict(case)
+        has_predict(case)
     amp = case.autocast if autocast is None else autocast
     if amp is not None:
         from harness.equivalence._autocast import check_dtype
@@ -269,7 +269,7 @@ def _train(
     spread, the nudged reruns run while the ranks do)."""
     # long: the ranks' run beside the reruns, its failure, then one judgement, each once
     case, ranks = run.case, report.ranks
-    judged, judge_tol, entry = reference, tol, (_rank_entry,)
+    judged, judge_tol, entry = reference, tol, (rank_entry,)
     if amp is not None:  # the ranks under autocast, judged against the serial run under it
         from harness.equivalence._autocast import serial_run
 

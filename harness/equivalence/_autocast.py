@@ -60,10 +60,10 @@ def check_dtype(dtype: Any) -> torch.dtype:
 
 def _autocast_entry(dtype: torch.dtype, *args: Any, **kwargs: Any) -> RunRecord:
     """A rank's run under autocast (module level: the pool pickles it)."""
-    from harness._rank.run import _rank_entry
+    from harness._rank.run import rank_entry
 
     with autocast_context(dtype):
-        return _rank_entry(*args, **kwargs)
+        return rank_entry(*args, **kwargs)
 
 
 def _l2(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -238,10 +238,10 @@ class Recorder:
                     'return a Shard, "whole", "skip" or None (infer it from partition)'
                 )
             return said, tensor
-        from harness.case.declared import _shard_index
+        from harness.case.declared import shard_index
 
         values = detached(said.values)
-        index = _shard_index(self.case, f"activation of {name!r}", said)
+        index = shard_index(self.case, f"activation of {name!r}", said)
         return shard_placement(index, said.dim, values.dim(), said.grid_shape), values
 
     def _pre(
@@ -463,7 +463,7 @@ def finish_trace(
 ) -> Trace:
     """``trace`` with the step's ``fields`` as its last events (placed as their shards say)
     and where its rank sits; a training step's and a rollout step's alike."""
-    from harness.case import _strip
+    from harness.case import strip_module_prefix
 
     for name, f in fields.items():
         placement: Placement | str | None = None
@@ -474,7 +474,7 @@ def finish_trace(
             index = f.positions(0) if not isinstance(f.index, slice) else _slice_positions(f)
             placement = shard_placement(index, f.dim, f.values.dim(), f.grid)
         trace.events.append(
-            Event("", "", 0, "field", _strip(name), f.values, None, False, placement)
+            Event("", "", 0, "field", strip_module_prefix(name), f.values, None, False, placement)
         )
     trace.spatial_rank, trace.data_rank, trace.data_size = (
         topo.spatial_rank,

@@ -145,11 +145,11 @@ def junit_properties(report: EquivalenceReport, row: SummaryRow) -> list[tuple[s
         props.append(("spatial.worst_error", f"{q} {v:.2e} (relative)"))
     if not report.ok:
         first = report.mismatches[0]
-        from harness.report import _step_cell
+        from harness.report import step_cell
 
         props += [
             ("spatial.quantity", ", ".join(sorted(report.quantities))),
-            ("spatial.step", _step_cell(first)),
+            ("spatial.step", step_cell(first)),
             ("spatial.first", first.headline()),
         ]
     if report.first_divergence is not None:

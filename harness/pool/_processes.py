@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 from harness._base.frames import plumbing
 from harness._protocol.board import Board
 from harness._protocol.events import Ready, Stop, receive, send
-from harness._rank.loop import _worker_main
+from harness._rank.loop import worker_main
 from harness.errors import RankCrash, RankProblem
 
 
@@ -50,7 +50,7 @@ class Processes:
             parent_end, child_end = ctx.Pipe(duplex=True)
             probe_end, probe_child = ctx.Pipe(duplex=True)  # answered by a rank's own thread
             proc = ctx.Process(
-                target=_worker_main,
+                target=worker_main,
                 args=(rank, self.world_size, child_end, self.workdir, parent_pid, backend),
                 kwargs={"probe": probe_child, "preload": preload},
                 name=f"harness-rank{rank}",

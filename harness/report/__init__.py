@@ -434,13 +434,13 @@ def format_table(
     return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
 
 
-def _step_cell(m: Mismatch) -> str:
+def step_cell(m: Mismatch) -> str:
     """The table's step: the training step; else where the failure was (``build``,
     ``teardown``; a rollout's ``rollout``, ``rollout 2`` where its step is known).
 
-    >>> _step_cell(Mismatch("error", "c", None, 1, phase="rollout step 2 predict"))
+    >>> step_cell(Mismatch("error", "c", None, 1, phase="rollout step 2 predict"))
     'rollout 2'
-    >>> _step_cell(Mismatch("error", "c", None, 1, phase="rollout predict (3 model calls so far)"))
+    >>> step_cell(Mismatch("error", "c", None, 1, phase="rollout predict (3 model calls so far)"))
     'rollout'
     """
     if m.step is not None:
@@ -468,7 +468,7 @@ def mismatch_table(mismatches: Sequence[Mismatch]) -> list[str]:
             (
                 m.quantity,
                 m.label,
-                _step_cell(m),
+                step_cell(m),
                 m.run or _rank_text(ranks),
                 _fmt(m.max_abs),
                 _fmt(m.max_rel),

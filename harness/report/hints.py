@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from harness._records.run import RunRecord
-from harness.compare import _REAL_OF, Mismatch, Quantity, Tolerance, as_float64
+from harness.compare import REAL_OF, Mismatch, Quantity, Tolerance, as_float64
 from harness.errors import RankFailure
 
 #: float32's unit roundoff; a float64 run whose errors are a few of these came through
@@ -272,7 +272,7 @@ def scale_hint(
         rtol = Tolerance.for_dtype(expected.dtype).grad.rtol
     # a few ulps of the dtype always: the factor itself is computed in floating point
     eps = (
-        torch.finfo(_REAL_OF.get(expected.dtype, expected.dtype)).eps
+        torch.finfo(REAL_OF.get(expected.dtype, expected.dtype)).eps
         if e.is_floating_point()
         else 0.0
     )

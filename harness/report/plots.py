@@ -50,7 +50,7 @@ _NONFINITE = "#00c000"  # NaN or inf differences: a colour the error colormap ne
 _BOUNDARY = "#1f77b4"
 
 
-def _figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
     """A Figure on the Agg canvas (no pyplot, no global backend switch)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -65,7 +65,7 @@ def _figure(width: float, height: float) -> Figure:
     return fig
 
 
-def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
+def save_figure(fig: Figure, path: str | os.PathLike[str]) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
@@ -149,7 +149,7 @@ def plot_latlon_error(
     vmax, note = _scale(values)
 
     width = 10.0
-    fig = _figure(width, max(3.0, 0.85 * width * nlat / nlon + 1.2))
+    fig = new_figure(width, max(3.0, 0.85 * width * nlat / nlon + 1.2))
     ax = fig.add_subplot()
     # cell (i, j) covers [j, j+1] x [i, i+1]: rank boundaries fall on cell edges
     image = ax.imshow(
@@ -188,7 +188,7 @@ def plot_latlon_error(
     ax.set_xlabel("longitude index")
     ax.set_title(f"{title}\n{note}", fontsize=11)
     fig.colorbar(image, ax=ax, label="|partitioned − reference|", shrink=0.9)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _orient(ax: Axes, nlat: int, latitudes: npt.ArrayLike | None) -> None:
@@ -258,7 +258,7 @@ def plot_healpix_error(
     part = CellPartition(nside, tuple(bounds))  # validates bounds against npix
     vmax, note = _scale(values)
     empty = [r for r, n in enumerate(part.sizes) if n == 0]
-    fig = _figure(15.0, 4.8)  # before any other matplotlib import: a clear error if missing
+    fig = new_figure(15.0, 4.8)  # before any other matplotlib import: a clear error if missing
     from matplotlib.colors import BoundaryNorm, ListedColormap, to_rgba
 
     # healpy's Mollweide projection, geographic convention (east to the right)
@@ -340,7 +340,7 @@ def plot_healpix_error(
         f"owning rank per cell (nside {nside}, NESTED)\n{ranges}{more}{gaps}", fontsize=10
     )
     fig.colorbar(image, ax=ax_err, label="|partitioned − reference|", shrink=0.8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _rank_colour(rank: int) -> tuple[float, float, float, float]:
@@ -461,7 +461,7 @@ def plot_positions_error(
             "owning rank of every position"
         )
     vmax, note = _scale(values)
-    fig = _figure(10.0, 3.6)
+    fig = new_figure(10.0, 3.6)
     from matplotlib.colors import BoundaryNorm, ListedColormap
 
     ax, strip = fig.subplots(2, 1, sharex=True, height_ratios=[4, 1])
@@ -500,4 +500,4 @@ def plot_positions_error(
     strip.set_yticks([])
     strip.set_xlim(0, values.size)
     strip.set_xlabel(f"{unit} (owning rank below)")
-    return _save(fig, path)
+    return save_figure(fig, path)
