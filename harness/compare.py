@@ -18,10 +18,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 import torch
 
+from harness._base.deprecation import forward
 from harness._base.values import plain
 
 
@@ -444,24 +444,19 @@ class QuantityStats:
             self.spread_multiple = max(seen, spread_multiple)
 
 
-# Moved, and still importable from here for older code: the report and its tables are in
-# harness.report, the scale hint in harness.report.hints. Forwarded on first use, so this module
-# (the diff engine, which those import) imports neither of them.
-_MOVED = {
-    "REMEDIES": "harness.report",
-    "FieldError": "harness.report",
-    "EquivalenceReport": "harness.report",
-    "format_table": "harness.report",
-    "mismatch_table": "harness.report",
-    "equivalence_table": "harness.report",
-    "scale_hint": "harness.report.hints",
-}
-
-
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    where = _MOVED.get(name)
-    if where is None:
-        raise AttributeError(f"module 'harness.compare' has no attribute {name!r}")
-    return getattr(importlib.import_module(where), name)
+# Moved, and still importable from here for older code (with a DeprecationWarning): the
+# report and its tables are in harness.report, the scale hint in harness.report.hints.
+# Forwarded on first use, so this module (the diff engine, which those import) imports
+# neither of them.
+__getattr__ = forward(
+    __name__,
+    {
+        "REMEDIES": "harness.report",
+        "FieldError": "harness.report",
+        "EquivalenceReport": "harness.report",
+        "format_table": "harness.report",
+        "mismatch_table": "harness.report",
+        "equivalence_table": "harness.report",
+        "scale_hint": "harness.report.hints",
+    },
+)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from harness import Outputs, Shard, SpatialCase, Topology, check_equivalence, data_share
 from harness._judges import BATCH_HINT, SHARD_HINT
 from harness.collectives import grid_halo_exchange, reduce_loss, spatial_sum, sync_gradients
-from harness.compare import EquivalenceReport
+from harness.report import EquivalenceReport
 from harness.partition import LatLonPartition
 from harness.steppers.mlp import CoupledMLP, CoupledMLPCase
 from tests.distributed import band

@@ -851,7 +851,8 @@ def test_raise_if_failed_is_silent_on_a_passing_report():
 def test_a_quantity_is_its_text_wherever_text_was_used():
     import pickle
 
-    from harness.compare import FAILURES, NUMERIC, REMEDIES, Quantity
+    from harness.compare import FAILURES, NUMERIC, Quantity
+    from harness.report import REMEDIES
 
     assert Quantity.GRAD == "grad" and f"{Quantity.GRAD}" == "grad"
     assert REMEDIES["grad"] is REMEDIES[Quantity.GRAD]
