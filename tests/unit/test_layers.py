@@ -106,26 +106,6 @@ def test_no_module_of_harness_imports_one_that_imports_it_back():
     assert gone == [], f"cycles no longer in harness: {gone}; delete them from KNOWN_CYCLES"
 
 
-def test_names_moved_out_of_compare_are_still_importable_from_it():
-    import harness
-    from harness import compare, report
-    from harness.report import hints as hints
-
-    for name, home in [
-        ("EquivalenceReport", report),
-        ("REMEDIES", report),
-        ("FieldError", report),
-        ("format_table", report),
-        ("mismatch_table", report),
-        ("equivalence_table", report),
-        ("scale_hint", hints),
-    ]:
-        assert getattr(compare, name) is getattr(home, name), name
-    assert harness.EquivalenceReport is report.EquivalenceReport
-    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        compare.nothing  # noqa: B018
-
-
 def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     seen, todo = set(), [start]
     while todo:
@@ -136,86 +116,210 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+def wing(module: str) -> str:
+    """The entry of ``harness/`` a module lives in: ``harness.pool._run`` -> ``pool``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+#: the wings of ``harness/``, bottom up: each imports only wings listed before it
+#: (docs/architecture.md, "Where things live", draws the same stack)
+WINGS = [
+    "_base",  # value kinds, frames, process ids, other libraries' internals: nothing of harness
+    "compare",  # tolerances and the measures every verdict speaks in
+    "_records",  # what a run records and a check found
+    "errors",  # what the harness raises, and how a failed run is summarised
+    "_mutation",  # the mutants the rank side injects
+    "_protocol",  # what the pool and its ranks both speak: events, board, deadlock rule
+    "topology",  # who is who in a partitioned run
+    "partition",  # which rank owns which part of the globe
+    "adopt",  # a model's own groups handed over and taken back
+    "collectives",  # autograd-aware collectives over a topology
+    "divergence",  # where a run departs from its reference: the pure rule and its measures
+    "case",  # the downstream contract and the checks of what a case declares
+    "report",  # what a check found, as a person reads it: hints, plots, sites, HTML
+    "_judges",  # one judge per quantity: records in, mismatches out
+    "goldens",  # the .pt store, its diff, changes and step bounds
+    "adapters",  # harness-check's models, found by entry point
+    "_rank",  # what runs inside a rank process
+    "pool",  # the parent's side of the ranks: warm pools, launchers, runs
+    "rollout",  # the inference check
+    "equivalence",  # the training check, its modes (calibrated, autocast) and locating
+    "layouts",  # one case on every layout
+    "__init__",  # the package's face
+    "strategies",  # Hypothesis strategies
+    "steppers",  # the built-in test subjects
+    "contrib",  # real models' own code paths
+    "__main__",  # harness-check
+    "plugin",  # the pytest face: nothing imports it
+]
+
+
+def test_every_entry_of_harness_is_a_wing_on_the_stack():
+    entries = {p.stem for p in HARNESS.glob("*.py")} | {
+        p.name for p in HARNESS.iterdir() if (p / "__init__.py").exists()
+    }
+    assert sorted(entries - set(WINGS)) == [], "place the new entry in WINGS, where it stands"
+    assert sorted(set(WINGS) - entries) == [], "WINGS names an entry harness/ no longer has"
+
+
+def wing_arrows(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """Every import between two wings, with the modules that make it."""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for m, targets in graph.items():
+        for t in targets:
+            if wing(m) != wing(t):
+                arrows.setdefault((wing(m), wing(t)), []).append(f"{m} -> {t}")
+    return arrows
+
+
+def test_a_wing_imports_only_wings_below_it():
+    order = {w: i for i, w in enumerate(WINGS)}
+    up = {
+        f"{a} -> {b}": sorted(why)
+        for (a, b), why in wing_arrows(import_graph()).items()
+        if order[b] >= order[a]
+    }
+    assert up == {}, "an import runs up the stack: move the name down, or the importer up"
+
+
+def test_the_stack_check_sees_an_import_that_runs_up(tmp_path):
+    pkg = tmp_path / "harness"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("")
+    (pkg / "low" / "_inner.py").write_text("def f():\n    from harness import high\n")
+    (pkg / "high.py").write_text("from harness.low import _inner\n")
+    arrows = wing_arrows(import_graph(pkg))
+    assert set(arrows) == {("low", "high"), ("high", "low")}
+    assert arrows[("low", "high")] == ["harness.low._inner -> harness.high"]
+
+
+def private_crossings(root: Path = HARNESS) -> list[str]:
+    """Imports of a ``_``-name (a module or a name under a wing's folder) from another wing.
+
+    A wing whose own name starts with ``_`` (``_rank``, ``_base``) is private to ``harness``
+    and open to every wing; what lies under it with a ``_`` is its own. Module attributes
+    read through an imported module (``plots._figure``) count as imports.
+    """
+    paths = {_module_name(p, root): p for p in root.rglob("*.py")}
+    found = []
+
+    def private(module: str, name: str | None) -> bool:
+        under = module.split(".")[2:] + ([name] if name else [])
+        return any(c.startswith("_") and not c.startswith("__") for c in under)
+
+    for m, path in sorted(paths.items()):
+        aliases: dict[str, str] = {}
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if not node.module.startswith("harness"):
+                    continue
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    target, name = (sub, None) if sub in paths else (node.module, a.name)
+                    if sub in paths:
+                        aliases[a.asname or a.name] = sub
+                    if wing(target) != wing(m) and private(target, name):
+                        found.append(
+                            f"{path.name}:{node.lineno} from {node.module} import {a.name}"
+                        )
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in paths and a.asname:
+                        aliases[a.asname] = a.name
+                    if a.name in paths and wing(a.name) != wing(m) and private(a.name, None):
+                        found.append(f"{path.name}:{node.lineno} import {a.name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                target = aliases.get(node.value.id)
+                if target and wing(target) != wing(m) and private(target, node.attr):
+                    found.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_wing_imports_another_wings_private_name():
+    assert private_crossings() == [], "give the name a public one in its wing, or move it"
+
+
+def test_the_privacy_check_sees_each_way_of_reaching_in(tmp_path):
+    pkg = tmp_path / "harness"
+    for d in ("a", "_b"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("_hidden = 1\nshown = 2\n")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "_inner.py").write_text("_x = 1\n")
+    (pkg / "a" / "face.py").write_text("_y = 1\n")
+    (pkg / "a" / "own.py").write_text("from harness.a._inner import _x\n")  # its own wing
+    (pkg / "c.py").write_text(
+        "from harness.a import _inner\n"
+        "from harness.a import _hidden, shown\n"
+        "from harness.a import face\n"
+        "import harness.a._inner as inner\n"
+        "from harness._b import shown as ok\n"  # a private wing is open to harness
+        "face._y\n"
+        "face.ok\n"
+    )
+    assert private_crossings(pkg) == [
+        "c.py:1 from harness.a import _inner",
+        "c.py:2 from harness.a import _hidden",
+        "c.py:4 import harness.a._inner",
+        "c.py:6 face._y",
+    ]
+
+
+def shadowed_submodules(root: Path = HARNESS) -> list[str]:
+    """A package's ``__init__`` that binds, at module level, the name of one of its submodules:
+    importing the submodule rebinds that name to the module, under the code that uses it."""
+    found = []
+    for init in sorted(root.rglob("__init__.py")):
+        subs = {p.stem for p in init.parent.glob("*.py")} | {
+            p.name for p in init.parent.iterdir() if (p / "__init__.py").exists()
+        }
+        for node in ast.parse(init.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound = {node.name}
+            elif isinstance(node, ast.Assign):
+                bound = {t.id for t in node.targets if isinstance(t, ast.Name)}
+            elif isinstance(node, ast.ImportFrom) and not (node.module or "").startswith(
+                _module_name(init, root)
+            ):
+                bound = {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):  # from the package itself: the submodule
+                bound = {a.asname for a in node.names if a.asname and a.asname != a.name}
+            else:
+                continue
+            found += [f"{init.relative_to(root)}: {n}" for n in sorted(bound & subs)]
+    return found
+
+
+def test_no_package_binds_the_name_of_its_own_submodule():
+    assert shadowed_submodules() == [], "rename the submodule or the name"
+
+
+def test_the_shadow_check_sees_a_function_named_as_a_submodule(tmp_path):
+    pkg = tmp_path / "harness" / "w"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "_locate.py").write_text("")
+    (pkg / "_place.py").write_text("")
+    (pkg / "__init__.py").write_text(
+        "from harness.w._place import thing\nfrom harness.other import _place\ndef _locate(): ...\n"
+    )
+    assert shadowed_submodules(tmp_path / "harness") == [
+        "w/__init__.py: _place",
+        "w/__init__.py: _locate",
+    ]
+
+
 def test_the_contract_reaches_nothing_of_the_pool_the_rank_side_or_the_mutants():
-    """``harness.case`` (what a downstream repo writes against), the checks of what a case
-    declares and returns (``harness.case.declared``, moved out of it) and all they import,
-    deferred and type-only imports included, stay clear of the running machinery: the pool,
-    a run's events, the rank side (``harness._rank``: the run of a case, the watchers and the
-    rank globals) and the mutation wing."""
+    """``harness.case`` (what a downstream repo writes against, with the checks of what a
+    case declares) and all it imports, deferred and type-only imports included, stay clear of
+    the running machinery: the pool, the rank side and the mutation wing."""
     graph = import_graph()
-    machinery = {
-        "harness.pool",
-        "harness.pool._processes",  # the pool's rank processes
-        "harness.pool._pickling",  # the pool's calls on their way to the ranks
-        "harness.pool._run",
-        "harness._rank",
-        "harness._mutation",
-    }
-    contract = {"harness.case", "harness.case.declared"}
-    reached = contract.union(*(_reachable(graph, m) for m in contract))
-    assert sorted(m for m in reached if m.rsplit(".", 1)[0] in machinery or m in machinery) == []
-
-
-def test_the_rank_side_reaches_nothing_of_the_parent_side():
-    """What runs in a rank process (``harness._rank``, the fork server's preload included)
-    imports nothing of the side that drives it, deferred and type-only imports included: not
-    the pool, a run's events and verdicts, the launchers, the checks or the plugin (as
-    pytest-xdist's worker imports nothing of its controller)."""
-    graph = import_graph()
-    parent = {"harness.pool", "harness.pool._run", "harness.pool.launcher", "harness.equivalence"}
-    found = {
-        m: sorted(r for r in _reachable(graph, m) if r in parent or r.startswith("harness.plugin"))
-        for m in graph
-        if m == "harness._rank" or m.startswith("harness._rank.")
-    }
-    assert {m: r for m, r in found.items() if r} == {}
-
-
-#: the wings that must never reach others (docs/architecture.md, "Wings" and "Layers"):
-#: (what, its modules, what it must not reach, why); a module name ending in "." is a package
-WALLS = [
-    (
-        "the verdict",
-        {"harness.report", "harness._judges.", "harness._records.run", "harness._judges.vacuous",
-         "harness._records.rollout", "harness._records.samples"},
-        {"harness.equivalence", "harness.rollout", "harness.layouts", "harness.goldens",
-         "harness.equivalence._autocast"},
-        "judging and the report sit below the checks that produce them",
-    ),
-    (
-        "the mutation wing",
-        {"harness._mutation."},
-        {"harness.equivalence", "harness.pool", "harness.pool._run", "harness.plugin."},
-        "the rank side calls its injector: its callers live with the faces",
-    ),
-    (
-        "the shared protocol",
-        {"harness._protocol.deadlock", "harness._protocol.board", "harness._protocol.events"},
-        {"harness.pool", "harness.pool._processes", "harness.pool._run", "harness.pool._watch",
-        "harness._rank."},
-        "parent and ranks both speak it; it belongs to neither",
-    ),
-    (
-        "everything but the plugin",
-        {"harness."},
-        {"harness.plugin."},
-        "nothing imports the pytest face (pytest loads it as an entry point)",
-    ),
-]  # fmt: skip
-
-
-def _in(module: str, names: set[str]) -> bool:
-    """``module`` is one of ``names``, or of a package there named with a trailing dot."""
-    return any(module == n.rstrip(".") or (n.endswith(".") and module.startswith(n)) for n in names)
-
-
-@pytest.mark.parametrize(("what", "inside", "outside", "why"), WALLS, ids=[w[0] for w in WALLS])
-def test_a_wing_reaches_nothing_beyond_its_wall(what, inside, outside, why):
-    graph = import_graph()
-    members = [m for m in graph if _in(m, inside) and not _in(m, outside)]
-    assert members, f"{what}: no module matched {sorted(inside)}"
-    found = {m: sorted(r for r in _reachable(graph, m) if _in(r, outside)) for m in members}
-    assert {m: r for m, r in found.items() if r} == {}, why
+    reached = {wing(m) for m in _reachable(graph, "harness.case")}
+    assert sorted(reached & {"pool", "_rank", "_mutation", "_protocol"}) == []
 
 
 def test_no_module_of_the_rank_side_imports_pytest():
