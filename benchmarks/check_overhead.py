@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 
 from harness import RankPool, SpatialCase, check_equivalence
-from harness._declared import CheckSpec
-from harness._rank.run import _rank_entry
+from harness._rank.run import rank_entry
+from harness.case.declared import CheckSpec
 
 RANKS = 4
 
@@ -54,7 +54,7 @@ def main() -> None:
     with RankPool(RANKS, start_method="forkserver") as pool:
         for label, make in cases().items():
             case = make()
-            bare = median_of(lambda c=case: pool.run(_rank_entry, spec, c), args.repeat)
+            bare = median_of(lambda c=case: pool.run(rank_entry, spec, c), args.repeat)
             check = median_of(
                 lambda c=case: check_equivalence(c, ranks=RANKS, pool=pool), args.repeat
             )

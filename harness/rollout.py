@@ -16,7 +16,7 @@ its inputs has a spread of ~0).
 
 What runs ``predict`` (here, in the ensemble and on the ranks) is the rank side's,
 ``harness._rank.predict``; what a check found, ``RolloutRecord``, lives in
-``harness._rollout_record`` below the report that holds it; both are importable from here.
+``harness._records.rollout`` below the report that holds it; both are importable from here.
 """
 
 from __future__ import annotations
@@ -27,24 +27,24 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from harness._checks.fields import assemble_whole, flat_like
-from harness._declared import CheckSpec, has_predict, rollout_steps
-from harness._overlap import Background, in_other_processes
+from harness._judges.fields import assemble_whole, flat_like
 from harness._rank.deadline import Deadline, RanOut
 from harness._rank.nudge import NUDGE_ULPS
 from harness._rank.predict import (
-    _rollout_entry,
     autocast_context,
+    rollout_entry,
     run_prediction,
 )
-from harness._records import FieldRecord, StepRecord
-from harness._rollout_record import RolloutPoint, RolloutRecord
+from harness._records.rollout import RolloutPoint, RolloutRecord
+from harness._records.run import FieldRecord, StepRecord
+from harness.case.declared import CheckSpec, has_predict, rollout_steps
 from harness.compare import Bound, Mismatch, Quantity
 from harness.errors import RankFailure
+from harness.pool.overlap import Background, in_other_processes
 from harness.topology import Topology
 
 if TYPE_CHECKING:
-    from harness._checks import Judge
+    from harness._judges import Judge
     from harness.case import SpatialCase
     from harness.pool import Runner
 
@@ -129,9 +129,10 @@ def judge_rollout(
     ``factor`` times the members' spread (and at least the fixed ``bound``). Under autocast,
     ``high``: the reference's rollout without it; the bound is then at least ``ratio`` times
     the reference's distance from it (the reduced precision's own rounding, which nudges of
-    the inputs do not reach: ``harness._autocast``'s ratio rule, step by step). ``sticks``:
+    the inputs do not reach: ``harness.equivalence._autocast``'s ratio rule, step by step).
+    ``sticks``:
     what of it does not depend on the ranks (``yardsticks``), if measured already."""
-    from harness._checks import Judge, Layout
+    from harness._judges import Judge, Layout
     from harness.compare import NUMERIC, QuantityStats, Tolerance
 
     record = RolloutRecord(len(reference), len(members), factor)
@@ -193,7 +194,7 @@ def _structure(
     """Step ``k``'s missing fields, coverage and shard shapes, as the training check judges
     them (values are the envelope's): the mismatches go on the record, the names of the
     fields they broke come back."""
-    from harness._checks import check_fields
+    from harness._judges import check_fields
 
     odd = _odd_shapes(record, k, plain, rank_fields, loose.layout.data_size)
     plain = {n: f for n, f in plain.items() if n not in odd}
@@ -240,7 +241,7 @@ def _odd_shapes(
     reference does not have, the ranks that differ from the majority are named (the
     structure check, which blames whoever differs from the reference, is skipped). With
     ``groups`` data groups, the reference's part is a group's share of its samples."""
-    from harness._checks import data_part
+    from harness._judges import data_part
 
     odd: set[str] = set()
     for n, ref in plain.items():
@@ -430,9 +431,9 @@ def roll_out(
 ) -> RolloutRecord:
     """``check_rollout`` of the rollout ``spec`` asks for (``rollout`` steps from ``seed``,
     at ``autocast``, on ``spatial_size`` ranks a group, stopped at ``timeout``): the spec
-    that crosses to every rank whole (``_rollout_entry``)."""
+    that crosses to every rank whole (``rollout_entry``)."""
     t0 = time.perf_counter()
-    call = (_rollout_entry, spec, case)
+    call = (rollout_entry, spec, case)
     # The ranks' rollout and the serial ones (reference, members) are independent: a
     # RankPool's ranks run while this process computes the serial ones (see OVERLAP); a
     # runner that runs the function in this very process (torchrun, srun) goes after.
@@ -453,7 +454,7 @@ def roll_out(
         ranks = ranks_run.result()
     else:
         ranks = pool.run(*call, timeout=spec.timeout)
-    from harness._autocast import RATIO
+    from harness.equivalence._autocast import RATIO
 
     record = judge_rollout(
         reference,
@@ -469,7 +470,7 @@ def roll_out(
     record.autocast = "" if spec.autocast is None else str(spec.autocast).replace("torch.", "")
     if short:
         record.not_calibrated.append(short)
-    from harness._samples import RolloutSamples
+    from harness._records.samples import RolloutSamples
 
     record.samples = RolloutSamples.of(reference)  # a few steps, strided: the rest is freed
     record.seconds = time.perf_counter() - t0
@@ -571,11 +572,11 @@ def _overlaps(pool: Runner) -> bool:
 def plot_rollout(record: RolloutRecord, path: Any, *, title: str = "") -> Any:
     """The error curve of each field (the partitioned run's distance from the reference,
     the rounding spread and the bound, per step, log scale) as a PNG at ``path``; the first
-    divergent step marked. Needs matplotlib (``harness._plots``)."""
-    from harness._plots import _figure, _save
+    divergent step marked. Needs matplotlib (``harness.report.plots``)."""
+    from harness.report.plots import new_figure, save_figure
 
     names = list(dict.fromkeys(p.name for p in record.curve))
-    fig = _figure(7.0, 2.4 * max(len(names), 1))
+    fig = new_figure(7.0, 2.4 * max(len(names), 1))
     axes = fig.subplots(max(len(names), 1), 1, squeeze=False)[:, 0]
     first = record.first
     for ax, name in zip(axes, names):
@@ -594,4 +595,4 @@ def plot_rollout(record: RolloutRecord, path: Any, *, title: str = "") -> Any:
         ax.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)

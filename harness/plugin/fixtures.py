@@ -12,9 +12,8 @@ import pytest
 if TYPE_CHECKING:
     import torch
 
-from harness._launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch
 from harness._mutation.mode import current as mutant_mode
-from harness._observe import quiet
+from harness._records.observe import quiet
 from harness.compare import Bound, Tolerance
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.errors import ConfigError, GoldenError, exception_summary
@@ -45,6 +44,7 @@ from harness.pool import (
     check_oversubscription,
     check_seconds,
 )
+from harness.pool.launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch
 from harness.report import EquivalenceReport, SummaryRow
 
 R = TypeVar("R")  # what a function run on the ranks returns
@@ -587,7 +587,7 @@ def write_error_maps(report: EquivalenceReport, directory: str, nodeid: str) -> 
     it never takes the verdict down)."""
     out = Path(directory)
     stem = golden_stem(nodeid).replace("/", ".")
-    from harness import _plots as plots
+    from harness.report import plots as plots
 
     paths = []
     for fe in report.field_errors:

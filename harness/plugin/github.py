@@ -2,7 +2,7 @@
 
 - **Annotations.** Under GitHub Actions (``GITHUB_ACTIONS=true``, or ``--spatial-github=on``)
   a failing check prints an ``::error file=...,line=...`` workflow command at the line in
-  the user's code its evidence names (``harness._sites``: the diverging module's
+  the user's code its evidence names (``harness.report.sites``: the diverging module's
   ``forward``, the line that issued a deadlocked collective, a raising rank's frame) and one
   at the test's line that ran the check; paths relative to the repository
   (``GITHUB_WORKSPACE``, else pytest's rootdir).
@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from harness._sites import failure_sites
 from harness.compare import NUMERIC
 from harness.errors import exception_summary
 from harness.plugin._keys import _EQUIV_PROP, _GOLDEN_PROP
 from harness.plugin.options import GITHUB_MODES
 from harness.report import SummaryRow
+from harness.report.sites import failure_sites
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
@@ -145,11 +145,11 @@ def junit_properties(report: EquivalenceReport, row: SummaryRow) -> list[tuple[s
         props.append(("spatial.worst_error", f"{q} {v:.2e} (relative)"))
     if not report.ok:
         first = report.mismatches[0]
-        from harness.report import _step_cell
+        from harness.report import step_cell
 
         props += [
             ("spatial.quantity", ", ".join(sorted(report.quantities))),
-            ("spatial.step", _step_cell(first)),
+            ("spatial.step", step_cell(first)),
             ("spatial.first", first.headline()),
         ]
     if report.first_divergence is not None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 
 import pytest
 
-from harness._observe import listening
+from harness._records.observe import listening
 from harness.compare import NUMERIC
 from harness.layouts import LayoutsReport, block_cases, layouts
 from harness.plugin._keys import _EQUIV_PROP

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from harness import _locate
-from harness._declared import CheckSpec
-from harness._trace import Event, Trace
+from harness.case.declared import CheckSpec
 from harness.divergence import DEPART, MIN_ULPS
+from harness.divergence._trace import Event, Trace
+from harness.equivalence import _locating as _locate
 from harness.errors import RankFailure, RankProblem
 from harness.topology import Topology
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from harness import ConfigError, Outputs, SpatialCase, check_equivalence
-from harness._declared import CheckSpec
-from harness._locate import _locate_entry
-from harness._locate_rollout import _rollout_trace_entry
-from harness._rank.predict import _rollout_entry
-from harness._rank.run import _rank_entry
+from harness._rank.predict import rollout_entry
+from harness._rank.run import rank_entry
+from harness.case.declared import CheckSpec
+from harness.equivalence._locating import _locate_entry
+from harness.equivalence._locating_rollout import _rollout_trace_entry
 
 
 class Drawn(SpatialCase):
@@ -72,7 +72,7 @@ def test_one_spec_crosses_to_the_ranks_for_training_rollout_and_locating(in_proc
     )
     assert report.ok, report
     asked = CheckSpec(1, 1, steps=3, lr=0.05, seed=7, rollout=2, timeout=30.0, locate=True)
-    assert [c[0] for c in pool.calls] == ["_rank_entry", "_rollout_entry", "_locate_entry"]
+    assert [c[0] for c in pool.calls] == ["rank_entry", "rollout_entry", "_locate_entry"]
     for _, args, kwargs, timeout in pool.calls:
         assert args[0] == asked and args[1] is case  # the spec whole, then the case
         assert kwargs == {} and timeout == 30.0  # nothing beside it by keyword
@@ -81,7 +81,7 @@ def test_one_spec_crosses_to_the_ranks_for_training_rollout_and_locating(in_proc
 
 
 def test_every_rank_entry_takes_the_spec_first_and_the_case_second():
-    for entry in (_rank_entry, _rollout_entry, _locate_entry, _rollout_trace_entry):
+    for entry in (rank_entry, rollout_entry, _locate_entry, _rollout_trace_entry):
         params = list(inspect.signature(entry).parameters.values())
         assert [p.name for p in params[:2]] == ["spec", "case"], entry.__name__
         assert params[0].annotation == "CheckSpec", entry.__name__
