@@ -18,6 +18,7 @@ import torch
 
 from harness import RankPool, SpatialCase, check_equivalence
 from harness._rank.run import rank_entry
+from harness.case.declared import CheckSpec
 
 RANKS = 4
 
@@ -49,10 +50,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {RANKS} ranks, median of {args.repeat}\n")
+    spec = CheckSpec(RANKS, RANKS)  # check_equivalence's defaults: 2 steps at lr 0.1
     with RankPool(RANKS, start_method="forkserver") as pool:
         for label, make in cases().items():
             case = make()
-            bare = median_of(lambda c=case: pool.run(rank_entry, c, None, 2, 0.1, 0), args.repeat)
+            bare = median_of(lambda c=case: pool.run(rank_entry, spec, c), args.repeat)
             check = median_of(
                 lambda c=case: check_equivalence(c, ranks=RANKS, pool=pool), args.repeat
             )

@@ -140,8 +140,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "rollout",
         R,
-        "call = (rollout_entry, case, given, steps, seed, autocast)",
-        "call = (rollout_entry, case, given, steps, seed, None)",
+        "call = (rollout_entry, spec, case)",
+        'call = (rollout_entry, __import__("dataclasses").replace(spec, autocast=None), case)',
         "ranks roll out without autocast, the reference with it",
     ),
     _m(
@@ -182,9 +182,9 @@ MUTANTS: list[Mutant] = [
     # ---------------------------------------------------------------- autocast
     _m(
         "autocast",
-        A,
-        "    with autocast_context(dtype):\n        return rank_entry(",
-        "    with autocast_context(None):\n        return rank_entry(",
+        "harness/_rank/run.py",
+        "    with autocast_context(spec.autocast):\n        record = run_case(",
+        "    with autocast_context(None):\n        record = run_case(",
         "training ranks run without autocast, the serial reference with it",
     ),
     _m(
@@ -310,8 +310,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "predict",
         P,
-        "    return run_prediction(case, topo, steps, seed, autocast=autocast, progress=",
-        "    return run_prediction(case, topo, steps, seed, autocast=None, progress=",
+        "spec.seed, autocast=spec.autocast, progress=report_progress",
+        "spec.seed, autocast=None, progress=report_progress",
         "the ranks' rollout never under autocast",
     ),
     _m(

@@ -37,8 +37,9 @@ from harness._rank.predict import (
 )
 from harness._records.rollout import RolloutPoint, RolloutRecord
 from harness._records.run import FieldRecord, StepRecord
+from harness.case.declared import CheckSpec, has_predict, rollout_steps
 from harness.compare import Bound, Mismatch, Quantity
-from harness.errors import ConfigError, RankFailure
+from harness.errors import RankFailure
 from harness.pool.overlap import Background, in_other_processes
 from harness.topology import Topology
 
@@ -407,18 +408,40 @@ def check_rollout(
     it and on every rank of ``pool``; judge each step and field (``judge_rollout``).
     A rank that raised, crashed or hung raises its ``RankFailure`` (``check_equivalence``
     makes it the report's mismatches)."""
-    t0 = time.perf_counter()
     has_predict(case)
-    given = None if spatial_size == pool.world_size else spatial_size
-    call = (rollout_entry, case, given, steps, seed, autocast)
+    spec = CheckSpec(
+        pool.world_size,
+        spatial_size,
+        seed=seed,
+        rollout=steps,
+        autocast=autocast,
+        timeout=timeout,
+    )
+    return roll_out(spec, case, pool, bound, members=members, factor=factor)
+
+
+def roll_out(
+    spec: CheckSpec,
+    case: SpatialCase,
+    pool: Runner,
+    bound: Bound,
+    *,
+    members: int = MEMBERS,
+    factor: float = FACTOR,
+) -> RolloutRecord:
+    """``check_rollout`` of the rollout ``spec`` asks for (``rollout`` steps from ``seed``,
+    at ``autocast``, on ``spatial_size`` ranks a group, stopped at ``timeout``): the spec
+    that crosses to every rank whole (``rollout_entry``)."""
+    t0 = time.perf_counter()
+    call = (rollout_entry, spec, case)
     # The ranks' rollout and the serial ones (reference, members) are independent: a
     # RankPool's ranks run while this process computes the serial ones (see OVERLAP); a
     # runner that runs the function in this very process (torchrun, srun) goes after.
-    ranks_run = Background(pool, call, timeout) if _overlaps(pool) else None
-    clock = _clock(pool, timeout, ranks_run)
+    ranks_run = Background(pool, call, spec.timeout) if _overlaps(pool) else None
+    clock = _clock(pool, spec.timeout, ranks_run)
     t_serial = time.perf_counter()
     try:
-        reference, high, ensemble, short = _serial(case, steps, seed, members, autocast, clock)
+        reference, high, ensemble, short = _serial(spec, case, members, clock)
     except RanOut as out:
         _ran_out(out, ranks_run)  # joins the ranks' run
     except BaseException:
@@ -427,7 +450,10 @@ def check_rollout(
         raise
     serial = time.perf_counter() - t_serial
     sticks = yardsticks(reference, ensemble)  # while the ranks still run
-    ranks = ranks_run.result() if ranks_run is not None else pool.run(*call, timeout=timeout)
+    if ranks_run is not None:
+        ranks = ranks_run.result()
+    else:
+        ranks = pool.run(*call, timeout=spec.timeout)
     from harness.equivalence._autocast import RATIO
 
     record = judge_rollout(
@@ -435,13 +461,13 @@ def check_rollout(
         ensemble,
         ranks,
         bound,
-        spatial_size=spatial_size,
+        spatial_size=spec.spatial_size,
         factor=factor,
         high=high,
         ratio=RATIO,
         sticks=sticks,
     )
-    record.autocast = "" if autocast is None else str(autocast).replace("torch.", "")
+    record.autocast = "" if spec.autocast is None else str(spec.autocast).replace("torch.", "")
     if short:
         record.not_calibrated.append(short)
     from harness._records.samples import RolloutSamples
@@ -486,17 +512,14 @@ def _ran_out(out: RanOut, ranks_run: Background | None) -> NoReturn:
 
 
 def _serial(
-    case: SpatialCase,
-    steps: int,
-    seed: int,
-    members: int,
-    autocast: torch.dtype | None,
-    clock: Deadline | None = None,
+    spec: CheckSpec, case: SpatialCase, members: int, clock: Deadline | None = None
 ) -> tuple[Steps, Steps | None, list[Steps], str]:
-    """The serial rollouts, with ``SERIAL_THREADS`` torch threads: the reference, under
-    autocast also without it (the reduced precision's own rounding, measured), and the
-    nudged members, each stopped by ``clock`` (``RanOut``). Members that run out of time
-    leave the ensemble of those done and a line that says so (the last item)."""
+    """The serial rollouts of ``spec``, with ``SERIAL_THREADS`` torch threads: the
+    reference, under autocast also without it (the reduced precision's own rounding,
+    measured), and the nudged members, each stopped by ``clock`` (``RanOut``). Members that
+    run out of time leave the ensemble of those done and a line that says so (the last
+    item)."""
+    steps, seed, autocast = spec.rollout, spec.seed, spec.autocast
     threads = torch.get_num_threads()
     torch.set_num_threads(SERIAL_THREADS)
     try:
@@ -541,26 +564,6 @@ def _serial(
 def _overlaps(pool: Runner) -> bool:
     """Whether ``pool``'s run can overlap the serial rollouts of this process."""
     return OVERLAP and in_other_processes(pool)
-
-
-def has_predict(case: SpatialCase) -> None:
-    from harness.case import SpatialCase, no_predict
-
-    if type(case).predict is SpatialCase.predict:
-        raise no_predict(case)
-
-
-def rollout_steps(case: SpatialCase, rollout: int | None) -> int:
-    """The rollout asked for: ``rollout`` if given, else the case's ``rollout_steps``."""
-    n = case.rollout_steps if rollout is None else rollout
-    if n is None or n is False:
-        return 0
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ConfigError(
-            f"rollout={n!r} for {case.label}: give the number of steps to roll out (an int "
-            ">= 1), or 0 / None for no rollout"
-        )
-    return n
 
 
 # ---------------------------------------------------------------------- plot

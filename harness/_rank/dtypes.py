@@ -10,7 +10,9 @@ the rank's interceptor does the same for the tensors of every torch.distributed 
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from typing import Any
 
 import torch
 
@@ -21,6 +23,14 @@ _SAME = {
     torch.float32: (torch.float32, torch.complex64),
     torch.float16: (torch.float16, torch.complex32),
 }
+
+
+def autocast_context(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` on the CPU at ``dtype``, or nothing: what a check's runs compute
+    at (``CheckSpec.autocast``), the same on the ranks and in the serial runs."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=dtype)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

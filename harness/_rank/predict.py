@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from harness._rank.dtypes import autocast_context
 from harness._rank.nudge import NUDGE_ULPS, Nudge
 from harness._records.run import FieldRecord
 from harness.errors import ConfigError
@@ -21,15 +22,9 @@ from harness.topology import Topology
 if TYPE_CHECKING:
     from harness._rank.deadline import Deadline
     from harness.case import SpatialCase
+    from harness.case.declared import CheckSpec
 
 __all__ = ["NUDGE_ULPS", "autocast_context", "run_prediction"]
-
-
-def autocast_context(dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
-    """``torch.autocast`` on the CPU at ``dtype``, or nothing."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=dtype)
 
 
 #: an ensemble member (its older, private name; ``harness._rank.nudge.Nudge``)
@@ -225,15 +220,13 @@ def _step_records(
     return records
 
 
-def rollout_entry(
-    case: SpatialCase,
-    spatial_size: int | None,
-    steps: int,
-    seed: int,
-    autocast: torch.dtype | None,
-) -> list[dict[str, FieldRecord]]:
-    """What every rank of the pool runs for a rollout (module level: the pool pickles it)."""
+def rollout_entry(spec: CheckSpec, case: SpatialCase) -> list[dict[str, FieldRecord]]:
+    """What every rank of the pool runs for a rollout: ``spec.rollout`` steps from
+    ``spec.seed`` at ``spec.autocast`` (module level: the pool pickles it). On the case's own
+    process grid, as the rollout has always run (``spec.mesh`` is the training's)."""
     from harness._rank.loop import report_progress
 
-    topo = Topology.create(spatial_size)
-    return run_prediction(case, topo, steps, seed, autocast=autocast, progress=report_progress)
+    topo = Topology.create(spec.spatial_size)
+    return run_prediction(
+        case, topo, spec.rollout, spec.seed, autocast=spec.autocast, progress=report_progress
+    )

@@ -13,14 +13,15 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from harness._base.values import is_distributed, placed, plain
 from harness._mutation.catalogue import MutantKind
-from harness._rank.dtypes import OutputDtypes, collective_dtypes
+from harness._rank.dtypes import OutputDtypes, autocast_context, collective_dtypes
 from harness._rank.nudge import Nudge
 from harness._rank.state import CallerState
 from harness._records.run import ParamShard, RunRecord, StepRecord, detached
@@ -40,6 +41,9 @@ from harness.case.declared import (
     field_record,
 )
 from harness.topology import Topology
+
+if TYPE_CHECKING:
+    from harness.case.declared import CheckSpec
 
 Progress = Callable[[str, "int | None"], None]
 
@@ -124,11 +128,10 @@ def run_case(
         record.param_shards, record.loaded_shards = shards, loaded
         outputs = OutputDtypes(model)  # evidence for precision hints: what came out of modules
         answers = None if topo.is_reference else ActivationCheck(case, model, topo)
+        training = _Training(case, model, topo, lr, seed, enter, mutation, shards, nudge)
         try:
             for step in range(steps):
-                record.steps.append(
-                    _train_step(case, model, topo, step, lr, seed, enter, mutation, shards, nudge)
-                )
+                record.steps.append(_train_step(training, step))
                 if answers is not None:  # the first step's answers are the evidence
                     answers.close()
         finally:
@@ -153,25 +156,31 @@ def run_case(
         saved.restore()
 
 
-def _train_step(
-    case: SpatialCase,
-    model: torch.nn.Module,
-    topo: Topology,
-    step: int,
-    lr: float,
-    seed: int,
-    enter: Callable[[str, int], None],
-    mutation: dict[str, MutantKind] | None = None,
-    shards: dict[str, ParamShard] | None = None,
-    nudge: Nudge | None = None,
-) -> StepRecord:
+@dataclass(frozen=True)
+class _Training:
+    """What every step of one training run takes: the case and its model built on
+    ``topo``, the run's learning rate and seed, and what watches it (``enter``: the phase
+    announcer; the mutants to inject; the parameter shards; a calibration rerun's nudge)."""
+
+    case: SpatialCase
+    model: torch.nn.Module
+    topo: Topology
+    lr: float
+    seed: int
+    enter: Callable[[str, int], None]
+    mutation: dict[str, MutantKind]
+    shards: dict[str, ParamShard]
+    nudge: Nudge | None
+
+
+def _train_step(run: _Training, step: int) -> StepRecord:
     """One step: batch, forward, backward, plain SGD; what it recorded."""
-    shards = shards or {}
-    mutation = mutation or {}
+    case, model, topo, enter = run.case, run.model, run.topo, run.enter
+    shards, mutation, nudge, lr = run.shards, run.mutation, run.nudge, run.lr
     params = dict(model.named_parameters())
     enter(f"step {step} batch", step)
     per_rank = topo.rank + 1 if mutation.get("batch") == MutantKind.RNG_PER_RANK else 0
-    _seed(_step_seed(seed, step) + per_rank)
+    _seed(_step_seed(run.seed, step) + per_rank)
     batch = check_batch(case, case.batch(topo, step), step)
     if nudge is not None:
         batch = nudge.batch(batch)
@@ -287,25 +296,29 @@ def _mark_phase(exc: BaseException, phase: str) -> None:
 
 
 def rank_entry(
+    spec: CheckSpec,
     case: SpatialCase,
-    spatial_size: int | None,
-    steps: int,
-    lr: float,
-    seed: int,
     reference_init: dict[str, torch.Tensor] | None = None,
-    mesh: tuple[int, ...] | None = None,
 ) -> RunRecord:
-    """What every rank of the pool runs (module level, so the pool can pickle it).
-    ``reference_init``: the reference's parameters after build, for a case that loads them
-    into its shards (``SpatialCase.load_reference_shards``); ``mesh``: ``Topology.mesh``."""
+    """What every rank of the pool runs (module level, so the pool can pickle it): the
+    training ``spec`` asks for, on its layout (``spatial_size``, ``mesh``) and under its
+    ``autocast``. ``reference_init``: the reference's parameters after build, for a case that
+    loads them (``SpatialCase.load_reference_shards``, ``load_reference_init``)."""
     from harness._rank.loop import report_progress
     from harness.adopt import check_operations
 
     checks = check_operations()
-    topo = Topology.create(spatial_size, mesh)
-    record = run_case(
-        case, topo, steps, lr, seed, progress=report_progress, reference_init=reference_init
-    )
+    topo = Topology.create(spec.spatial_size, spec.mesh or None)
+    with autocast_context(spec.autocast):
+        record = run_case(
+            case,
+            topo,
+            spec.steps,
+            spec.lr,
+            spec.seed,
+            progress=report_progress,
+            reference_init=reference_init,
+        )
     record.spatial_rank, record.data_rank = topo.spatial_rank, topo.data_rank
     record.spatial_size, record.data_size = topo.spatial_size, topo.data_size
     record.describe = case.describe(topo)

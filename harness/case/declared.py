@@ -1,7 +1,9 @@
 """The checks of what a case returns and declares, each one clear ``ConfigError``: its fields
 (``field_record``: a ``Shard`` by positions, ``Shard.keyed``, a whole tensor), its partition
 and activation shards (``check_partition``, ``check_activation_shard``, ``ActivationCheck``),
-its model, batch and loss (``check_model``, ``check_batch``, ``check_returned_loss``).
+its model, batch and loss (``check_model``, ``check_batch``, ``check_returned_loss``); and what a
+check of it is asked to run (``CheckSpec``: built and checked once, then handed whole to every
+rank).
 
 The contract they check is ``harness.case`` (which imports nothing of this module); the
 checks of a case's parameter shards are there, beside the public ``parameter_shards``.
@@ -11,16 +13,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypedDict
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from harness._base.values import placed, plain
 from harness._records.run import FieldRecord, detached
-from harness.case import KEYED_FORM, Outputs, Shard, SpatialCase, _integer_index, _whose
+from harness.case import (
+    KEYED_FORM,
+    Outputs,
+    Shard,
+    SpatialCase,
+    _integer_index,
+    _whose,
+    no_predict,
+)
+from harness.compare import Tolerance
 from harness.errors import ConfigError
-from harness.topology import Topology
+from harness.topology import Topology, check_mesh, validate_sizes
 
 # ---------------------------------------------------------------------- fields
 
@@ -293,3 +305,152 @@ def check_returned_loss(case: SpatialCase, out: object, trainable: bool) -> torc
             "reduced from detached values? The harness back-propagates it to compare gradients"
         )
     return loss
+
+
+# ---------------------------------------------------------------------- the spec of a check
+
+#: the dtypes ``torch.autocast`` runs a check at on the CPU (``harness.equivalence._autocast``)
+AUTOCASTABLE = (torch.bfloat16, torch.float16)
+
+
+def check_dtype(dtype: Any) -> torch.dtype:
+    """``dtype`` if autocast can run at it on the CPU, else one clear error."""
+    if dtype not in AUTOCASTABLE:
+        raise ConfigError(
+            f"autocast={dtype!r}: give torch.bfloat16 (what production mixed precision uses on "
+            "the CPU's autocast) or torch.float16, or None for no autocast"
+        )
+    return dtype  # type: ignore[no-any-return]
+
+
+def rollout_steps(case: SpatialCase, rollout: int | None) -> int:
+    """The rollout asked for: ``rollout`` if given, else the case's ``rollout_steps``."""
+    n = case.rollout_steps if rollout is None else rollout
+    if n is None or n is False:
+        return 0
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(
+            f"rollout={n!r} for {case.label}: give the number of steps to roll out (an int "
+            ">= 1), or 0 / None for no rollout"
+        )
+    return n
+
+
+def has_predict(case: SpatialCase) -> None:
+    """One clear error for a rollout of a case that defines no ``predict``."""
+    if type(case).predict is SpatialCase.predict:
+        raise no_predict(case)
+
+
+class CheckOptions(TypedDict, total=False):
+    """``check_equivalence``'s options that do not depend on a layout: what
+    ``check_layouts`` hands to the check of every layout (typed, as ``**options``; its
+    ``timeout`` is the sweep's own, scaled per layout)."""
+
+    steps: int
+    lr: float
+    tolerance: Tolerance | None
+    seed: int
+    allow_nonfinite: bool | None
+    rollout: int | None
+    autocast: torch.dtype | None
+    calibrate: bool | None
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """What one check runs, fixed before anything runs: the parent builds it once
+    (``CheckSpec.of``) and every rank's entry (``rank_entry``, ``rollout_entry``, the
+    locating reruns') takes it whole, with the case, instead of a list of positions.
+
+    ``ranks`` ranks in groups of ``spatial_size`` on the process grid ``mesh`` (``()``: the
+    case's own); ``steps`` plain-SGD training steps at ``lr`` from ``seed``; ``rollout``
+    steps of ``predict`` after them (0: none); ``autocast``: the dtype the ranks and the
+    serial run compute at (``None``: off). What only the parent reads: ``tolerance`` (the
+    call's; ``None``: the case's or the dtype's), ``timeout``, ``allow_nonfinite``,
+    ``locate`` and ``calibrate`` (``None``: the default rule). The values that need no case
+    are checked here, each bad one a ``ConfigError`` naming the fix; ``of`` checks the rest.
+    """
+
+    ranks: int
+    spatial_size: int
+    mesh: tuple[int, ...] = ()
+    steps: int = 2
+    lr: float = 0.1
+    seed: int = 0
+    rollout: int = 0
+    autocast: torch.dtype | None = None
+    tolerance: Tolerance | None = None
+    timeout: float | None = None
+    allow_nonfinite: bool = False
+    locate: bool | None = None
+    calibrate: bool | None = None
+
+    def __post_init__(self) -> None:
+        validate_sizes(self.ranks, self.spatial_size)
+        # normalised once here, so every reader sees a tuple of ints (a list given is one)
+        object.__setattr__(self, "mesh", check_mesh(self.mesh, self.spatial_size))
+        if self.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if self.autocast is not None:
+            check_dtype(self.autocast)
+
+    @classmethod
+    def of(
+        cls,
+        case: SpatialCase,
+        *,
+        ranks: int,
+        spatial_size: int | None,
+        mesh: tuple[int, ...] | None,
+        steps: int,
+        lr: float,
+        seed: int,
+        rollout: int | None,
+        autocast: torch.dtype | None,
+        tolerance: Tolerance | None,
+        timeout: float | None,
+        allow_nonfinite: bool | None,
+        locate: bool | None,
+        calibrate: bool | None,
+    ) -> CheckSpec:
+        """The spec of ``check_equivalence(case, ...)``'s arguments (whose defaults are that
+        function's), the case's own filled in where the call left one ``None``
+        (``rollout_steps``, ``autocast``, ``expect_nonfinite``) and what the case declares
+        checked against them: one ``ConfigError`` for the first bad value."""
+        if not isinstance(case, SpatialCase):
+            raise ConfigError(
+                f"check_equivalence needs a harness.SpatialCase, got {type(case).__name__}; "
+                "subclass SpatialCase and implement build, batch and forward"
+            )
+        n_rollout = rollout_steps(case, rollout)
+        spec = cls(
+            ranks,
+            ranks if spatial_size is None else spatial_size,
+            () if mesh is None else mesh,
+            rollout=n_rollout,
+            autocast=case.autocast if autocast is None else autocast,
+            allow_nonfinite=case.expect_nonfinite if allow_nonfinite is None else allow_nonfinite,
+            steps=steps,
+            lr=lr,
+            seed=seed,
+            tolerance=tolerance,
+            timeout=timeout,
+            locate=locate,
+            calibrate=calibrate,
+        )
+        if spec.mesh and len(spec.mesh) != case.mesh_dims:
+            raise ConfigError(
+                f"mesh={spec.mesh} has {len(spec.mesh)} axes but {case.label}.mesh_dims is "
+                f"{case.mesh_dims}; give {case.mesh_dims} sizes, or set mesh_dims on the case"
+            )
+        if case.vacuous_ok is not None and not (
+            isinstance(case.vacuous_ok, str) and case.vacuous_ok.strip()
+        ):
+            raise ConfigError(
+                f"{case.label}.vacuous_ok = {case.vacuous_ok!r}: give the reason as a sentence "
+                '(vacuous_ok = "the model is replicated by design: ..."), or leave it None'
+            )
+        if n_rollout:
+            has_predict(case)
+        return spec

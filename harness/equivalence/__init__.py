@@ -32,6 +32,7 @@ from harness.case import (
     load_shards,
     parameter_shards,
 )
+from harness.case.declared import CheckSpec
 from harness.compare import FAILURES, Mismatch, Quantity, Tolerance
 from harness.equivalence._calibrate import calibrate, calibrates
 from harness.equivalence._calibrate import note as calibration_note
@@ -45,7 +46,7 @@ from harness.errors import (
 from harness.pool.overlap import Background, in_other_processes
 from harness.report import EquivalenceReport
 from harness.report.hints import culprit_hint
-from harness.topology import Topology, check_mesh, validate_sizes
+from harness.topology import Topology
 
 if TYPE_CHECKING:
     from harness.pool import Runner
@@ -123,10 +124,23 @@ def check_equivalence(
     that nudged reruns of the reference reach there (run while the ranks run;
     ``harness.equivalence._calibrate``); ``False``: by the fixed tolerance of the dtype.
     """
-    # long: validate, reference, ranks, judge, report: one call each; the docstring is the API
-    s, grid = _validate(case, ranks, spatial_size, steps, mesh)
-    allow = case.expect_nonfinite if allow_nonfinite is None else allow_nonfinite
-    n_rollout, amp = _production_modes(case, rollout, autocast)
+    # long: spec, reference, ranks, judge, report: one call each; the docstring is the API
+    spec = CheckSpec.of(
+        case,
+        ranks=ranks,
+        spatial_size=spatial_size,
+        mesh=mesh,
+        steps=steps,
+        lr=lr,
+        seed=seed,
+        rollout=rollout,
+        autocast=autocast,
+        tolerance=tolerance,
+        timeout=timeout,
+        allow_nonfinite=allow_nonfinite,
+        locate=locate,
+        calibrate=calibrate,
+    )
     t0 = time.perf_counter()
     if pool is None:
         from harness.pool import shared_registry
@@ -138,103 +152,49 @@ def check_equivalence(
     report = EquivalenceReport(
         case=case.label,
         ranks=ranks,
-        spatial_size=s,
+        spatial_size=spec.spatial_size,
         partition="",
-        steps=steps,
+        steps=spec.steps,
         dtype="",  # the reference's, once it ran
         tolerance=None,
         latitudes=None if case.latitudes is None else [float(v) for v in case.latitudes],
     )
-    limit = serial_limit(timeout, pool)
+    limit = serial_limit(spec.timeout, pool)
     if reference is None:
         try:
-            reference = bounded_reference(case, steps, lr, seed, limit)
+            reference = bounded_reference(case, spec.steps, spec.lr, spec.seed, limit)
         except Exception as exc:  # noqa: BLE001 - the reference's failure is the check's verdict
-            return _reference_failed(report, case, exc, tolerance, t0)
+            return _reference_failed(report, case, exc, spec.tolerance, t0)
     dtype = reference.steps[0].loss.dtype
-    tol = tolerance or case.tolerance or Tolerance.for_dtype(dtype)
+    tol = spec.tolerance or case.tolerance or Tolerance.for_dtype(dtype)
     report.dtype, report.tolerance = str(dtype).replace("torch.", ""), tol
     report.reference = reference.flat()
     # the reference ran first: its initial values can travel to ranks that load them
     loads = case.load_reference_shards or case.load_reference_init
-    init = reference.init if loads else None
-    run = _Run(case, pool, spatial_size, steps, lr, seed, timeout, init, grid or None, limit)
-    given = tolerance is not None or case.tolerance is not None
-    calibrated = calibrates(dtype, asked=calibrate, tolerance_given=given, autocast=amp)
-    _train(run, report, reference, tol, s, allow, amp, calibrated)
-    if n_rollout:
-        _roll_out(run, report, s, n_rollout, tol, amp)
+    run = _Run(spec, case, pool, reference.init if loads else None, limit)
+    given = spec.tolerance is not None or case.tolerance is not None
+    amp = spec.autocast
+    calibrated = calibrates(dtype, asked=spec.calibrate, tolerance_given=given, autocast=amp)
+    _train(run, report, reference, tol, calibrated)
+    if spec.rollout:
+        _roll_out(run, report, tol)
     report.seconds = time.perf_counter() - t0
     # locating reruns a training step without autocast: it would see nothing of bf16's
-    if _should_locate(locate if amp is None else bool(locate), report):
-        _locate_first(run, report, amp)
+    if _should_locate(spec.locate if amp is None else bool(spec.locate), report):
+        _locate_first(run, report)
     return report
-
-
-def _validate(
-    case: SpatialCase,
-    ranks: int,
-    spatial_size: int | None,
-    steps: int,
-    mesh: tuple[int, ...] | None,
-) -> tuple[int, tuple[int, ...]]:
-    """The spatial size and the mesh (``()``: the case's own) of a check, or one
-    ``ConfigError`` naming what is wrong with what was asked."""
-    if not isinstance(case, SpatialCase):
-        raise ConfigError(
-            f"check_equivalence needs a harness.SpatialCase, got {type(case).__name__}; "
-            "subclass SpatialCase and implement build, batch and forward"
-        )
-    s = validate_sizes(ranks, spatial_size)
-    grid = check_mesh(mesh, s)
-    if grid and len(grid) != case.mesh_dims:
-        raise ConfigError(
-            f"mesh={grid} has {len(grid)} axes but {case.label}.mesh_dims is "
-            f"{case.mesh_dims}; give {case.mesh_dims} sizes, or set mesh_dims on the case"
-        )
-    if steps < 1:
-        raise ConfigError(f"steps must be >= 1, got {steps}")
-    if case.vacuous_ok is not None and not (
-        isinstance(case.vacuous_ok, str) and case.vacuous_ok.strip()
-    ):
-        raise ConfigError(
-            f"{case.label}.vacuous_ok = {case.vacuous_ok!r}: give the reason as a sentence "
-            '(vacuous_ok = "the model is replicated by design: ..."), or leave it None'
-        )
-    return s, grid
-
-
-def _production_modes(
-    case: SpatialCase, rollout: int | None, autocast: torch.dtype | None
-) -> tuple[int, torch.dtype | None]:
-    """The rollout's step count (0: none) and the autocast dtype (``None``: off) asked for
-    by the call or the case, checked up front."""
-    from harness.rollout import has_predict, rollout_steps
-
-    n_rollout = rollout_steps(case, rollout)
-    if n_rollout:
-        has_predict(case)
-    amp = case.autocast if autocast is None else autocast
-    if amp is not None:
-        from harness.equivalence._autocast import check_dtype
-
-        amp = check_dtype(amp)
-    return n_rollout, amp
 
 
 @dataclass(frozen=True)
 class _Run:
-    """What every phase of one check runs with (the ranks' side of it)."""
+    """What every phase of one check runs with: the ``spec`` that crosses to the ranks
+    whole, and what only this process holds."""
 
+    spec: CheckSpec
     case: SpatialCase
     pool: Runner
-    spatial_size: int | None
-    steps: int
-    lr: float
-    seed: int
-    timeout: float | None
+    #: the reference's initial values, for a case that loads them (else ``None``)
     init: dict[str, torch.Tensor] | None
-    mesh: tuple[int, ...] | None
     #: the serial runs' clock: ``timeout``, else the pool's (``serial_limit``)
     limit: float | None = None
 
@@ -258,44 +218,41 @@ def _train(
     report: EquivalenceReport,
     reference: RunRecord,
     tol: Tolerance,
-    s: int,
-    allow: bool,
-    amp: torch.dtype | None,
     calibrated: bool = False,
 ) -> None:
     """The training steps on every rank, compared into ``report`` (under autocast: with
     the serial run under it, by the ratio rule; ``calibrated``: each entry by its rounding
     spread, the nudged reruns run while the ranks do)."""
     # long: the ranks' run beside the reruns, its failure, then one judgement, each once
-    case, ranks = run.case, report.ranks
-    judged, judge_tol, entry = reference, tol, (rank_entry,)
+    case, ranks, spec = run.case, report.ranks, run.spec
+    s, amp = spec.spatial_size, spec.autocast
+    judged, judge_tol = reference, tol
     if amp is not None:  # the ranks under autocast, judged against the serial run under it
         from harness.equivalence._autocast import serial_run
 
         try:
-            judged, judge_tol, entry = serial_run(case, amp, run.steps, run.lr, run.seed)
+            judged, judge_tol = serial_run(spec, case)
         except Exception as exc:  # noqa: BLE001 - the serial run under autocast raised
             phase = f"autocast {getattr(exc, 'harness_phase', None) or ''}".strip()
             report.mismatches = [_reference_error(case.label, exc, phase, None)]
             report.partition = _layout(case.describe(None), s, ranks // s)
             return
-    on_grid = {"mesh": run.mesh} if run.mesh else {}
-    call = (*entry, case, run.spatial_size, run.steps, run.lr, run.seed, run.init)
+    call = (rank_entry, spec, case, run.init)  # what crosses to every rank: one spec
     measured = None
     try:
         if calibrated and in_other_processes(run.pool):
-            ranks_run = Background(run.pool, call, run.timeout, **on_grid)
+            ranks_run = Background(run.pool, call, spec.timeout)
             # the reruns stop at the check's timeout, and at once when the ranks failed
             clock = Deadline.after(run.limit, stop=ranks_run.failed)
             try:
-                measured = calibrate(case, reference, *_args(run), deadline=clock)
+                measured = calibrate(spec, case, reference, deadline=clock)
             finally:
                 records = ranks_run.result()  # joined whatever happened: no thread outlives
         else:
-            records = run.pool.run(call[0], *call[1:], timeout=run.timeout, **on_grid)
+            records = run.pool.run(*call, timeout=spec.timeout)
             if calibrated:
                 clock = Deadline.after(run.limit)
-                measured = calibrate(case, reference, *_args(run), deadline=clock)
+                measured = calibrate(spec, case, reference, deadline=clock)
     except RankFailure as failure:
         report.mismatches = failure_mismatches(failure, case.label)
         report.likely = culprit_hint(failure)
@@ -309,7 +266,12 @@ def _train(
     elif spreads is not None:
         report.notes.append(calibration_note(spreads, report.dtype))
     found = compare_runs(
-        judged, records, judge_tol, spatial_size=s, allow_nonfinite=allow, spreads=spreads
+        judged,
+        records,
+        judge_tol,
+        spatial_size=s,
+        allow_nonfinite=spec.allow_nonfinite,
+        spreads=spreads,
     )
     report.mismatches, report.stats = found.mismatches, found.stats
     if not case.vacuous_ok:
@@ -322,38 +284,18 @@ def _train(
         ratio_rule(case, report, reference, judged, records, amp)
 
 
-def _args(run: _Run) -> tuple[int, float, int]:
-    """The steps, learning rate and seed of ``run``'s training, as the reruns take them."""
-    return run.steps, run.lr, run.seed
-
-
-def _roll_out(
-    run: _Run,
-    report: EquivalenceReport,
-    s: int,
-    n_rollout: int,
-    tol: Tolerance,
-    amp: torch.dtype | None,
-) -> None:
+def _roll_out(run: _Run, report: EquivalenceReport, tol: Tolerance) -> None:
     """The inference rollout, judged step by step into ``report`` (not after a training
     run that raised, crashed or hung: its traceback says more)."""
-    from harness.rollout import SerialRanOut, check_rollout
+    from harness.rollout import SerialRanOut, roll_out
 
+    n_rollout = run.spec.rollout
     report.rollout_steps = n_rollout
     if report.quantities & set(FAILURES):
         report.notes.append(f"rollout of {n_rollout} steps not run: the training run failed")
         return
     try:
-        report.rollout = check_rollout(
-            run.case,
-            run.pool,
-            spatial_size=s,
-            steps=n_rollout,
-            seed=run.seed,
-            bound=tol.field,
-            timeout=run.timeout,
-            autocast=amp,
-        )
+        report.rollout = roll_out(run.spec, run.case, run.pool, tol.field)
     except RankFailure as failure:
         report.mismatches += _rollout_failure(failure, run.case.label, n_rollout)
         report.likely = report.likely or culprit_hint(failure)
@@ -378,7 +320,7 @@ def _rollout_failure(failure: RankFailure, label: str, steps: int) -> list[Misma
     return found
 
 
-def _locate_first(run: _Run, report: EquivalenceReport, amp: torch.dtype | None) -> None:
+def _locate_first(run: _Run, report: EquivalenceReport) -> None:
     """Locate the first failing training step or, where only the rollout failed, the
     rollout's first divergent step; should locating raise, a ``Not located:`` line."""
     rolled = report.rollout.mismatches if report.rollout is not None else []
@@ -391,7 +333,7 @@ def _locate_first(run: _Run, report: EquivalenceReport, amp: torch.dtype | None)
     where = f"rollout step {step}" if rollout_only else f"step {step}"
     try:
         if rollout_only:
-            _locate_rollout(run, report, step, amp)
+            _locate_rollout(run, report, step)
         else:
             _locate(run, report, step)
     except Exception as exc:  # noqa: BLE001 - a diagnosis never takes the verdict down
@@ -402,24 +344,12 @@ def _locate_first(run: _Run, report: EquivalenceReport, amp: torch.dtype | None)
         )
 
 
-def _locate_rollout(
-    run: _Run, report: EquivalenceReport, step: int, amp: torch.dtype | None
-) -> None:
+def _locate_rollout(run: _Run, report: EquivalenceReport, step: int) -> None:
     """Locate the first divergence inside rollout step ``step`` into ``report``
     (``harness.equivalence._locating_rollout``)."""
     from harness.equivalence._locating_rollout import locate_rollout
 
-    assert report.rollout is not None
-    report.location = locate_rollout(
-        run.case,
-        run.pool,
-        spatial_size=run.spatial_size,
-        step=step,
-        steps=report.rollout.steps,
-        seed=run.seed,
-        timeout=run.timeout,
-        autocast=amp,
-    )
+    report.location = locate_rollout(run.spec, run.case, run.pool, step=step)
     report.first_divergence = report.location.first
     report.location.lines()  # rendered now: a line it cannot write is said here, not in str()
 
@@ -429,17 +359,7 @@ def _locate(run: _Run, report: EquivalenceReport, step: int) -> None:
     (``harness.equivalence._locating``)."""
     from harness.equivalence._locating import locate as locate_run
 
-    report.location = locate_run(
-        run.case,
-        run.pool,
-        spatial_size=run.spatial_size,
-        step=step,
-        lr=run.lr,
-        seed=run.seed,
-        timeout=run.timeout,
-        reference_init=run.init,
-        mesh=run.mesh,
-    )
+    report.location = locate_run(run.spec, run.case, run.pool, step=step, reference_init=run.init)
     report.first_divergence = report.location.first
     report.location.lines()  # rendered now: a line it cannot write is said here, not in str()
 

@@ -21,18 +21,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from harness._judges.fields import assemble_whole, flat_like
-from harness._rank.predict import autocast_context
+from harness._rank.dtypes import autocast_context
 from harness._records.run import FieldRecord, RunRecord
 from harness.compare import NUMERIC, Mismatch, Quantity, Tolerance
-from harness.errors import ConfigError
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
+    from harness.case.declared import CheckSpec
     from harness.report import EquivalenceReport
 
 #: ``|P - H| <= RATIO * max(|S - H|, u * |H|) + floor`` (``u``: the autocast dtype's unit
@@ -44,26 +44,6 @@ if TYPE_CHECKING:
 #: under autocast (gradients not synced, a wrong shard index, a mean of means, a global sum
 #: with identity backward) sit at 90x-470x.
 RATIO = 4.0
-
-AUTOCASTABLE = (torch.bfloat16, torch.float16)
-
-
-def check_dtype(dtype: Any) -> torch.dtype:
-    """``dtype`` if autocast can run at it on the CPU, else one clear error."""
-    if dtype not in AUTOCASTABLE:
-        raise ConfigError(
-            f"autocast={dtype!r}: give torch.bfloat16 (what production mixed precision uses on "
-            "the CPU's autocast) or torch.float16, or None for no autocast"
-        )
-    return dtype  # type: ignore[no-any-return]
-
-
-def _autocast_entry(dtype: torch.dtype, *args: Any, **kwargs: Any) -> RunRecord:
-    """A rank's run under autocast (module level: the pool pickles it)."""
-    from harness._rank.run import rank_entry
-
-    with autocast_context(dtype):
-        return rank_entry(*args, **kwargs)
 
 
 def _l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -178,19 +158,17 @@ def guard(high: RunRecord, label: str) -> list[Mismatch]:
     ]
 
 
-def serial_run(
-    case: SpatialCase, dtype: torch.dtype, steps: int, lr: float, seed: int
-) -> tuple[RunRecord, Tolerance, tuple[Any, ...]]:
-    """The serial run under autocast (what the ranks' layout is checked against), the
-    tolerance for that check (unbounded: with it a loss, gradient, field or parameter
-    mismatches only on its shape, dtype or a NaN; values are the ratio rule's), and the
-    ranks' entry."""
+def serial_run(spec: CheckSpec, case: SpatialCase) -> tuple[RunRecord, Tolerance]:
+    """The serial run under ``spec.autocast`` (what the ranks' layout is checked against:
+    the ranks' entry runs under the same ``spec``) and the tolerance for that check
+    (unbounded: with it a loss, gradient, field or parameter mismatches only on its shape,
+    dtype or a NaN; values are the ratio rule's)."""
     from harness._rank.run import run_case
     from harness.topology import Topology
 
-    with autocast_context(dtype):
-        serial = run_case(case, Topology.single(), steps, lr, seed)
-    return serial, Tolerance.uniform(math.inf, math.inf), (_autocast_entry, dtype)
+    with autocast_context(spec.autocast):
+        serial = run_case(case, Topology.single(), spec.steps, spec.lr, spec.seed)
+    return serial, Tolerance.uniform(math.inf, math.inf)
 
 
 def ratio_rule(

@@ -29,6 +29,7 @@ from harness.topology import Topology
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
+    from harness.case.declared import CheckSpec
 
 #: Nudged reruns of the reference that measure each entry's rounding spread; each costs one
 #: serial training run, run while the ranks run.
@@ -82,16 +83,15 @@ class Calibration:
 
 
 def spread_runs(
+    spec: CheckSpec,
     case: SpatialCase,
-    steps: int,
-    lr: float,
-    seed: int,
     *,
     members: int = MEMBERS,
     deadline: Deadline | None = None,
     done: list[RunRecord] | None = None,
 ) -> list[RunRecord]:
-    """The reference rerun ``members`` times, each nudged by ``ULPS`` units of rounding
+    """The reference's training (``spec``'s steps, learning rate and seed) rerun
+    ``members`` times, each nudged by ``ULPS`` units of rounding
     with a generator of its own, in this process with ``SERIAL_THREADS`` torch threads;
     each stopped by ``deadline`` (``RanOut``) at the check's timeout. ``done`` (if given)
     collects the reruns as they finish, so a caller sees how far they got."""
@@ -103,7 +103,15 @@ def spread_runs(
         for j in range(members):
             nudge = Nudge(j, ULPS)
             out.append(
-                run_case(case, Topology.single(), steps, lr, seed, progress=tick, nudge=nudge)
+                run_case(
+                    case,
+                    Topology.single(),
+                    spec.steps,
+                    spec.lr,
+                    spec.seed,
+                    progress=tick,
+                    nudge=nudge,
+                )
             )
         return out
     finally:
@@ -111,11 +119,9 @@ def spread_runs(
 
 
 def calibrate(
+    spec: CheckSpec,
     case: SpatialCase,
     reference: RunRecord,
-    steps: int,
-    lr: float,
-    seed: int,
     *,
     members: int = MEMBERS,
     factor: float = FACTOR,
@@ -124,18 +130,19 @@ def calibrate(
     """Each entry's spread over ``members`` nudged reruns of ``reference``; a rerun that
     raises, or that ``deadline`` stops (the check's timeout; the ranks' run failed), leaves
     the check on its fixed tolerance, said in ``problem``. The same reference
-    record judged again with the same arguments (every layout of a sweep: ``check_layouts``
+    record judged again with the same training (every layout of a sweep: ``check_layouts``
     runs the reference once) reuses the spreads measured for it."""
     from harness.errors import exception_summary
 
-    key = (case, steps, lr, seed, members, factor)
+    # the training only: a sweep's layouts differ in the rest of their specs
+    key = (case, spec.steps, spec.lr, spec.seed, members, factor)
     if _LAST is not None and _LAST[0] is reference and _LAST[1] == key:
         return _LAST[2]
     t0 = time.perf_counter()
     out = Calibration()
     done: list[RunRecord] = []  # how far the reruns got, should the clock stop them
     try:
-        runs = spread_runs(case, steps, lr, seed, members=members, deadline=deadline, done=done)
+        runs = spread_runs(spec, case, members=members, deadline=deadline, done=done)
     except RanOut as stop:
         out.problem = f"the nudged reruns of the reference {stop} ({len(done)} of {members} done)"
     except Exception as exc:  # noqa: BLE001 - the check falls back to its tolerance, saying why

@@ -49,6 +49,7 @@ from harness.topology import Topology
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
+    from harness.case.declared import CheckSpec
     from harness.pool import Runner
 
 #: the nudge: each value times (1 +- NUDGE_ULPS * eps), signs drawn from a private generator
@@ -437,19 +438,28 @@ def _as_placed(t: torch.Tensor) -> tuple[Placement | None, torch.Tensor]:
 
 
 def _traced(
+    spec: CheckSpec,
     case: SpatialCase,
     topo: Topology,
     step: int,
-    lr: float,
-    seed: int,
-    nudge: bool,
-    backward: bool,
+    *,
+    nudge: bool = False,
+    backward: bool = True,
     reference_init: dict[str, torch.Tensor] | None = None,
 ) -> Trace:
+    """Training step ``step`` of ``spec``'s training on ``topo``, hooked (``Recorder``)."""
     from harness._rank.run import run_case
 
     recorder = Recorder(case, topo, step, nudge=nudge, backward=backward)
-    record = run_case(case, topo, step + 1, lr, seed, watch=recorder, reference_init=reference_init)
+    record = run_case(
+        case,
+        topo,
+        step + 1,
+        spec.lr,
+        spec.seed,
+        watch=recorder,
+        reference_init=reference_init,
+    )
     trace = recorder.trace
     st = record.steps[step]
     # the loss is computed after the forward, before the backward
@@ -498,52 +508,43 @@ def _slice_positions(f: FieldRecord) -> torch.Tensor:
 
 
 def _locate_entry(
+    spec: CheckSpec,
     case: SpatialCase,
-    spatial_size: int | None,
     step: int,
-    lr: float,
-    seed: int,
     backward: bool,
     reference_init: dict[str, torch.Tensor] | None = None,
-    mesh: tuple[int, ...] | None = None,
 ) -> Trace:
-    """What every rank of the pool runs to be located (module level: the pool pickles it)."""
-    topo = Topology.create(spatial_size, mesh)
-    return _traced(case, topo, step, lr, seed, False, backward, reference_init)
+    """What every rank of the pool runs to be located: step ``step`` of ``spec``'s
+    training on its layout, hooked (module level: the pool pickles it)."""
+    topo = Topology.create(spec.spatial_size, spec.mesh or None)
+    return _traced(spec, case, topo, step, backward=backward, reference_init=reference_init)
 
 
 def locate(
+    spec: CheckSpec,
     case: SpatialCase,
     pool: Runner,
     *,
-    spatial_size: int | None,
     step: int,
-    lr: float,
-    seed: int,
-    timeout: float | None = None,
     reference_init: dict[str, torch.Tensor] | None = None,
-    mesh: tuple[int, ...] | None = None,
 ) -> Location:
-    """Rerun step ``step`` hooked (reference, nudged reference, every rank) and judge it.
-    ``reference_init``: for a case that loads the reference's values into its shards;
-    ``mesh``: the process grid of the run being located (``Topology.mesh``)."""
+    """Rerun step ``step`` of the check ``spec`` hooked (reference, nudged reference, every
+    rank of ``pool``, stopped at ``spec.timeout``) and judge it. ``reference_init``: for a
+    case that loads the reference's values into its shards."""
     t0 = time.perf_counter()
     problem = ""
     for backward in (True, False):
         try:
-            reference = _traced(case, Topology.single(), step, lr, seed, False, backward)
-            nudged = _traced(case, Topology.single(), step, lr, seed, True, backward)
+            reference = _traced(spec, case, Topology.single(), step, backward=backward)
+            nudged = _traced(spec, case, Topology.single(), step, nudge=True, backward=backward)
             ranks = pool.run(
                 _locate_entry,
+                spec,
                 case,
-                spatial_size,
                 step,
-                lr,
-                seed,
                 backward,
                 reference_init,
-                timeout=timeout,
-                **({"mesh": mesh} if mesh else {}),
+                timeout=spec.timeout,
             )
         except RankFailure as failure:
             problem = rerun_failed(failure)

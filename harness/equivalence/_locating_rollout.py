@@ -45,6 +45,7 @@ from harness.topology import Topology
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
+    from harness.case.declared import CheckSpec
     from harness.pool import Runner
 
 
@@ -96,11 +97,11 @@ def traced_prediction(
     return finish_trace(trace, case, topo, records[step]), skip
 
 
-def _rollout_trace_entry(
-    case: SpatialCase, spatial_size: int | None, step: int, seed: int, autocast: torch.dtype | None
-) -> Trace:
-    """What every rank of the pool runs to locate a rollout (module level: pickled)."""
-    return traced_prediction(case, Topology.create(spatial_size), step, seed, autocast=autocast)[0]
+def _rollout_trace_entry(spec: CheckSpec, case: SpatialCase, step: int) -> Trace:
+    """What every rank of the pool runs to locate rollout step ``step`` of ``spec``'s
+    rollout, on the grid the rollout ran on (module level: pickled)."""
+    topo = Topology.create(spec.spatial_size)
+    return traced_prediction(case, topo, step, spec.seed, autocast=spec.autocast)[0]
 
 
 @dataclass(frozen=True)
@@ -131,20 +132,12 @@ def _in_rollout(first: Divergence, steps: int) -> RolloutDivergence:
     return RolloutDivergence(**values, of=steps)
 
 
-def locate_rollout(
-    case: SpatialCase,
-    pool: Runner,
-    *,
-    spatial_size: int | None,
-    step: int,
-    steps: int,
-    seed: int,
-    timeout: float | None = None,
-    autocast: torch.dtype | None = None,
-) -> Location:
-    """Rerun rollout step ``step`` (of ``steps``) hooked on the reference, its nudged rerun
-    and every rank; judge it. What cannot be located is ``Location.problem``."""
+def locate_rollout(spec: CheckSpec, case: SpatialCase, pool: Runner, *, step: int) -> Location:
+    """Rerun rollout step ``step`` of the rollout ``spec`` asks for hooked on the reference,
+    its nudged rerun and every rank; judge it. What cannot be located is
+    ``Location.problem``."""
     t0 = time.perf_counter()
+    steps, seed, autocast = spec.rollout, spec.seed, spec.autocast
     where = f"rollout step {step} of {steps}"
     threads = torch.get_num_threads()
     try:
@@ -153,9 +146,7 @@ def locate_rollout(
         nudged, _ = traced_prediction(
             case, Topology.single(), step, seed, nudge=True, skip=skip, autocast=autocast
         )
-        ranks = pool.run(
-            _rollout_trace_entry, case, spatial_size, step, seed, autocast, timeout=timeout
-        )
+        ranks = pool.run(_rollout_trace_entry, spec, case, step, timeout=spec.timeout)
     except RankFailure as failure:
         problem = rerun_failed(failure)
     except Exception as exc:  # noqa: BLE001 - a model that breaks under the hooks

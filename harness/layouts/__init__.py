@@ -43,12 +43,15 @@ from typing import TYPE_CHECKING, Any
 from harness._records.observe import observed
 from harness._records.run import RunRecord
 from harness.case import SpatialCase
+from harness.case.declared import CheckOptions
 from harness.compare import FAILURES, Quantity
 from harness.errors import ConfigError
 from harness.layouts._covering import Covering
 from harness.report import EquivalenceReport
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     from harness.pool import Runner
 
 __all__ = ["BLOCKS", "Layout", "LayoutResult", "LayoutsReport", "check_layouts", "layouts"]
@@ -440,14 +443,16 @@ def check_layouts(
     progress: Callable[[LayoutResult], None] | None = None,
     exhaustive: bool = False,
     oversubscribe: bool = False,
-    **kwargs: Any,
+    timeout: float | None = None,
+    **options: Unpack[CheckOptions],
 ) -> LayoutsReport:
     """``check_equivalence(case, ...)`` on the covering set of the layouts up to
     ``max_ranks`` ranks (``harness.layouts._covering``), or on every one with ``exhaustive=True``.
 
     ``world_sizes`` restricts the sweep to those world sizes; ``pools(W)`` gives the runner
-    of ``W`` ranks (default: the process-wide warm pools, one per world size); ``kwargs``
-    go to every ``check_equivalence`` (``steps``, ``tolerance``, ``timeout``, ``seed``...).
+    of ``W`` ranks (default: the process-wide warm pools, one per world size); ``options``
+    go to every ``check_equivalence`` (``steps``, ``lr``, ``seed``, ``tolerance``,
+    ``rollout``... : ``CheckOptions``).
     Layouts run smallest first, one world size at a time (each pool started once); a
     layout's hang is ended by the deadlock proof, not a clock, so an oversubscribed layout
     that is merely slow still runs to its verdict: its timeout (``timeout``, else its
@@ -456,7 +461,7 @@ def check_layouts(
     locates: the first failing layout is the one worth the cost); ``progress`` is told
     each layout's result as it comes; ``oversubscribe=True`` allows more than 4 ranks a core.
     """
-    dims = _validate(case, kwargs, max_ranks, oversubscribe)
+    dims = _validate(case, options, max_ranks, oversubscribe)
     if pools is None:
         from harness.pool import shared_registry
 
@@ -465,14 +470,13 @@ def check_layouts(
     out = LayoutsReport(case.label, max_ranks, dims, vacuous_ok=case.vacuous_ok)
     out.covering = not exhaustive
     cases = _cases(case, layouts(max_ranks, dims, world_sizes))
-    reference = _reference(case, kwargs)  # the same for every layout: run once
-    given = kwargs.pop("timeout", None)
+    reference = _reference(case, options, timeout)  # the same for every layout: run once
     walk = None if exhaustive else Covering()
     for layout in sorted(cases, key=lambda x: (x.world_size, x.order)):
         if walk is not None and not walk.wants(layout):
             out.left_out.append(layout)
             continue
-        report = _check(layout, cases[layout], pools, reference, given, False, kwargs)
+        report = _check(layout, cases[layout], pools, reference, timeout, False, options)
         why = refusal(report) if not report.ok else ""
         if walk is not None and not why:  # refused: its levels are still wanted
             walk.ran(layout)
@@ -481,7 +485,7 @@ def check_layouts(
         if progress is not None:
             progress(result)
     if locate is not False and out.failing:
-        _locate_smallest(out.failing[0], cases, pools, reference, given, locate, kwargs)
+        _locate_smallest(out.failing[0], cases, pools, reference, timeout, locate, options)
     out.results.sort(key=lambda r: r.layout.order)
     out.seconds = time.perf_counter() - t0
     return out
@@ -494,7 +498,7 @@ def _check(
     reference: RunRecord | None,
     given: float | None,
     locate: bool | None,
-    kwargs: dict[str, Any],
+    options: CheckOptions,
 ) -> EquivalenceReport:
     """``check_equivalence`` of one layout, on its world size's pool, with the sweep's
     reference and the layout's timeout (``layout_timeout``)."""
@@ -510,11 +514,11 @@ def _check(
         locate=locate,
         reference=reference,
         timeout=layout_timeout(given, runner, layout.world_size),
-        **kwargs,
+        **options,
     )
 
 
-def _validate(case: SpatialCase, kwargs: dict[str, Any], max_ranks: Any, allow: bool) -> int:
+def _validate(case: SpatialCase, options: CheckOptions, max_ranks: Any, allow: bool) -> int:
     """One clear error for what a sweep cannot take; the case's ``mesh_dims``."""
     from harness.pool import check_oversubscription
 
@@ -526,7 +530,7 @@ def _validate(case: SpatialCase, kwargs: dict[str, Any], max_ranks: Any, allow: 
             "subclass SpatialCase and implement build, batch and forward"
         )
     for bad in ("ranks", "spatial_size", "mesh", "pool", "reference"):
-        if bad in kwargs:
+        if bad in options:
             raise ConfigError(
                 f"check_layouts chooses {bad}= itself for every layout; drop {bad}= "
                 "(restrict the sweep with max_ranks= or world_sizes=)"
@@ -547,20 +551,19 @@ def _cases(case: SpatialCase, todo: list[Layout]) -> dict[Layout, SpatialCase]:
     return cases
 
 
-def _reference(case: SpatialCase, kwargs: dict[str, Any]) -> RunRecord | None:
+def _reference(case: SpatialCase, options: CheckOptions, timeout: float | None) -> RunRecord | None:
     """The reference's run, which does not depend on the layout (``None`` where it raises:
     each layout's check then reports the reference's error)."""
     from harness.equivalence import bounded_reference
     from harness.pool import DEFAULT_TIMEOUT
 
-    run = {k: kwargs[k] for k in ("steps", "lr", "seed") if k in kwargs}
     try:  # under the sweep's timeout (else the default pool's), as each check's reference
         return bounded_reference(
             case,
-            run.get("steps", 2),
-            run.get("lr", 0.1),
-            run.get("seed", 0),
-            kwargs.get("timeout") or DEFAULT_TIMEOUT,
+            options.get("steps", 2),
+            options.get("lr", 0.1),
+            options.get("seed", 0),
+            timeout or DEFAULT_TIMEOUT,
         )
     except Exception:  # noqa: BLE001 - each layout's check reports the reference's error
         return None
@@ -573,7 +576,7 @@ def _locate_smallest(
     reference: RunRecord | None,
     given: float | None,
     locate: bool | None,
-    kwargs: dict[str, Any],
+    options: CheckOptions,
 ) -> None:
     """Rerun the smallest failing layout with locating, and keep that report when it fails
     the same way (now with where it first departs). Not for a raise or a hang, whose
@@ -585,7 +588,7 @@ def _locate_smallest(
     if mutant_mode().verdict_only:
         return
     layout = smallest.layout
-    located = _check(layout, cases[layout], pools, reference, given, locate, kwargs)
+    located = _check(layout, cases[layout], pools, reference, given, locate, options)
     if not located.ok:
         smallest.report = located
 

@@ -36,11 +36,12 @@ def test_bf16_autocast_moves_the_serial_run_so_a_fixed_float32_tolerance_would_f
     report = check_equivalence(_mlp(), ranks=4, pool=spatial.pool(4), autocast=torch.bfloat16)
     assert report.ok, report
     from harness._rank.run import run_case
+    from harness.case.declared import CheckSpec
     from harness.equivalence._autocast import serial_run
     from harness.topology import Topology
 
     high = run_case(_mlp(), Topology.single(), 2, 0.1, 0)
-    serial, _, _ = serial_run(_mlp(), torch.bfloat16, 2, 0.1, 0)
+    serial, _ = serial_run(CheckSpec(4, 4, autocast=torch.bfloat16), _mlp())
     moved = (serial.steps[0].fields["out"].values - high.steps[0].fields["out"].values).abs()
     assert float(moved.max()) > 1e-3  # float32's field tolerance is 3e-6 + 1e-5 * |x|
 

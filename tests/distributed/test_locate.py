@@ -24,6 +24,7 @@ from harness import (
     Topology,
     check_equivalence,
 )
+from harness.case.declared import CheckSpec
 from harness.collectives import grid_halo_exchange, reduce_loss, spatial_sum, sync_gradients
 
 RANKS = 4
@@ -394,7 +395,7 @@ def test_a_parameter_of_the_model_itself_is_judged_where_its_gradient_is_complet
     # module's backward, not at the start of the backward where the model's own hooks fire
     from harness.equivalence._locating import _traced
 
-    trace = _traced(PointCase(), Topology.single(), 0, 0.1, 0, False, True)
+    trace = _traced(CheckSpec(1, 1), PointCase(), Topology.single(), 0)
     order = [(e.kind, e.module, e.slot) for e in trace.events]
     gain = order.index(("param_grad", "", "gain"))
     assert gain > order.index(("grad_input", "pick", "0.0"))  # pick consumes x * gain
@@ -463,10 +464,10 @@ class _OneRankPool:
 
     world_size = 1
 
-    def run(self, fn: Any, case: Any, *args: Any, timeout: Any = None) -> list[Any]:
+    def run(self, fn: Any, spec: Any, case: Any, *args: Any, timeout: Any = None) -> list[Any]:
         from harness.equivalence._locating import _traced
 
-        return [_traced(case, Topology.single(), 0, 0.1, 0, False, True)]
+        return [_traced(spec, case, Topology.single(), 0)]
 
 
 def test_a_judgement_that_raises_is_a_not_located_line_never_an_exception(monkeypatch):
@@ -477,7 +478,7 @@ def test_a_judgement_that_raises_is_a_not_located_line_never_an_exception(monkey
 
     monkeypatch.setattr(harness.equivalence._locating, "first_divergence", broken)
     found = harness.equivalence._locating.locate(
-        PointCase(), _OneRankPool(), spatial_size=1, step=0, lr=0.1, seed=0
+        CheckSpec(1, 1), PointCase(), _OneRankPool(), step=0
     )  # type: ignore[arg-type]
     assert found.first is None
     assert found.lines() == [

@@ -144,13 +144,15 @@ class Linear(SpatialCase):
 def test_a_ranks_training_run_under_autocast_computes_what_the_serial_autocast_run_does(
     monkeypatch,
 ):
-    from harness._rank.run import run_case
-    from harness.equivalence._autocast import _autocast_entry, serial_run
+    from harness._rank.run import rank_entry, run_case
+    from harness.case.declared import CheckSpec
+    from harness.equivalence._autocast import serial_run
 
     # one rank, in this process: its topology the single process's
     monkeypatch.setattr(Topology, "create", staticmethod(lambda *a, **k: Topology.single()))
-    rank = _autocast_entry(torch.bfloat16, Linear(), None, 2, 0.1, 0)
-    serial, _, _ = serial_run(Linear(), torch.bfloat16, 2, 0.1, 0)
+    spec = CheckSpec(1, 1, autocast=torch.bfloat16)  # the ranks' and the serial run's alike
+    rank = rank_entry(spec, Linear())
+    serial, _ = serial_run(spec, Linear())
     high = run_case(Linear(), Topology.single(), 2, 0.1, 0)
     for k in range(2):
         assert torch.equal(rank.steps[k].loss, serial.steps[k].loss)

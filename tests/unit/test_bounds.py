@@ -15,6 +15,7 @@ from harness import Outputs, SpatialCase, Topology, check_equivalence
 from harness._rank.deadline import Deadline, RanOut
 from harness._rank.predict import run_prediction
 from harness._rank.run import run_case
+from harness.case.declared import CheckSpec
 from harness.compare import Quantity
 from harness.equivalence._calibrate import calibrate
 
@@ -110,7 +111,7 @@ def test_a_rerun_stopped_by_its_clock_leaves_no_spreads_and_says_how_far_it_got(
     case = Tiny()
     reference = run_case(case, Topology.single(), 2, 0.1, 0)
     past = Deadline(at=0.0, seconds=5.0)  # a clock that has run out already
-    out = calibrate(case, reference, 2, 0.1, 0, deadline=past)
+    out = calibrate(CheckSpec(4, 4), case, reference, deadline=past)
     assert out.spreads is None
     assert out.problem == (
         "the nudged reruns of the reference ran past the check's timeout of 5 s (0 of 4 done)"

@@ -259,7 +259,9 @@ def test_the_same_reference_is_calibrated_once_for_every_layout_of_a_sweep(monke
 
     runs: list[int] = []
 
-    def reruns(case, steps, lr, seed, *, members, **clock):  # type: ignore[no-untyped-def]
+    from harness.case.declared import CheckSpec
+
+    def reruns(spec, case, *, members, **clock):  # type: ignore[no-untyped-def]
         runs.append(members)
         return [_record(1.0, _values(seed=1), _values(), _values(seed=2))] * members
 
@@ -267,19 +269,21 @@ def test_the_same_reference_is_calibrated_once_for_every_layout_of_a_sweep(monke
     monkeypatch.setattr(calibrate_module, "_LAST", None)
     reference = _record(1.0, _values(seed=1), _values(), _values(seed=2))
     case = object()
-    first = calibrate_module.calibrate(case, reference, 2, 0.1, 0)
-    again = calibrate_module.calibrate(case, reference, 2, 0.1, 0)
+    # two layouts of one sweep: their specs differ in the layout, not in the training
+    first = calibrate_module.calibrate(CheckSpec(4, 2, (2,)), case, reference)
+    again = calibrate_module.calibrate(CheckSpec(4, 4, (2, 2)), case, reference)
     assert again is first and runs == [calibrate_module.MEMBERS]
-    # another reference record, or other arguments: measured anew
-    calibrate_module.calibrate(case, _record(1.0, _values(), _values(), _values()), 2, 0.1, 0)
-    calibrate_module.calibrate(case, reference, 2, 0.1, 1)
+    # another reference record, or another training: measured anew
+    other = _record(1.0, _values(), _values(), _values())
+    calibrate_module.calibrate(CheckSpec(4, 4), case, other)
+    calibrate_module.calibrate(CheckSpec(4, 4, seed=1), case, reference)
     assert len(runs) == 3
 
 
 def test_spreads_that_cannot_be_measured_leave_the_check_on_its_tolerance(monkeypatch):
     import harness.equivalence._calibrate as calibrate_module
 
-    def reruns(case, steps, lr, seed, *, members, **clock):  # type: ignore[no-untyped-def]
+    def reruns(spec, case, *, members, **clock):  # type: ignore[no-untyped-def]
         return [_record(1.0, _values(seed=1), _values(), _values(seed=2))] * members
 
     def unreadable(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -289,7 +293,9 @@ def test_spreads_that_cannot_be_measured_leave_the_check_on_its_tolerance(monkey
     monkeypatch.setattr(calibrate_module, "spreads_of", unreadable)
     monkeypatch.setattr(calibrate_module, "_LAST", None)
     reference = _record(1.0, _values(seed=1), _values(), _values(seed=2))
-    out = calibrate_module.calibrate(object(), reference, 2, 0.1, 0)
+    from harness.case.declared import CheckSpec
+
+    out = calibrate_module.calibrate(CheckSpec(4, 4), object(), reference)
     assert out.spreads is None
     assert (
         out.problem

@@ -150,12 +150,12 @@ def fake_runs(monkeypatch):
     ran: list[Layout] = []
     rules = {"fails": lambda x: False, "refuses": lambda x: False}
 
-    def check(layout, case, pools, reference, given, locate, kwargs):
+    def check(layout, case, pools, reference, given, locate, options):
         ran.append(layout)
         return fake_report(layout, rules["fails"], rules["refuses"])
 
     monkeypatch.setattr(layouts_module, "_check", check)
-    monkeypatch.setattr(layouts_module, "_reference", lambda case, kwargs: None)
+    monkeypatch.setattr(layouts_module, "_reference", lambda case, options, timeout: None)
     return ran, rules
 
 

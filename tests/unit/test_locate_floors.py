@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from harness.case.declared import CheckSpec
 from harness.divergence import DEPART, MIN_ULPS
 from harness.divergence._trace import Event, Trace
 from harness.equivalence import _locating as _locate
@@ -66,7 +67,7 @@ class Pool:
         self.calls: list[bool] = []
 
     def run(self, fn: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Trace]:
-        backward = args[5]
+        backward = args[3]  # (spec, case, step, backward, reference_init)
         self.calls.append(backward)
         if backward and self.breaks:
             problem = RankProblem(0, "error", "RuntimeError: a view modified inplace")
@@ -79,7 +80,7 @@ def test_a_model_that_breaks_under_the_backward_hooks_is_located_forward_only(mo
     e = torch.linspace(1, 2, 8, dtype=F64)
     reruns: list[tuple[bool, bool]] = []
 
-    def traced(case, topo, step, lr, seed, nudge, backward, reference_init=None):
+    def traced(spec, case, topo, step, *, nudge=False, backward=True, reference_init=None):
         reruns.append((nudge, backward))
         if backward and where == "reference":
             raise RuntimeError("a view modified inplace")
@@ -91,7 +92,7 @@ def test_a_model_that_breaks_under_the_backward_hooks_is_located_forward_only(mo
     wrong = _output(e * 2)
     wrong.forward_only = True
     pool = Pool(wrong, breaks=where == "ranks")
-    found = _locate.locate(None, pool, spatial_size=2, step=0, lr=0.1, seed=0)  # type: ignore[arg-type]
+    found = _locate.locate(CheckSpec(2, 2), None, pool, step=0)  # type: ignore[arg-type]
     assert found.problem == ""
     assert found.first is not None and found.first.module == "dec"
     assert found.forward_only
@@ -104,8 +105,7 @@ def test_a_model_that_breaks_under_every_hook_is_not_located_and_says_why(monkey
         raise RuntimeError("a view modified inplace")
 
     monkeypatch.setattr(_locate, "_traced", traced)
-    found = _locate.locate(None, Pool(Trace(0), breaks=False), spatial_size=2, step=0, lr=0.1,
-                           seed=0)  # type: ignore[arg-type]  # fmt: skip
+    found = _locate.locate(CheckSpec(2, 2), None, Pool(Trace(0), breaks=False), step=0)  # type: ignore[arg-type]
     assert found.first is None
     assert (
         found.problem
