@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from harness import Outputs, Shard, SpatialCase, Topology, check_equivalence, data_share
 from harness._judges import BATCH_HINT, SHARD_HINT
 from harness.collectives import grid_halo_exchange, reduce_loss, spatial_sum, sync_gradients
-from harness.report import EquivalenceReport
 from harness.partition import LatLonPartition
+from harness.report import EquivalenceReport
 from harness.steppers.mlp import CoupledMLP, CoupledMLPCase
 from tests.distributed import band
 from tests.distributed.band import FAULTS, HALO_FAULTS, BandCase

@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 HARNESS = Path(__file__).resolve().parents[2] / "harness"
 
 
