@@ -91,7 +91,7 @@ def _m(area: str, path: str, old: str, new: str, what: str) -> Mutant:
     return Mutant(area, path, old, new, what, unit, dist)
 
 
-R, A, P = "harness/rollout.py", "harness/equivalence/_autocast.py", "harness/_rank/predict.py"
+R, A, P = "harness/rollout.py", "harness/_judges/autocast.py", "harness/_rank/predict.py"
 G, S, C = (
     "harness/goldens/_rollout.py",
     "harness/_records/samples.py",

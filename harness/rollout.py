@@ -129,7 +129,7 @@ def judge_rollout(
     ``factor`` times the members' spread (and at least the fixed ``bound``). Under autocast,
     ``high``: the reference's rollout without it; the bound is then at least ``ratio`` times
     the reference's distance from it (the reduced precision's own rounding, which nudges of
-    the inputs do not reach: ``harness.equivalence._autocast``'s ratio rule, step by step).
+    the inputs do not reach: ``harness._judges.autocast``'s ratio rule, step by step).
     ``sticks``:
     what of it does not depend on the ranks (``yardsticks``), if measured already."""
     from harness._judges import Judge, Layout
@@ -454,7 +454,7 @@ def roll_out(
         ranks = ranks_run.result()
     else:
         ranks = pool.run(*call, timeout=spec.timeout)
-    from harness.equivalence._autocast import RATIO
+    from harness._judges.autocast import RATIO
 
     record = judge_rollout(
         reference,

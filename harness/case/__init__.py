@@ -181,7 +181,7 @@ class SpatialCase:
     #: ``check_equivalence(..., rollout=N)`` does (``harness.rollout``). ``None``: no rollout.
     rollout_steps: int | None = None
     #: Run the check under ``torch.autocast`` at this dtype (``torch.bfloat16``), as
-    #: ``check_equivalence(..., autocast=...)`` does (``harness.equivalence._autocast``). ``None``:
+    #: ``check_equivalence(..., autocast=...)`` does (``harness._judges.autocast``). ``None``:
     #: off.
     autocast: torch.dtype | None = None
 

@@ -309,7 +309,7 @@ def check_returned_loss(case: SpatialCase, out: object, trainable: bool) -> torc
 
 # ---------------------------------------------------------------------- the spec of a check
 
-#: the dtypes ``torch.autocast`` runs a check at on the CPU (``harness.equivalence._autocast``)
+#: the dtypes ``torch.autocast`` runs a check at on the CPU (``harness._judges.autocast``)
 AUTOCASTABLE = (torch.bfloat16, torch.float16)
 
 

@@ -9,6 +9,7 @@ The contract itself (``SpatialCase``, ``Outputs``, ``Shard``) and ``run_case`` l
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -116,7 +117,7 @@ def check_equivalence(
     steps with ``predict`` and judge each step by its own rounding spread
     (``harness.rollout``). ``autocast`` (default: the case's): run the reference and the
     ranks under ``torch.autocast`` at that dtype, judged by the ratio rule
-    (``harness.equivalence._autocast``).
+    (``harness._judges.autocast``).
 
     ``calibrate`` (default: on where the check runs below float64 with no ``tolerance`` of
     the call's or the case's, and no autocast): judge every entry of every loss, gradient,
@@ -213,6 +214,18 @@ def bounded_reference(
     return run_case(case, Topology.single(), steps, lr, seed, progress=clock.progress)
 
 
+def serial_run(spec: CheckSpec, case: SpatialCase) -> tuple[RunRecord, Tolerance]:
+    """The serial run under ``spec.autocast`` (what the ranks' layout is checked against:
+    the ranks' entry runs under the same ``spec``) and the tolerance for that check
+    (unbounded: with it a loss, gradient, field or parameter mismatches only on its shape,
+    dtype or a NaN; values are the ratio rule's)."""
+    from harness._rank.dtypes import autocast_context
+
+    with autocast_context(spec.autocast):
+        serial = run_case(case, Topology.single(), spec.steps, spec.lr, spec.seed)
+    return serial, Tolerance.uniform(math.inf, math.inf)
+
+
 def _train(
     run: _Run,
     report: EquivalenceReport,
@@ -228,8 +241,6 @@ def _train(
     s, amp = spec.spatial_size, spec.autocast
     judged, judge_tol = reference, tol
     if amp is not None:  # the ranks under autocast, judged against the serial run under it
-        from harness.equivalence._autocast import serial_run
-
         try:
             judged, judge_tol = serial_run(spec, case)
         except Exception as exc:  # noqa: BLE001 - the serial run under autocast raised
@@ -279,7 +290,7 @@ def _train(
     report.field_errors, report.likely = found.field_errors, found.likely
     report.diagnoses += found.diagnoses
     if amp is not None:
-        from harness.equivalence._autocast import ratio_rule
+        from harness._judges.autocast import ratio_rule
 
         ratio_rule(case, report, reference, judged, records, amp)
 

@@ -6,7 +6,7 @@ and parameter then judged within ``FACTOR`` times the spread the reruns reach th
 On by default where a check runs below float64 and no tolerance was given (``tolerance=`` or
 ``SpatialCase.tolerance`` stay the user's explicit override); ``check_equivalence(...,
 calibrate=False)`` turns it off. Under autocast the ratio rule judges the values
-(``harness.equivalence._autocast``): the serial run under autocast is already a draw of the model's
+(``harness._judges.autocast``): the serial run under autocast is already a draw of the model's
 own
 rounding there.
 """

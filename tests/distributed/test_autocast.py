@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import ConfigError, check_equivalence
-from harness.equivalence._autocast import RATIO
+from harness._judges.autocast import RATIO
 from harness.steppers.mlp import CoupledMLPCase
 from harness.steppers.sfno import SFNOCase
 
@@ -37,7 +37,7 @@ def test_bf16_autocast_moves_the_serial_run_so_a_fixed_float32_tolerance_would_f
     assert report.ok, report
     from harness._rank.run import run_case
     from harness.case.declared import CheckSpec
-    from harness.equivalence._autocast import serial_run
+    from harness.equivalence import serial_run
     from harness.topology import Topology
 
     high = run_case(_mlp(), Topology.single(), 2, 0.1, 0)

@@ -1,5 +1,5 @@
-"""Production precision: a check run under ``torch.autocast`` (bf16 mixed precision), judged
-by the ratio rule.
+"""The ratio rule: a check run under ``torch.autocast`` (bf16 mixed precision) judged against
+the serial run under it (which ``harness.equivalence.serial_run`` makes).
 
 Under bf16 autocast the partitioned run and the serial run both sit ~1e-3..1e-2 away from
 the high-precision run, each in its own direction: no fixed tolerance separates the
@@ -26,13 +26,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from harness._judges.fields import assemble_whole, flat_like
-from harness._rank.dtypes import autocast_context
 from harness._records.run import FieldRecord, RunRecord
 from harness.compare import NUMERIC, Mismatch, Quantity, Tolerance
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
-    from harness.case.declared import CheckSpec
     from harness.report import EquivalenceReport
 
 #: ``|P - H| <= RATIO * max(|S - H|, u * |H|) + floor`` (``u``: the autocast dtype's unit
@@ -156,19 +154,6 @@ def guard(high: RunRecord, label: str) -> list[Mismatch]:
             "a loss that depends on its parameters and a learning rate that moves them",
         )
     ]
-
-
-def serial_run(spec: CheckSpec, case: SpatialCase) -> tuple[RunRecord, Tolerance]:
-    """The serial run under ``spec.autocast`` (what the ranks' layout is checked against:
-    the ranks' entry runs under the same ``spec``) and the tolerance for that check
-    (unbounded: with it a loss, gradient, field or parameter mismatches only on its shape,
-    dtype or a NaN; values are the ratio rule's)."""
-    from harness._rank.run import run_case
-    from harness.topology import Topology
-
-    with autocast_context(spec.autocast):
-        serial = run_case(case, Topology.single(), spec.steps, spec.lr, spec.seed)
-    return serial, Tolerance.uniform(math.inf, math.inf)
 
 
 def ratio_rule(
