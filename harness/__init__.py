@@ -7,9 +7,10 @@ The downstream contract::
 
 from harness._base.version import __version__
 from harness.adopt import GroupMismatch, check_group
+from harness.case import Outputs, Shard, SpatialCase, data_share
 from harness.compare import Bound, Mismatch, Quantity, Tolerance
 from harness.divergence import Divergence, Positions
-from harness.equivalence import Outputs, Shard, SpatialCase, check_equivalence, data_share
+from harness.equivalence import check_equivalence
 from harness.errors import (
     ConfigError,
     EquivalenceFailure,

@@ -36,7 +36,8 @@ from pathlib import Path
 
 from harness._mutation.catalogue import Outcome
 from harness.adapters import ModelAdapter, adapter_names, find_adapter
-from harness.equivalence import SpatialCase, check_equivalence
+from harness.case import SpatialCase
+from harness.equivalence import check_equivalence
 from harness.errors import ConfigError
 from harness.goldens import GoldenResult, GoldenStatus, GoldenStore, GoldenTally, check_report
 from harness.pool import PoolRegistry, RankPool, check_oversubscription, keep_limits

@@ -16,23 +16,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from harness._base.deprecation import forward
 from harness._judges import compare_runs
 from harness._judges.vacuous import check_vacuous
 from harness._mutation.mode import current as mutant_mode
+from harness._rank import run as rank_run
 from harness._rank.deadline import Deadline, RanOut
-from harness._rank.run import Progress, Watch, rank_entry, run_case
 from harness._records.observe import observed
 from harness._records.run import RunRecord
-from harness.case import (
-    KEYED_FORM,
-    Outputs,
-    Shard,
-    SpatialCase,
-    data_share,
-    load_init,
-    load_shards,
-    parameter_shards,
-)
 from harness.case.declared import CheckSpec
 from harness.compare import FAILURES, Mismatch, Quantity, Tolerance
 from harness.equivalence._calibrate import calibrate, calibrates
@@ -50,23 +41,24 @@ from harness.report.hints import culprit_hint
 from harness.topology import Topology
 
 if TYPE_CHECKING:
+    from harness.case import SpatialCase
     from harness.pool import Runner
 
-__all__ = [
-    "KEYED_FORM",
-    "Outputs",
-    "Progress",
-    "Shard",
-    "SpatialCase",
-    "Watch",
-    "check_equivalence",
-    "data_share",
-    "failure_mismatches",
-    "load_init",
-    "load_shards",
-    "parameter_shards",
-    "run_case",
-]
+__all__ = ["bounded_reference", "check_equivalence", "failure_mismatches", "serial_run"]
+
+# Importable from here for older code (with a DeprecationWarning): the contract lives in
+# harness.case, a rank's run in harness._rank.run.
+__getattr__ = forward(
+    __name__,
+    {
+        **dict.fromkeys(
+            ("KEYED_FORM", "Outputs", "Shard", "SpatialCase", "data_share", "load_init",
+             "load_shards", "parameter_shards"),
+            "harness.case",
+        ),
+        **dict.fromkeys(("Progress", "Watch", "run_case"), "harness._rank.run"),
+    },
+)  # fmt: skip
 
 # ---------------------------------------------------------------------- check
 
@@ -211,7 +203,7 @@ def bounded_reference(
 ) -> RunRecord:
     """The reference's training run, stopped (``RanOut``) past ``limit`` seconds."""
     clock = Deadline.after(limit)
-    return run_case(case, Topology.single(), steps, lr, seed, progress=clock.progress)
+    return rank_run.run_case(case, Topology.single(), steps, lr, seed, progress=clock.progress)
 
 
 def serial_run(spec: CheckSpec, case: SpatialCase) -> tuple[RunRecord, Tolerance]:
@@ -222,7 +214,7 @@ def serial_run(spec: CheckSpec, case: SpatialCase) -> tuple[RunRecord, Tolerance
     from harness._rank.dtypes import autocast_context
 
     with autocast_context(spec.autocast):
-        serial = run_case(case, Topology.single(), spec.steps, spec.lr, spec.seed)
+        serial = rank_run.run_case(case, Topology.single(), spec.steps, spec.lr, spec.seed)
     return serial, Tolerance.uniform(math.inf, math.inf)
 
 
@@ -248,7 +240,7 @@ def _train(
             report.mismatches = [_reference_error(case.label, exc, phase, None)]
             report.partition = _layout(case.describe(None), s, ranks // s)
             return
-    call = (rank_entry, spec, case, run.init)  # what crosses to every rank: one spec
+    call = (rank_run.rank_entry, spec, case, run.init)  # what crosses to every rank: one spec
     measured = None
     try:
         if calibrated and in_other_processes(run.pool):

@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 from harness._mutation.mode import current as mutant_mode
 from harness._records.observe import quiet
+from harness.case import SpatialCase
 from harness.compare import Bound, Tolerance
-from harness.equivalence import SpatialCase, check_equivalence
+from harness.equivalence import check_equivalence
 from harness.errors import ConfigError, GoldenError, exception_summary
 from harness.goldens import (
     GoldenResult,

@@ -15,8 +15,8 @@ import torch
 
 import harness
 from harness import Outputs, SpatialCase, Topology, adopt
+from harness._rank.run import run_case
 from harness.adopt import GroupMismatch, adopt_distributed_manager, check_group, patch, undo
-from harness.equivalence import run_case
 from harness.errors import ConfigError
 
 

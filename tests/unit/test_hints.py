@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from harness import Outputs, SpatialCase, Topology
+from harness._rank.run import run_case
 from harness.compare import FAILURES, Quantity
-from harness.equivalence import _culprit, failure_mismatches, run_case
+from harness.equivalence import _culprit, failure_mismatches
 from harness.errors import ProblemKind, RankFailure, RankProblem
 from harness.report.hints import (
     boundary_hint,

@@ -24,9 +24,10 @@ from harness._judges import (
     key_text,
 )
 from harness._judges.vacuous import check_vacuous
+from harness._rank.run import run_case
 from harness._records.run import FieldRecord, RunRecord
+from harness.case import KEYED_FORM
 from harness.compare import Mismatch
-from harness.equivalence import KEYED_FORM, run_case
 from tests.unit._judging import F64, TOL, judge, same, step
 from tests.unit.test_run_case import Configurable
 

@@ -14,10 +14,10 @@ from harness._judges import (
     check_param_shards,
     compare_runs,
 )
+from harness._rank.run import run_case
 from harness._records.run import ParamShard, RunRecord, StepRecord
 from harness.case import load_init, parameter_shards
 from harness.compare import Mismatch, Tolerance
-from harness.equivalence import run_case
 from tests.unit._judging import recs
 
 F64 = torch.float64
