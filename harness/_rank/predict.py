@@ -222,11 +222,12 @@ def _step_records(
 
 def rollout_entry(spec: CheckSpec, case: SpatialCase) -> list[dict[str, FieldRecord]]:
     """What every rank of the pool runs for a rollout: ``spec.rollout`` steps from
-    ``spec.seed`` at ``spec.autocast`` (module level: the pool pickles it). On the case's own
-    process grid, as the rollout has always run (``spec.mesh`` is the training's)."""
+    ``spec.seed`` at ``spec.autocast`` (module level: the pool pickles it), on the layout the
+    check asks for (``spec.mesh``: a sweep's rollouts test each layout's grid, as its training
+    does)."""
     from harness._rank.loop import report_progress
 
-    topo = Topology.create(spec.spatial_size)
+    topo = Topology.create(spec.spatial_size, spec.mesh or None)
     return run_prediction(
         case, topo, spec.rollout, spec.seed, autocast=spec.autocast, progress=report_progress
     )

@@ -100,7 +100,7 @@ def traced_prediction(
 def _rollout_trace_entry(spec: CheckSpec, case: SpatialCase, step: int) -> Trace:
     """What every rank of the pool runs to locate rollout step ``step`` of ``spec``'s
     rollout, on the grid the rollout ran on (module level: pickled)."""
-    topo = Topology.create(spec.spatial_size)
+    topo = Topology.create(spec.spatial_size, spec.mesh or None)
     return traced_prediction(case, topo, step, spec.seed, autocast=spec.autocast)[0]
 
 

@@ -9,6 +9,7 @@ import torch
 from harness import ConfigError, Shard, Tolerance, check_equivalence
 from harness.steppers.mlp import CoupledMLPCase
 from tests.distributed.ring import RingCase
+from tests.distributed.stencil import StencilCase
 
 pytestmark = pytest.mark.assumes_ranks(4)
 
@@ -213,3 +214,30 @@ def test_a_rank_leaving_a_listing_predict_is_named_in_the_rollout_and_the_waiter
         .headline()
         .startswith("rank 1: deadlock 'lorenz96-ring' in rollout of 4 steps: returned after")
     )
+
+
+class StencilRollout(StencilCase):
+    """The stencil model rolled out: each step's output as the training reports it (the
+    ``transposed`` fault misplaces it on a 2 x 2 grid, never on 4 x 1)."""
+
+    def predict(self, model, batch, topo, steps):
+        x, _ = batch
+        out = []
+        for _ in range(steps):
+            x = model(x)
+            out.append({"out": self.forward(model, (x, x), topo).fields["out"]})
+        return out
+
+
+def test_a_rollout_runs_on_the_layout_the_check_asks_for(spatial):
+    """The ranks' rollout runs on ``mesh``, as the training does: a bug that shows only on
+    a 2 x 2 grid fails the rollout there (on the case's own 4 x 1 grid it would pass)."""
+    pool = spatial.pool(4)
+    flat = check_equivalence(
+        StencilRollout("transposed"), ranks=4, pool=pool, mesh=(4, 1), rollout=2
+    )
+    assert flat.ok, flat
+    square = check_equivalence(
+        StencilRollout("transposed"), ranks=4, pool=pool, mesh=(2, 2), rollout=2, locate=False
+    )
+    assert "rollout" in square.quantities, square  # beside the training's own failure
