@@ -14,24 +14,26 @@ import pytest
 import torch
 
 from harness.compare import (
-    REMEDIES,
     Bound,
     Difference,
-    EquivalenceReport,
     Mismatch,
     QuantityStats,
     Tolerance,
     bits_differ,
     bitwise_equal,
     compare_tensors,
+    nonfinite_counts,
+    nonfinite_text,
+)
+from harness.errors import EquivalenceFailure, HarnessError
+from harness.report import (
+    REMEDIES,
+    EquivalenceReport,
     equivalence_table,
     format_table,
     mismatch_table,
-    nonfinite_counts,
-    nonfinite_text,
-    scale_hint,
 )
-from harness.errors import EquivalenceFailure, HarnessError
+from harness.report.hints import scale_hint
 from tests.unit._dtensor_like import Distributed, dshard
 
 NAN, INF = math.nan, math.inf
