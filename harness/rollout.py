@@ -27,17 +27,17 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from harness._base.deprecation import forward
 from harness._judges.fields import assemble_whole, flat_like
 from harness._rank.deadline import Deadline, RanOut
 from harness._rank.nudge import NUDGE_ULPS
 from harness._rank.predict import (
-    autocast_context,
     rollout_entry,
     run_prediction,
 )
 from harness._records.rollout import RolloutPoint, RolloutRecord
 from harness._records.run import FieldRecord, StepRecord
-from harness.case.declared import CheckSpec, has_predict, rollout_steps
+from harness.case.declared import CheckSpec, has_predict
 from harness.compare import Bound, Mismatch, Quantity
 from harness.errors import RankFailure
 from harness.pool.overlap import Background, in_other_processes
@@ -55,13 +55,17 @@ __all__ = [
     "RolloutPoint",
     "RolloutRecord",
     "SerialRanOut",
-    "autocast_context",
     "check_rollout",
     "judge_rollout",
     "plot_rollout",
-    "rollout_steps",
     "run_prediction",
 ]
+
+# Importable from here for older code (with a DeprecationWarning).
+__getattr__ = forward(
+    __name__,
+    {"autocast_context": "harness._rank.dtypes", "rollout_steps": "harness.case.declared"},
+)
 
 # the records' home for users, pickles and reprs is this module (``harness`` exports them;
 # ``tests/unit/test_layers.py``: an exported name lives in a public module)

@@ -34,11 +34,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
 from harness._base.compat import stop_forkserver
+from harness._base.deprecation import forward
 from harness._mutation.catalogue import SiteStats
 from harness._mutation.mode import current as mutant_mode
 from harness._protocol.board import Board
 from harness._protocol.events import RunCall, send_all
-from harness._rank.loop import report_progress
 from harness.errors import ConfigError, HarnessWarning, UnwaitedWork
 from harness.pool._pickling import dump_call
 from harness.pool._processes import (
@@ -60,9 +60,11 @@ __all__ = [
     "keep_limits",
     "process_progress",
     "rank_memory",
-    "report_progress",
     "shared_registry",
 ]
+
+# Importable from here for older code (with a DeprecationWarning): it always ran on a rank.
+__getattr__ = forward(__name__, {"report_progress": "harness._rank.loop"})
 
 DEFAULT_TIMEOUT = 120.0
 #: Shorter per-run timeouts are refused: starting a run on a loaded machine alone can take
