@@ -25,6 +25,7 @@ import re
 import sys
 from collections.abc import Generator
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -122,11 +123,11 @@ def call_site(node: pytest.Item) -> list[object]:
     """``[file, line]`` of the test's line that is running the check: the innermost frame
     in the test's own file (the test's first line where none is on the stack)."""
     path = str(getattr(node, "path", ""))
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename == path:
             return [path, frame.f_lineno]
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     fspath, line, _ = node.location
     return [str(node.config.rootpath / fspath), (line or 0) + 1]
 
