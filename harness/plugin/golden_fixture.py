@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 from harness.compare import Bound, Tolerance
 from harness.errors import ConfigError, GoldenError
 from harness.goldens import GoldenResult, GoldenStore, check_report
-from harness.plugin._keys import _GOLDEN_PROP
+from harness.plugin._keys import _GOLDEN_PROP, GoldenRecord
 from harness.report import EquivalenceReport
 
 
@@ -143,4 +143,5 @@ class GoldenFixture:
         # plain text: user properties travel to xdist's controller
         # (what a write changed rides along, for the review summary)
         change = None if result.change is None else result.change.plain()
-        self._node.user_properties.append((_GOLDEN_PROP, (str(path), str(result.status), change)))
+        record: GoldenRecord = (str(path), str(result.status), change)
+        self._node.user_properties.append((_GOLDEN_PROP, record))
