@@ -10,7 +10,7 @@ import pytest
 from harness._observe import quiet
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.plugin._keys import _EQUIV_PROP, _settings_key
-from harness.plugin.github import record_check
+from harness.plugin.github import check_places, junit_properties
 from harness.plugin.golden_fixture import GoldenFixture, GoldenVerdict
 from harness.plugin.lease import PoolLease
 from harness.plugin.pictures import check_failure
@@ -95,12 +95,14 @@ class EquivalenceCheck:
 
     def _row(self, report: EquivalenceReport, case: SpatialCase) -> SummaryRow:
         """The check's summary row (its calibration under ``--spatial-calibrate``, the
-        lines its failure points at); its JUnit properties recorded on the test."""
+        lines its failure points at, the test's line); its ``spatial.*`` properties
+        recorded on the test."""
         settings = self._node.config.stash[_settings_key]
         row = report.summary_row()
         row["test"] = self._node.nodeid
         if settings.calibrate and report.location is not None and report.tolerance is not None:
             rtols = {q: report.tolerance.bound(q).rtol for q in ("loss", "grad", "field")}
             row["calibration"] = report.location.calibration_lines(rtols)
-        record_check(self._node, report, case, row)  # its user lines, its JUnit properties
+        row.update(check_places(self._node, report, case))
+        self._node.user_properties.extend(junit_properties(report, row))  # for JUnit viewers
         return row

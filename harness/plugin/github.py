@@ -91,15 +91,12 @@ def register(config: pytest.Config) -> None:
 # ---------------------------------------------------------------------- recording a check
 
 
-def record_check(
-    node: pytest.Item, report: EquivalenceReport, case: SpatialCase, row: SummaryRow
-) -> None:
-    """On ``row``: the user's lines the failure points at and the test's line that ran
-    the check; on ``node``: the check's ``spatial.*`` properties, for JUnit."""
-    if not report.ok:
-        row["sites"] = _sites(report, case)
-    row["call_site"] = call_site(node)
-    node.user_properties.extend(junit_properties(report, row))
+def check_places(node: pytest.Item, report: EquivalenceReport, case: SpatialCase) -> SummaryRow:
+    """A check's row's places: the user's lines its failure points at (``sites``, none when
+    it passed) and the test's line that ran it (``call_site``)."""
+    places: SummaryRow = {} if report.ok else {"sites": _sites(report, case)}
+    places["call_site"] = call_site(node)
+    return places
 
 
 def record_sweep(node: pytest.Item, report: LayoutsReport, case: SpatialCase) -> None:
