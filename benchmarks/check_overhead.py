@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from harness import RankPool, SpatialCase, check_equivalence
-from harness._rank.run import _rank_entry
+from harness._rank.run import rank_entry
 
 RANKS = 4
 
@@ -52,7 +52,7 @@ def main() -> None:
     with RankPool(RANKS, start_method="forkserver") as pool:
         for label, make in cases().items():
             case = make()
-            bare = median_of(lambda c=case: pool.run(_rank_entry, c, None, 2, 0.1, 0), args.repeat)
+            bare = median_of(lambda c=case: pool.run(rank_entry, c, None, 2, 0.1, 0), args.repeat)
             check = median_of(
                 lambda c=case: check_equivalence(c, ranks=RANKS, pool=pool), args.repeat
             )

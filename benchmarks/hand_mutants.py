@@ -52,8 +52,8 @@ AUTOCAST_DIST = ("tests/distributed/test_autocast.py",)
 # quickest first: ``pytest -x`` stops at the first failure, and the ring's 150-step
 # rollouts of test_rollout_goldens.py take the longest
 GOLDEN_UNIT = (
-    "harness/_samples.py",  # its doctests
-    "harness/_golden_changes.py",
+    "harness/_records/samples.py",  # its doctests
+    "harness/goldens/_changes.py",
     "tests/unit/test_goldens.py",
     "tests/unit/test_rollout_goldens.py",
 )
@@ -91,10 +91,14 @@ def _m(area: str, path: str, old: str, new: str, what: str) -> Mutant:
     return Mutant(area, path, old, new, what, unit, dist)
 
 
-R, A, P = "harness/rollout.py", "harness/_autocast.py", "harness/_rank/predict.py"
-G, S, C = "harness/_golden_rollout.py", "harness/_samples.py", "harness/_golden_changes.py"
+R, A, P = "harness/rollout.py", "harness/equivalence/_autocast.py", "harness/_rank/predict.py"
+G, S, C = (
+    "harness/goldens/_rollout.py",
+    "harness/_records/samples.py",
+    "harness/goldens/_changes.py",
+)
 Q = "harness/plugin/session.py"
-GS = "harness/goldens.py"
+GS = "harness/goldens/__init__.py"
 
 MUTANTS: list[Mutant] = [
     # ---------------------------------------------------------------- rollout
@@ -136,8 +140,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "rollout",
         R,
-        "call = (_rollout_entry, case, given, steps, seed, autocast)",
-        "call = (_rollout_entry, case, given, steps, seed, None)",
+        "call = (rollout_entry, case, given, steps, seed, autocast)",
+        "call = (rollout_entry, case, given, steps, seed, None)",
         "ranks roll out without autocast, the reference with it",
     ),
     _m(
@@ -179,8 +183,8 @@ MUTANTS: list[Mutant] = [
     _m(
         "autocast",
         A,
-        "    with autocast_context(dtype):\n        return _rank_entry(",
-        "    with autocast_context(None):\n        return _rank_entry(",
+        "    with autocast_context(dtype):\n        return rank_entry(",
+        "    with autocast_context(None):\n        return rank_entry(",
         "training ranks run without autocast, the serial reference with it",
     ),
     _m(

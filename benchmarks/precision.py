@@ -1,5 +1,5 @@
 """How a check below float64 is judged: by the fixed tolerance of its dtype, or by each
-entry's rounding spread (``harness._calibrate``, the default). The numbers behind
+entry's rounding spread (``harness.equivalence._calibrate``, the default). The numbers behind
 ``FACTOR``, ``ULPS`` and ``MEMBERS`` and docs/precision.md.
 
     python benchmarks/precision.py [--seeds 0 1 2] [--part correct faults tail cost]

@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.distribute
 
 import harness.rollout as rollout
 from harness import PoolRegistry, Tolerance, Topology, check_equivalence
-from harness._checks.fields import assemble_whole, flat_like
-from harness._overlap import Background
-from harness._rank.predict import _rollout_entry, run_prediction
+from harness._judges.fields import assemble_whole, flat_like
+from harness._rank.predict import rollout_entry, run_prediction
+from harness.pool.overlap import Background
 from harness.rollout import FACTOR, MEMBERS, SERIAL_THREADS, check_rollout, judge_rollout
 
 RANKS = 4
@@ -82,7 +82,7 @@ def _cost(case, pool, steps: int, repeats: int) -> None:
 def _bare(case, pool, steps: int) -> bool:
     """The rollout by hand: the ranks' partitioned one beside the serial one (one torch
     thread, as the check runs it), then ``torch.allclose`` on every step's fields."""
-    ranks_run = Background(pool, (_rollout_entry, case, None, steps, 0, None), None)
+    ranks_run = Background(pool, (rollout_entry, case, None, steps, 0, None), None)
     threads = torch.get_num_threads()
     torch.set_num_threads(SERIAL_THREADS)
     try:
@@ -135,7 +135,7 @@ def _members(case, pool, steps: int, sizes: list[int]) -> None:
         ]
     finally:
         torch.set_num_threads(threads)
-    ranks = pool.run(_rollout_entry, case, None, steps, 0, None)
+    ranks = pool.run(rollout_entry, case, None, steps, 0, None)
     full = judge_rollout(reference, members, ranks, bound, spatial_size=RANKS)
     for m in sizes:
         record = judge_rollout(reference, members[:m], ranks, bound, spatial_size=RANKS)

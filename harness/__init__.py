@@ -5,7 +5,7 @@ The downstream contract::
     from harness import Outputs, Shard, SpatialCase, Topology, check_equivalence
 """
 
-from harness._version import __version__
+from harness._base.version import __version__
 from harness.adopt import GroupMismatch, check_group
 from harness.compare import Bound, Mismatch, Quantity, Tolerance
 from harness.divergence import Divergence, Positions

@@ -347,7 +347,7 @@ def check_operations() -> int:
 
 
 def _operations_so_far() -> int:
-    from harness._compat import group_sequence_numbers
+    from harness._base.compat import group_sequence_numbers
 
     return sum(seq for seq, _ in group_sequence_numbers().values())
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from harness._values import plain
+from harness._base.values import plain
 
 
 class Quantity(str, Enum):
@@ -65,7 +65,7 @@ FAILURES = (
     Quantity.VACUOUS,
 )
 
-_REAL_OF = {
+REAL_OF = {
     torch.complex128: torch.float64,
     torch.complex64: torch.float32,
     torch.complex32: torch.float16,
@@ -101,7 +101,7 @@ class Tolerance:
     @classmethod
     def for_dtype(cls, dtype: torch.dtype) -> Tolerance:
         # A complex value carries two numbers of its real dtype: the same rounding applies.
-        dtype = _REAL_OF.get(dtype, dtype)
+        dtype = REAL_OF.get(dtype, dtype)
         if dtype == torch.float64:
             # A partitioned run computes the same sums in another order (per-rank partial sums,
             # then the all-reduce): rounding differs by about sqrt(n)*eps relative, with
@@ -192,7 +192,7 @@ class Mismatch:
 
     @property
     def calibrated(self) -> bool:
-        """Judged by its rounding spread (``harness._checks.spread``), not a tolerance."""
+        """Judged by its rounding spread (``harness._judges.spread``), not a tolerance."""
         return not math.isnan(self.spread_factor)
 
     @property
@@ -268,10 +268,10 @@ def compare_tensors(
     Floating and complex tensors use the bound; integer and bool tensors must be equal. A
     NaN or inf on either side fails the position unless ``allow_nonfinite`` (then both sides
     must hold the same non-finite value there). A DTensor or other subclass is compared by
-    the values it holds (``harness._values.plain``).
+    the values it holds (``harness._base.values.plain``).
 
     ``allowed``: the largest difference allowed at each entry (a tensor of ``expected``'s
-    shape, e.g. a multiple of each entry's rounding spread, ``harness._calibrate``), in
+    shape, e.g. a multiple of each entry's rounding spread, ``harness.equivalence._calibrate``), in
     place of the bound's ``atol + rtol * |expected|``; the bound's ``atol`` still decides
     which entries count for ``max_rel``.
     """
@@ -438,7 +438,7 @@ class QuantityStats:
 
 
 # Moved, and still importable from here for older code: the report and its tables are in
-# harness.report, the scale hint in harness._hints. Forwarded on first use, so this module
+# harness.report, the scale hint in harness.report.hints. Forwarded on first use, so this module
 # (the diff engine, which those import) imports neither of them.
 _MOVED = {
     "REMEDIES": "harness.report",
@@ -447,7 +447,7 @@ _MOVED = {
     "format_table": "harness.report",
     "mismatch_table": "harness.report",
     "equivalence_table": "harness.report",
-    "scale_hint": "harness._hints",
+    "scale_hint": "harness.report.hints",
 }
 
 

@@ -175,11 +175,11 @@ class RankPending(RankFailure):
 
 def user_traceback(exc: BaseException) -> str:
     """``exc``'s traceback without the harness's plumbing frames (the rank's main loop, the
-    run of a case, the watchers of torch.distributed; ``harness._frames`` says which): what
+    run of a case, the watchers of torch.distributed; ``harness._base.frames`` says which): what
     the user's code did, with the library it called (collectives, steppers, adapters)."""
     import traceback
 
-    from harness._frames import plumbing
+    from harness._base.frames import plumbing
 
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not plumbing(f.filename)]
     lines = ["Traceback (most recent call last):\n"] if frames else []

@@ -16,7 +16,7 @@ its inputs has a spread of ~0).
 
 What runs ``predict`` (here, in the ensemble and on the ranks) is the rank side's,
 ``harness._rank.predict``; what a check found, ``RolloutRecord``, lives in
-``harness._rollout_record`` below the report that holds it; both are importable from here.
+``harness._records.rollout`` below the report that holds it; both are importable from here.
 """
 
 from __future__ import annotations
@@ -27,23 +27,23 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from harness._checks.fields import assemble_whole, flat_like
-from harness._overlap import Background, in_other_processes
+from harness._judges.fields import assemble_whole, flat_like
 from harness._rank.deadline import Deadline, RanOut
 from harness._rank.nudge import NUDGE_ULPS
 from harness._rank.predict import (
-    _rollout_entry,
     autocast_context,
+    rollout_entry,
     run_prediction,
 )
-from harness._records import FieldRecord, StepRecord
-from harness._rollout_record import RolloutPoint, RolloutRecord
+from harness._records.rollout import RolloutPoint, RolloutRecord
+from harness._records.run import FieldRecord, StepRecord
 from harness.compare import Bound, Mismatch, Quantity
 from harness.errors import ConfigError, RankFailure
+from harness.pool.overlap import Background, in_other_processes
 from harness.topology import Topology
 
 if TYPE_CHECKING:
-    from harness._checks import Judge
+    from harness._judges import Judge
     from harness.case import SpatialCase
     from harness.pool import Runner
 
@@ -128,9 +128,10 @@ def judge_rollout(
     ``factor`` times the members' spread (and at least the fixed ``bound``). Under autocast,
     ``high``: the reference's rollout without it; the bound is then at least ``ratio`` times
     the reference's distance from it (the reduced precision's own rounding, which nudges of
-    the inputs do not reach: ``harness._autocast``'s ratio rule, step by step). ``sticks``:
+    the inputs do not reach: ``harness.equivalence._autocast``'s ratio rule, step by step).
+    ``sticks``:
     what of it does not depend on the ranks (``yardsticks``), if measured already."""
-    from harness._checks import Judge, Layout
+    from harness._judges import Judge, Layout
     from harness.compare import NUMERIC, QuantityStats, Tolerance
 
     record = RolloutRecord(len(reference), len(members), factor)
@@ -192,7 +193,7 @@ def _structure(
     """Step ``k``'s missing fields, coverage and shard shapes, as the training check judges
     them (values are the envelope's): the mismatches go on the record, the names of the
     fields they broke come back."""
-    from harness._checks import check_fields
+    from harness._judges import check_fields
 
     odd = _odd_shapes(record, k, plain, rank_fields, loose.layout.data_size)
     plain = {n: f for n, f in plain.items() if n not in odd}
@@ -239,7 +240,7 @@ def _odd_shapes(
     reference does not have, the ranks that differ from the majority are named (the
     structure check, which blames whoever differs from the reference, is skipped). With
     ``groups`` data groups, the reference's part is a group's share of its samples."""
-    from harness._checks import data_part
+    from harness._judges import data_part
 
     odd: set[str] = set()
     for n, ref in plain.items():
@@ -407,9 +408,9 @@ def check_rollout(
     A rank that raised, crashed or hung raises its ``RankFailure`` (``check_equivalence``
     makes it the report's mismatches)."""
     t0 = time.perf_counter()
-    _has_predict(case)
+    has_predict(case)
     given = None if spatial_size == pool.world_size else spatial_size
-    call = (_rollout_entry, case, given, steps, seed, autocast)
+    call = (rollout_entry, case, given, steps, seed, autocast)
     # The ranks' rollout and the serial ones (reference, members) are independent: a
     # RankPool's ranks run while this process computes the serial ones (see OVERLAP); a
     # runner that runs the function in this very process (torchrun, srun) goes after.
@@ -427,7 +428,7 @@ def check_rollout(
     serial = time.perf_counter() - t_serial
     sticks = yardsticks(reference, ensemble)  # while the ranks still run
     ranks = ranks_run.result() if ranks_run is not None else pool.run(*call, timeout=timeout)
-    from harness._autocast import RATIO
+    from harness.equivalence._autocast import RATIO
 
     record = judge_rollout(
         reference,
@@ -443,7 +444,7 @@ def check_rollout(
     record.autocast = "" if autocast is None else str(autocast).replace("torch.", "")
     if short:
         record.not_calibrated.append(short)
-    from harness._samples import RolloutSamples
+    from harness._records.samples import RolloutSamples
 
     record.samples = RolloutSamples.of(reference)  # a few steps, strided: the rest is freed
     record.seconds = time.perf_counter() - t0
@@ -542,7 +543,7 @@ def _overlaps(pool: Runner) -> bool:
     return OVERLAP and in_other_processes(pool)
 
 
-def _has_predict(case: SpatialCase) -> None:
+def has_predict(case: SpatialCase) -> None:
     from harness.case import SpatialCase, no_predict
 
     if type(case).predict is SpatialCase.predict:
@@ -568,11 +569,11 @@ def rollout_steps(case: SpatialCase, rollout: int | None) -> int:
 def plot_rollout(record: RolloutRecord, path: Any, *, title: str = "") -> Any:
     """The error curve of each field (the partitioned run's distance from the reference,
     the rounding spread and the bound, per step, log scale) as a PNG at ``path``; the first
-    divergent step marked. Needs matplotlib (``harness._plots``)."""
-    from harness._plots import _figure, _save
+    divergent step marked. Needs matplotlib (``harness.report.plots``)."""
+    from harness.report.plots import new_figure, save_figure
 
     names = list(dict.fromkeys(p.name for p in record.curve))
-    fig = _figure(7.0, 2.4 * max(len(names), 1))
+    fig = new_figure(7.0, 2.4 * max(len(names), 1))
     axes = fig.subplots(max(len(names), 1), 1, squeeze=False)[:, 0]
     first = record.first
     for ax, name in zip(axes, names):
@@ -591,4 +592,4 @@ def plot_rollout(record: RolloutRecord, path: Any, *, title: str = "") -> Any:
         ax.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -9,5 +9,5 @@
 - ``preload``: what the fork server imports once.
 
 Every frame of this package is the harness's plumbing by its location
-(``harness._frames``): the boundary is the folder, not a list of files.
+(``harness._base.frames``): the boundary is the folder, not a list of files.
 """

@@ -9,7 +9,7 @@ model.py:42)``, ``the world group``. The record comes from watching
 ``torch.distributed`` is replaced. Where that private method is missing (a torch that
 renamed it), groups are named by their ranks only.
 
-The label travels with the evidence (``harness._deadlock.Op.label``, the notice board's
+The label travels with the evidence (``harness._protocol.deadlock.Op.label``, the notice board's
 ``label``); the rule itself only ever reads group ids.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from harness._frames import MODEL_PACKAGES, PACKAGE, plumbing, standard_library
+from harness._base.frames import MODEL_PACKAGES, PACKAGE, plumbing, standard_library
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

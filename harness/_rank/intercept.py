@@ -15,7 +15,7 @@ What it notes, during a run only:
 - for each operation: what it is (collective, send, receive), its group, its number in the
   run's order on that group, its size, and the line of user code that issued it; the
   ``Work`` it returned, until someone waits on it;
-- on the rank's slot of the pool's notice board (``harness._board``): which operation the
+- on the rank's slot of the pool's notice board (``harness._protocol.board``): which operation the
   main thread waits on, from when; so the pool can prove a deadlock without asking the rank;
 - per group: collectives issued (torch's sequence number, which also counts what C++ issues,
   such as DDP's reducer, less the point-to-point operations seen here), sends and receives
@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from harness._board import State, Writer, members_bits
-from harness._compat import group_name, group_sequence_numbers, sequence_number
-from harness._deadlock import ANY_SOURCE, Counts, Kind, Op
-from harness._frames import PACKAGE, plumbing, standard_library, user_site
+from harness._base.compat import group_name, group_sequence_numbers, sequence_number
+from harness._base.frames import PACKAGE, plumbing, standard_library, user_site
 from harness._mutation.catalogue import MutantKind
 from harness._mutation.inject import INJECTOR
 from harness._mutation.mode import OFF, MutantMode
+from harness._protocol.board import State, Writer, members_bits
+from harness._protocol.deadlock import ANY_SOURCE, Counts, Kind, Op
 from harness._rank import groups as group_labels
 
 if TYPE_CHECKING:
@@ -330,7 +330,7 @@ class Tracker:
 
     def _site(self) -> str:
         """``"/path/model.py:41 in halo"``: the innermost frame outside torch, the standard
-        library and the harness's plumbing (``harness._frames``); for an operation the
+        library and the harness's plumbing (``harness._base.frames``); for an operation the
         harness itself issues, the innermost frame outside torch and this module. Cached per
         code object and line: a frame walk is the cost, ~2 µs."""
         frame = sys._getframe(1)
@@ -407,7 +407,7 @@ _FLOATING = ("float", "complex", "bfloat")
 def _user_site() -> str:
     """``"model.py:42"``: the innermost frame of model code (so a model's own line, not
     ``collectives.py`` under it), else of the harness's library; never beyond where the
-    harness started the user's code (``harness._frames.user_site``). Walked only when a
+    harness started the user's code (``harness._base.frames.user_site``). Walked only when a
     dtype is first seen in a run."""
     model, library = user_site(sys._getframe(1), skip=(_TORCH,))
     return model or library

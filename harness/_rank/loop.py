@@ -1,10 +1,11 @@
 """What runs inside a rank process of a ``RankPool``.
 
-The pool's parent side (``harness.pool``) starts ``_worker_main`` in each rank process and
-talks to it in the events of ``harness._events`` (``RunCall`` -> ``Done``, ``Fence`` ->
+The pool's parent side (``harness.pool``) starts ``worker_main`` in each rank process and
+talks to it in the events of ``harness._protocol.events`` (``RunCall`` -> ``Done``, ``Fence`` ->
 ``Fenced``, ``Release`` -> ``Released``), one handler each. What the rank is doing right now
 (its run, its phase, the operation its main thread waits on) it writes on its slot of the
-pool's notice board (``harness._board``) instead of sending it: the pool reads that whenever it
+pool's notice board (``harness._protocol.board``) instead of sending it: the pool reads that
+whenever it
 likes, with no message and no help from the rank. A thread of the rank answers the pool's
 probes (``Probe`` -> ``Probed``) for what the board cannot show: where the main thread is
 when it is inside torch on something the harness does not see (DDP's reducer), and the
@@ -32,8 +33,9 @@ import types
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from harness._board import Board, State, Writer
-from harness._events import (
+from harness._base.pids import pid_alive as _pid_alive
+from harness._protocol.board import Board, State, Writer
+from harness._protocol.events import (
     Done,
     Fence,
     Fenced,
@@ -49,7 +51,6 @@ from harness._events import (
     receive,
     send,
 )
-from harness._pids import pid_alive as _pid_alive
 from harness._rank.state import RankState
 from harness.errors import exception_summary, user_traceback
 
@@ -181,7 +182,7 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _worker_main(
+def worker_main(
     rank: int,
     world: int,
     conn: Connection,
@@ -285,7 +286,7 @@ def _serve_probes(conn: Connection, main: int, tracker: Tracker, board: Writer) 
     run's counts. Asked only about ranks whose board slot cannot say enough (inside torch
     on something unseen, or waiting long); the main thread waiting has released the GIL, so
     the answer does not wait for it."""
-    from harness._compat import current_frame, group_sequence_numbers
+    from harness._base.compat import current_frame, group_sequence_numbers
     from harness._rank.intercept import torch_dir
 
     while True:
@@ -434,7 +435,7 @@ def _run_one(
     # long: install the watchers, run, answer, uninstall: the order the protocol needs
     import torch.distributed as dist
 
-    from harness._compat import group_sequence_numbers
+    from harness._base.compat import group_sequence_numbers
     from harness._mutation.inject import INJECTOR
 
     try:

@@ -2,7 +2,7 @@
 each value moved by a few units of rounding of its own dtype, with random signs from a
 generator of the rerun's own. Reruns nudged this way measure what
 rounding alone does to a quantity (its rounding spread): a rollout's envelope
-(``harness.rollout``) and a check's calibrated judgement (``harness._calibrate``).
+(``harness.rollout``) and a check's calibrated judgement (``harness.equivalence._calibrate``).
 
 Rank-side code: imports no pytest, nothing of the pool.
 """
@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from harness._records import map_tensors
+from harness._records.run import map_tensors
 
 #: a rollout member's nudge: each value times (1 +- NUDGE_ULPS * eps), ``eps`` the machine
-#: epsilon of the tensor's own dtype; a calibrated check nudges by ``harness._calibrate.ULPS``
+#: epsilon of the tensor's own dtype; a calibrated check nudges by
+#: ``harness.equivalence._calibrate.ULPS``
 NUDGE_ULPS = 4.0
 
 _REAL = {torch.complex128: torch.float64, torch.complex64: torch.float32}

@@ -1,5 +1,5 @@
 """``SpatialCase.predict`` run as a rollout check runs it: on the reference, on an ensemble
-member nudged by a few units of rounding, and on every rank (``_rollout_entry``, what the
+member nudged by a few units of rounding, and on every rank (``rollout_entry``, what the
 pool pickles). The judging is ``harness.rollout``'s.
 
 Rank-side code: imports no pytest, nothing of the pool.
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from harness._rank.nudge import NUDGE_ULPS, Nudge
-from harness._records import FieldRecord
+from harness._records.run import FieldRecord
 from harness.errors import ConfigError
 from harness.topology import Topology
 
@@ -37,7 +37,8 @@ _Nudge = Nudge
 
 
 class _Watch(Protocol):
-    """What ``run_prediction`` tells an observer (``harness._locate_rollout``'s recorder)."""
+    """What ``run_prediction`` tells an observer (``harness.equivalence._locating_rollout``'s
+    recorder)."""
 
     def attach(self, model: torch.nn.Module) -> None: ...
 
@@ -97,9 +98,9 @@ def run_prediction(
     ``watch``: hooks on the model around ``predict`` (locating a rollout); ``deadline``:
     checked at every phase, step and call of the model (a check's serial rollout). Leaves RNG
     states, dtype and grad mode as it found them; a failure's phase: ``exc.harness_phase``."""
-    from harness._declared import _check_batch, _check_model
     from harness._rank.run import _mark_phase, _seed, _step_seed
     from harness._rank.state import CallerState
+    from harness.case.declared import check_batch, check_model
 
     saved = CallerState.save()
     if case.dtype is not None:
@@ -110,11 +111,11 @@ def run_prediction(
     try:
         where.enter("rollout build")
         _seed(seed)
-        model = _check_model(case, case.build(topo))
+        model = check_model(case, case.build(topo))
         model.eval()
         where.enter("rollout batch")
         _seed(_step_seed(seed, 0))
-        batch = _nudged(member, model, _check_batch(case, case.batch(topo, 0), 0))
+        batch = _nudged(member, model, check_batch(case, case.batch(topo, 0), 0))
         hooks = _hooks(model, where, deadline)
         if watch is not None:
             watch.attach(model)
@@ -183,7 +184,7 @@ def _step_records(
     """``predict``'s steps as records: a list or tuple of one dict per step, or an
     iterator (a generator that ``yield``s them), of which the first ``steps`` are taken,
     each step's phase entered before it is computed."""
-    from harness._declared import _field_record
+    from harness.case.declared import field_record
 
     where = where or _Where(steps, None)
     label = f"{case.label}.predict"
@@ -218,13 +219,13 @@ def _step_records(
                 "{name: Shard | tensor} dict of its fields"
             )
         origin = f"{label} step {k}"
-        records.append({str(n): _field_record(case, str(n), v, origin) for n, v in fields.items()})
+        records.append({str(n): field_record(case, str(n), v, origin) for n, v in fields.items()})
     if isinstance(out, Generator):
         out.close()  # a predict that yields on: the rollout asked for is taken, no more
     return records
 
 
-def _rollout_entry(
+def rollout_entry(
     case: SpatialCase,
     spatial_size: int | None,
     steps: int,

@@ -28,7 +28,7 @@ except ImportError:
 # the rank side only: a rank runs the loop and the calls it unpickles, never the pool
 import harness._rank.loop
 import harness._rank.run  # noqa: F401
-from harness._compat import exit_fast_at_exit, inside_forkserver_start
+from harness._base.compat import exit_fast_at_exit, inside_forkserver_start
 
 # When the session that owns this fork server dies (SIGKILL included), the server gets EOF
 # and exits; skip tearing down torch then, which otherwise kept it alive for seconds.

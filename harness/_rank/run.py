@@ -1,6 +1,6 @@
 """One run of a case: build, then each step's batch, forward, backward and SGD step,
 recorded (``run_case``); the same code for the reference (``Topology.single()``) and on
-every rank, where ``_rank_entry`` is what the pool runs.
+every rank, where ``rank_entry`` is what the pool runs.
 
 The rank side of the contract in ``harness.case``: the contract says what a case is and
 checks what it returns; this module runs it, with the watchers of the rank (the
@@ -18,26 +18,26 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from harness._declared import (
-    ActivationCheck,
-    _check_batch,
-    _check_loss,
-    _check_model,
-    _field_record,
-    check_partition,
-)
+from harness._base.values import is_distributed, placed, plain
 from harness._mutation.catalogue import MutantKind
 from harness._rank.dtypes import OutputDtypes, collective_dtypes
 from harness._rank.nudge import Nudge
 from harness._rank.state import CallerState
-from harness._records import ParamShard, RunRecord, StepRecord, detached
-from harness._values import is_distributed, placed, plain
+from harness._records.run import ParamShard, RunRecord, StepRecord, detached
 from harness.case import (
     SpatialCase,
-    _strip,
     load_init,
     load_shards,
     parameter_shards,
+    strip_module_prefix,
+)
+from harness.case.declared import (
+    ActivationCheck,
+    check_batch,
+    check_model,
+    check_partition,
+    check_returned_loss,
+    field_record,
 )
 from harness.topology import Topology
 
@@ -45,7 +45,7 @@ Progress = Callable[[str, "int | None"], None]
 
 
 class Watch(Protocol):
-    """What ``run_case`` tells an observer (``harness._locate.Recorder``)."""
+    """What ``run_case`` tells an observer (``harness.equivalence._locating.Recorder``)."""
 
     def attach(self, model: torch.nn.Module) -> None: ...
 
@@ -84,7 +84,8 @@ def run_case(
     rank of a case with ``load_reference_shards``), the reference's initial values are
     copied into the rank's parameter shards after build. ``watch`` (locating) is given
     the model after build and told each phase too. ``nudge`` (a nudged rerun of the
-    reference, ``harness._calibrate``) moves the parameters as built and every batch by a
+    reference, ``harness.equivalence._calibrate``) moves the parameters as built and every batch by
+    a
     few units of rounding.
     """
     # long: the phases in order inside one try, so every failure carries its phase
@@ -108,7 +109,7 @@ def run_case(
             seed
             + (7919 * (topo.rank + 1) if mutation.get("build") == MutantKind.RNG_PER_RANK else 0)
         )
-        model = _check_model(case, case.build(topo))
+        model = check_model(case, case.build(topo))
         if watch is not None:
             watch.attach(model)
         _note_buffers(case, model)
@@ -171,7 +172,7 @@ def _train_step(
     enter(f"step {step} batch", step)
     per_rank = topo.rank + 1 if mutation.get("batch") == MutantKind.RNG_PER_RANK else 0
     _seed(_step_seed(seed, step) + per_rank)
-    batch = _check_batch(case, case.batch(topo, step), step)
+    batch = check_batch(case, case.batch(topo, step), step)
     if nudge is not None:
         batch = nudge.batch(batch)
     model.zero_grad(set_to_none=True)
@@ -180,13 +181,15 @@ def _train_step(
     if mutation.get("build") == MutantKind.BUFFERS_BROADCAST:
         _broadcast_buffers(model, topo)
     out = case.forward(model, batch, topo)
-    loss = _check_loss(case, out, any(p.requires_grad for p in params.values()))
-    fields = {k: _field_record(case, k, v) for k, v in out.fields.items()}
+    loss = check_returned_loss(case, out, any(p.requires_grad for p in params.values()))
+    fields = {k: field_record(case, k, v) for k, v in out.fields.items()}
     if loss.requires_grad:  # a model without parameters has nothing to differentiate
         enter(f"step {step} backward", step)
         loss.backward()
     grads = {
-        _strip(n): (None if p.grad is None else _value(p.grad, shards.get(_strip(n))))
+        strip_module_prefix(n): (
+            None if p.grad is None else _value(p.grad, shards.get(strip_module_prefix(n)))
+        )
         for n, p in params.items()
         if p.requires_grad
     }
@@ -196,7 +199,7 @@ def _train_step(
             if p.grad is not None:
                 p.add_(p.grad, alpha=-lr)
     mutated = sorted(
-        _strip(n)
+        strip_module_prefix(n)
         for n, (b, version, before) in buffers.items()
         if b._version != version or not torch.equal(plain(b).detach().cpu(), before)
     )
@@ -211,7 +214,7 @@ def _train_step(
 
 def _value(t: torch.Tensor, shard: ParamShard | None = None) -> torch.Tensor:
     """What a run records of ``t``: plain CPU values that share nothing with the model, a
-    DTensor's as its placements place them (``harness._values``). A sharded parameter's
+    DTensor's as its placements place them (``harness._base.values``). A sharded parameter's
     value that comes whole (a gradient gathered from ``Partial`` sums, a replicated one) is
     cut to the shard's positions, as its parameter is recorded."""
     at = placed(t)
@@ -224,7 +227,10 @@ def _value(t: torch.Tensor, shard: ParamShard | None = None) -> torch.Tensor:
 def _param_values(
     params: dict[str, torch.nn.Parameter], shards: dict[str, ParamShard]
 ) -> dict[str, torch.Tensor]:
-    return {_strip(n): _value(p, shards.get(_strip(n))) for n, p in params.items()}
+    return {
+        strip_module_prefix(n): _value(p, shards.get(strip_module_prefix(n)))
+        for n, p in params.items()
+    }
 
 
 def _load_reference(
@@ -280,7 +286,7 @@ def _mark_phase(exc: BaseException, phase: str) -> None:
             exc.add_note(f"(harness: raised in {phase})")
 
 
-def _rank_entry(
+def rank_entry(
     case: SpatialCase,
     spatial_size: int | None,
     steps: int,

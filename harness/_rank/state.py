@@ -89,7 +89,7 @@ class RankState(CallerState):
     def restore(self) -> None:
         import torch
 
-        from harness._compat import reset_torch_harmonics_groups
+        from harness._base.compat import reset_torch_harmonics_groups
 
         super().restore()
         torch.set_grad_enabled(self.grad)

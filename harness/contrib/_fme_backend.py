@@ -23,7 +23,7 @@ def _install_backend(topo: Topology, cfg: FmeConfig) -> Any:
     from fme.core.distributed.distributed import Distributed
     from fme.core.distributed.external.pnd_manager import DistributedManager
 
-    from harness._compat import reset_torch_harmonics_groups, restore_transposes
+    from harness._base.compat import reset_torch_harmonics_groups, restore_transposes
 
     saved = (fme_distributed.singleton, Distributed._entered)
 
@@ -60,7 +60,7 @@ def _undo_fme_side_effects() -> None:
     ``all_to_all`` patch and torch-harmonics' groups (``thd.init``)."""
     from fme.core.distributed import _gloo_patch
 
-    from harness._compat import reset_torch_harmonics_groups
+    from harness._base.compat import reset_torch_harmonics_groups
 
     if _gloo_patch._original_all_to_all is not None:
         torch.distributed.all_to_all = _gloo_patch._original_all_to_all

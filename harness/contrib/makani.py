@@ -147,7 +147,7 @@ class MakaniCase(SpatialCase):
         sfnonet = require()
         from makani.utils import comm
 
-        from harness._compat import reset_torch_harmonics_groups
+        from harness._base.compat import reset_torch_harmonics_groups
 
         cfg = self.config
         if topo.spatial_group is not None and cfg.h != topo.spatial_size:

@@ -30,7 +30,6 @@ import pytest
 if TYPE_CHECKING:
     from pluggy import Result
 
-from harness._launcher import LauncherRegistry, launcher_env
 from harness.goldens import GoldenStore
 from harness.plugin import github
 from harness.plugin._keys import _registry_key, _settings_key, _skipped_key
@@ -49,6 +48,7 @@ from harness.plugin.rank_output import OUTPUT_LIMIT
 from harness.plugin.session import HarnessSession, _session_key
 from harness.plugin.summary import SummaryRows
 from harness.pool import PoolRegistry, keep_limits
+from harness.pool.launcher import LauncherRegistry, launcher_env
 
 __all__ = [
     "DEFAULT_RANKS",

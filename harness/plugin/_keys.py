@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:  # the stash keys' types, named in strings
-    from harness._launcher import LauncherRegistry  # noqa: F401
     from harness.plugin.options import Settings  # noqa: F401
     from harness.pool import PoolRegistry  # noqa: F401
+    from harness.pool.launcher import LauncherRegistry  # noqa: F401
 
 _registry_key = pytest.StashKey["PoolRegistry | LauncherRegistry"]()
 _settings_key = pytest.StashKey["Settings"]()

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from harness._observe import quiet
+from harness._records.observe import quiet
 from harness.equivalence import SpatialCase, check_equivalence
 from harness.plugin._keys import _EQUIV_PROP, _settings_key
 from harness.plugin.github import check_places, junit_properties

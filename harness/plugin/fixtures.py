@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 
 import pytest
 
-from harness._launcher import LauncherRegistry, LauncherRunner
 from harness._mutation.mode import current as mutant_mode
 from harness.equivalence import SpatialCase
 from harness.layouts import LayoutsReport
@@ -23,6 +22,7 @@ from harness.plugin.rank_output import RankOutput
 from harness.plugin.session import _session_key
 from harness.plugin.sweep import LayoutSweep
 from harness.pool import PoolRegistry, RankPool
+from harness.pool.launcher import LauncherRegistry, LauncherRunner
 from harness.report import EquivalenceReport
 
 R = TypeVar("R")  # what a function run on the ranks returns

@@ -2,7 +2,7 @@
 
 - **Annotations.** Under GitHub Actions (``GITHUB_ACTIONS=true``, or ``--spatial-github=on``)
   a failing check prints an ``::error file=...,line=...`` workflow command at the line in
-  the user's code its evidence names (``harness._sites``: the diverging module's
+  the user's code its evidence names (``harness.report.sites``: the diverging module's
   ``forward``, the line that issued a deadlocked collective, a raising rank's frame) and one
   at the test's line that ran the check; paths relative to the repository
   (``GITHUB_WORKSPACE``, else pytest's rootdir).
@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
 
 import pytest
 
-from harness._sites import failure_sites
 from harness.compare import NUMERIC
 from harness.errors import exception_summary
 from harness.plugin._keys import _EQUIV_PROP, _GOLDEN_PROP
 from harness.plugin.options import GITHUB_MODES
 from harness.report import SummaryRow
+from harness.report.sites import failure_sites
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
@@ -57,7 +57,7 @@ class SweepRecord(TypedDict):
     failing: int
     smallest: str  # the smallest failing layout, "" when none failed
     call_site: list[object]  # [file, line] of the test's line that ran the sweep
-    #: the smallest failing layout's lines in the user's code (``harness._sites.Site``)
+    #: the smallest failing layout's lines in the user's code (``harness.report.sites.Site``)
     sites: NotRequired[list[dict[str, Any]]]
     problems: NotRequired[list[str]]
 
@@ -163,11 +163,11 @@ def junit_properties(report: EquivalenceReport, row: SummaryRow) -> list[tuple[s
         props.append(("spatial.worst_error", f"{q} {v:.2e} (relative)"))
     if not report.ok:
         first = report.mismatches[0]
-        from harness.report import _step_cell
+        from harness.report import step_cell
 
         props += [
             ("spatial.quantity", ", ".join(sorted(report.quantities))),
-            ("spatial.step", _step_cell(first)),
+            ("spatial.step", step_cell(first)),
             ("spatial.first", first.headline()),
         ]
     if report.first_divergence is not None:

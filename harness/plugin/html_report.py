@@ -9,7 +9,7 @@ Two halves, one plugin object (registered only with the option):
   data that xdist carries; so does each layout sweep's row (``record_sweep``);
 - where the session is summed up (xdist's controller, or pytest itself): those are taken
   back off the reports (so JUnit XML does not carry megabytes of pictures), the page is
-  rendered by ``harness._html`` at session end and written atomically.
+  rendered by ``harness.report.html`` at session end and written atomically.
 
 A picture that cannot be drawn is a ``Not plotted:`` line on the page, never a failure.
 """
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, TypedDict, cast
 
 import pytest
 
-from harness._html import FailedTest, Figure, Page, SweepRow, render_page
 from harness._mutation.mode import current as mutant_mode
 from harness.errors import exception_summary
 from harness.goldens import GoldenStatus, GoldenTally
 from harness.plugin._keys import _REPORT_PROP, _settings_key
 from harness.plugin.session import HarnessSession, _session_key
+from harness.report.html import FailedTest, Figure, Page, SweepRow, render_page
 
 if TYPE_CHECKING:
     from pluggy import Result

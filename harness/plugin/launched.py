@@ -12,10 +12,10 @@ import pytest
 if TYPE_CHECKING:
     from pluggy import Result
 
-from harness._launcher import LauncherRegistry, LauncherRunner
 from harness.errors import ConfigError
 from harness.plugin._keys import _registry_key
 from harness.plugin.options import _parse_ranks, _setting
+from harness.pool.launcher import LauncherRegistry, LauncherRunner
 
 
 def _runner(config: pytest.Config) -> LauncherRunner | None:

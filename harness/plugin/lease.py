@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness._launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch
 from harness._mutation.mode import current as mutant_mode
 from harness.pool import PoolRegistry, RankPool
+from harness.pool.launcher import LauncherRegistry, LauncherRunner, WorldSizeMismatch
 
 
 class PoolLease:

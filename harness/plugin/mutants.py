@@ -22,7 +22,6 @@ from typing import Any, cast
 
 import pytest
 
-from harness._launcher import LauncherRunner
 from harness._mutation.campaign import Killed, Reached, campaign
 from harness._mutation.catalogue import (
     Mutant,
@@ -37,6 +36,7 @@ from harness._mutation.catalogue import (
 from harness._mutation.mode import RECORD, MutantMode, running
 from harness.plugin._keys import _EQUIV_PROP
 from harness.pool import RankPool
+from harness.pool.launcher import LauncherRunner
 from harness.report import SummaryRow, format_table
 
 SITES_KEY = pytest.StashKey[list[dict[str, SiteStats]]]()

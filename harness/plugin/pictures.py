@@ -71,7 +71,7 @@ def write_error_maps(report: EquivalenceReport, directory: str, nodeid: str) -> 
     it never takes the verdict down)."""
     out = Path(directory)
     stem = _stem(nodeid)
-    from harness import _plots as plots
+    from harness.report import plots as plots
 
     paths = []
     for fe in report.field_errors:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from harness._launcher import LauncherRunner
 from harness.goldens import golden_stem
 from harness.plugin.mutants import collect_sites
 from harness.pool import RankPool
+from harness.pool.launcher import LauncherRunner
 
 #: Rank output longer than this (characters) is cut in the report; the whole is saved.
 OUTPUT_LIMIT = 8000

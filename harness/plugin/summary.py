@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 
 import pytest
 
-from harness._observe import listening
+from harness._records.observe import listening
 from harness.compare import NUMERIC
 from harness.layouts import LayoutsReport, block_cases, layouts
 from harness.plugin._keys import _EQUIV_PROP
@@ -27,8 +27,8 @@ from harness.pool import RankPool
 from harness.report import EquivalenceReport, SummaryRow
 
 if TYPE_CHECKING:
-    from harness._launcher import LauncherRunner
     from harness.case import SpatialCase
+    from harness.pool.launcher import LauncherRunner
 
 
 class SummaryRows:

@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from harness._launcher import LauncherRunner
-from harness._observe import quiet
+from harness._records.observe import quiet
 from harness.equivalence import SpatialCase
 from harness.errors import ConfigError
 from harness.layouts import LayoutResult, LayoutsReport, check_layouts, check_max_ranks
@@ -21,6 +20,7 @@ from harness.plugin.pictures import sweep_failure
 from harness.plugin.rank_output import RankOutput
 from harness.plugin.summary import planned_layouts, progress, sweep_row
 from harness.pool import RankPool, check_oversubscription
+from harness.pool.launcher import LauncherRunner
 
 
 class LayoutSweep:

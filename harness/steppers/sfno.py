@@ -16,7 +16,7 @@ Sharding through one block (torch-harmonics 0.8.0, read from ``distributed_sht.p
 In between, the SHT's transposes split the ``E`` channels over each group, and 0.8.0 cannot
 split fewer channels than ranks: ``embed >= max(h, w)`` is required (checked). Its transposes
 use ``dist.all_to_all``, which gloo refuses for chunks of unequal shape, so on the ranks they
-are routed through ``all_to_all_single`` (``harness._compat.use_uneven_transposes``; same
+are routed through ``all_to_all_single`` (``harness._base.compat.use_uneven_transposes``; same
 numbers).
 
 Under ``torch.autocast`` the SHT and its inverse (serial and distributed) run in float32 with
@@ -50,7 +50,7 @@ from torch import nn
 from torch.autograd.function import FunctionCtx
 from torch.distributed import ProcessGroup
 
-from harness._compat import restore_transposes, use_uneven_transposes
+from harness._base.compat import restore_transposes, use_uneven_transposes
 from harness.case import Outputs, Shard, SpatialCase, data_share
 from harness.collectives import apply, reduce_gradient, reduce_loss, spatial_sum, sync_gradients
 from harness.errors import ConfigError
@@ -410,7 +410,7 @@ def _make_transforms(cfg: SFNOConfig, topo: Topology, h: int, w: int) -> tuple[A
         )
     import torch_harmonics.distributed as thd
 
-    use_uneven_transposes()  # torch-harmonics 0.8 on gloo: see harness._compat
+    use_uneven_transposes()  # torch-harmonics 0.8 on gloo: see harness._base.compat
     # The distributed SHT reads its groups from module globals, at build and in every
     # forward: set them on this rank (the rank pool resets them after each run).
     thd.init(*topo.grid(h, w))

@@ -1,6 +1,6 @@
 """A latitude-band stencil whose halo is two rows deep and whose far row carries small
 weights, as a DISCO convolution's psi does at the edge of its support: the subject of the
-calibrated judgement's tests (``harness._calibrate``).
+calibrated judgement's tests (``harness.equivalence._calibrate``).
 
 A 24 x 16 grid split into ``h x 1`` latitude bands. Each rank pads its band with two halo
 rows from its polar neighbours (an all_gather of every band's edge rows, zeros beyond the

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import ConfigError, check_equivalence
-from harness._autocast import RATIO
+from harness.equivalence._autocast import RATIO
 from harness.steppers.mlp import CoupledMLPCase
 from harness.steppers.sfno import SFNOCase
 
@@ -35,8 +35,8 @@ def test_bf16_autocast_moves_the_serial_run_so_a_fixed_float32_tolerance_would_f
     # bf16 run's distance, is far outside float32's fixed tolerance
     report = check_equivalence(_mlp(), ranks=4, pool=spatial.pool(4), autocast=torch.bfloat16)
     assert report.ok, report
-    from harness._autocast import serial_run
     from harness._rank.run import run_case
+    from harness.equivalence._autocast import serial_run
     from harness.topology import Topology
 
     high = run_case(_mlp(), Topology.single(), 2, 0.1, 0)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from harness import Tolerance, check_equivalence
-from harness._calibrate import FACTOR
 from harness.compare import Quantity
+from harness.equivalence._calibrate import FACTOR
 from harness.steppers import SFNOCase
 from tests.distributed.halo_tail import HaloTailCase
 
@@ -71,7 +71,7 @@ def test_a_float64_check_is_judged_by_its_tolerance_by_default(spatial):
 def test_a_nudged_rerun_that_raises_leaves_the_check_on_its_tolerance_saying_so(
     spatial, monkeypatch
 ):
-    import harness._calibrate as calibrate
+    import harness.equivalence._calibrate as calibrate
 
     def raising(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise ValueError("a nudged input broke the case")

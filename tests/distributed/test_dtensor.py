@@ -412,12 +412,12 @@ def test_a_reference_that_raises_is_an_error_of_the_reference_with_its_traceback
 
 
 def test_a_locating_that_raises_leaves_the_verdict_and_says_so(spatial, monkeypatch):
-    import harness._locate
+    import harness.equivalence._locating
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("aten.sub.Tensor got mixed torch.Tensor and DTensor")
 
-    monkeypatch.setattr(harness._locate, "locate", broken)
+    monkeypatch.setattr(harness.equivalence._locating, "locate", broken)
     case = DTensorLinear("replicate", fault="no-grad-sync")
     report = check_equivalence(case, ranks=RANKS, pool=spatial.pool(RANKS), locate=True)
     assert report.mismatches[0].quantity == "grad"

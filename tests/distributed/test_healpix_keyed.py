@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness import ConfigError, Shard, Topology, check_equivalence
-from harness._checks import key_text
+from harness._judges import key_text
 from harness._rank.run import _step_seed
 from harness.steppers.healpix import TOKENS2, HealpixCase, token_keys
 

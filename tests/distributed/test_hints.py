@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import Outputs, Shard, SpatialCase, Topology, check_equivalence, data_share
-from harness._checks import BATCH_HINT, SHARD_HINT
+from harness._judges import BATCH_HINT, SHARD_HINT
 from harness.collectives import grid_halo_exchange, reduce_loss, spatial_sum, sync_gradients
 from harness.compare import EquivalenceReport
 from harness.partition import LatLonPartition

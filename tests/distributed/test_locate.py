@@ -392,7 +392,7 @@ def test_a_module_the_ranks_never_call_is_skipped_and_the_loss_bug_located(spati
 def test_a_parameter_of_the_model_itself_is_judged_where_its_gradient_is_complete():
     # the gain is used in the model's first line: its gradient is accumulated after every
     # module's backward, not at the start of the backward where the model's own hooks fire
-    from harness._locate import _traced
+    from harness.equivalence._locating import _traced
 
     trace = _traced(PointCase(), Topology.single(), 0, 0.1, 0, False, True)
     order = [(e.kind, e.module, e.slot) for e in trace.events]
@@ -464,19 +464,19 @@ class _OneRankPool:
     world_size = 1
 
     def run(self, fn: Any, case: Any, *args: Any, timeout: Any = None) -> list[Any]:
-        from harness._locate import _traced
+        from harness.equivalence._locating import _traced
 
         return [_traced(case, Topology.single(), 0, 0.1, 0, False, True)]
 
 
 def test_a_judgement_that_raises_is_a_not_located_line_never_an_exception(monkeypatch):
-    import harness._locate
+    import harness.equivalence._locating
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("aten.sub.Tensor got mixed torch.Tensor and DTensor")
 
-    monkeypatch.setattr(harness._locate, "first_divergence", broken)
-    found = harness._locate.locate(
+    monkeypatch.setattr(harness.equivalence._locating, "first_divergence", broken)
+    found = harness.equivalence._locating.locate(
         PointCase(), _OneRankPool(), spatial_size=1, step=0, lr=0.1, seed=0
     )  # type: ignore[arg-type]
     assert found.first is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from harness import check_equivalence
-from harness._checks import SHARD_INIT_HINT
+from harness._judges import SHARD_INIT_HINT
 from harness.steppers.sfno import SFNOCase
 
 # (ranks, spatial_size, SFNOCase kwargs): l split 8 + 7 over h = 2 with copies over w = 2;

@@ -1,5 +1,6 @@
 """A failing rollout is located: its first divergent step is rerun with hooks on every module
-(``harness._locate_rollout``) and the report names the module, the call and the position
+(``harness.equivalence._locating_rollout``) and the report names the module, the call and the
+position
 where the partitioned run departs, at that rollout step."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import harness._locate_rollout as locate_rollout
+import harness.equivalence._locating_rollout as locate_rollout
 from harness import check_equivalence
 from harness.collectives import all_gather_uneven, spatial_sum, sync_gradients
 from harness.steppers.catalogue import inference_matrix

@@ -32,7 +32,7 @@ from harness.topology import cached_groups
 
 # every split even (8 latitudes and degrees, 16 longitudes, 8 orders, 4 channels over up to
 # 4 ranks): torch-harmonics 0.8 exchanges its transposes with gloo's all_to_all, which takes
-# only equal chunks (the SFNO stepper's uneven grids need harness._compat's transport)
+# only equal chunks (the SFNO stepper's uneven grids need harness._base.compat's transport)
 NLAT, NLON, MODES, CHANNELS, BATCH = 8, 16, 8, 4, 4
 
 

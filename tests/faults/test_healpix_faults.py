@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness import ConfigError, check_equivalence
-from harness._checks import GLOBAL_SAMPLE_HINT
+from harness._judges import GLOBAL_SAMPLE_HINT
 from harness.steppers.healpix import (
     DATA2,
     EVEN,

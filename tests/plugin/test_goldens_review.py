@@ -336,7 +336,7 @@ def test_a_rollout_golden_is_recorded_judged_per_step_and_summarised_on_update(p
 
 
 def test_an_unused_rollout_golden_is_listed_and_pruned_like_the_rest(pytester):
-    from harness._samples import rollout_name
+    from harness._records.samples import rollout_name
 
     _recorded(pytester)
     gone = pytester.path / "goldens" / "test_review" / "test_rolled_once.pt"

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from harness._launcher import Rendezvous, launcher_env, launcher_rendezvous, meet
 from harness.errors import ConfigError
+from harness.pool.launcher import Rendezvous, launcher_env, launcher_rendezvous, meet
 
 TESTS = """
 import pytest
@@ -323,7 +323,7 @@ def test_a_rank_that_reaches_a_port_nobody_answers_on_gives_up_at_its_deadline()
     # In a process of its own: torch's client thread, left behind connected, goes with it.
     code = (
         "import sys\n"
-        "from harness._launcher import Rendezvous, meet\n"
+        "from harness.pool.launcher import Rendezvous, meet\n"
         "meet(Rendezvous('127.0.0.1', int(sys.argv[1]), 'test'), 1, 4, 1.0)\n"
     )
     with socket.socket() as holder:  # accepts connections (the backlog) and never answers

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from harness._slurm import PORT_BASE, PORT_SPAN, slurm_hostnames, slurm_port
+from harness.pool._slurm import PORT_BASE, PORT_SPAN, slurm_hostnames, slurm_port
 
 # Each test starts pytest on four tasks itself; under torchrun/srun it would run once per rank.
 pytestmark = pytest.mark.spatial_pool

@@ -1,4 +1,4 @@
-"""The autocast ratio rule (harness._autocast) on hand-made records of several ranks and
+"""The autocast ratio rule (harness.equivalence._autocast) on hand-made records of several ranks and
 several values per tensor, and a rank's run under autocast on one process: no ranks needed.
 
 The ratio rule's basics (one rank, one value) are in tests/unit/test_rollout.py; here what
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from harness import Outputs, SpatialCase, Topology
-from harness._autocast import RATIO, guard, judge_autocast, ratio_rule
-from harness._records import FieldRecord, RunRecord, StepRecord
+from harness._records.run import FieldRecord, RunRecord, StepRecord
 from harness.compare import Tolerance
+from harness.equivalence._autocast import RATIO, guard, judge_autocast, ratio_rule
 
 F64 = Tolerance.for_dtype(torch.float64)  # the high-precision run's: a logic check
 RANKS = 4
@@ -144,8 +144,8 @@ class Linear(SpatialCase):
 def test_a_ranks_training_run_under_autocast_computes_what_the_serial_autocast_run_does(
     monkeypatch,
 ):
-    from harness._autocast import _autocast_entry, serial_run
     from harness._rank.run import run_case
+    from harness.equivalence._autocast import _autocast_entry, serial_run
 
     # one rank, in this process: its topology the single process's
     monkeypatch.setattr(Topology, "create", staticmethod(lambda *a, **k: Topology.single()))

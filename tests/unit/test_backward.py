@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from harness._backward import first_hook, functions_to
+from harness.equivalence._backward import first_hook, functions_to
 
 
 def test_the_first_hook_sees_the_gradient_before_a_hook_registered_earlier_changes_it():

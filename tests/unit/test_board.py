@@ -5,9 +5,9 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
-from harness._board import Board, Slot, State, Writer, members_bits
-from harness._deadlock import ANY_SOURCE
-from harness._watch import _slot_op
+from harness._protocol.board import Board, Slot, State, Writer, members_bits
+from harness._protocol.deadlock import ANY_SOURCE
+from harness.pool._watch import _slot_op
 
 
 def test_a_slot_reads_back_what_its_rank_wrote(tmp_path):

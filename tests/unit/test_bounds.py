@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from harness import Outputs, SpatialCase, Topology, check_equivalence
-from harness._calibrate import calibrate
 from harness._rank.deadline import Deadline, RanOut
 from harness._rank.predict import run_prediction
 from harness._rank.run import run_case
 from harness.compare import Quantity
+from harness.equivalence._calibrate import calibrate
 
 
 class Scale(torch.nn.Module):

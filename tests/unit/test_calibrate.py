@@ -1,6 +1,6 @@
 """The calibrated judgement's rule on hand-made records: each entry's rounding spread from
-nudged reruns, the allowance it gives, and how a check reads it (``harness._checks.spread``,
-``harness._calibrate``). No ranks: the rule is pure."""
+nudged reruns, the allowance it gives, and how a check reads it (``harness._judges.spread``,
+``harness.equivalence._calibrate``). No ranks: the rule is pure."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from harness._calibrate import FACTOR, GRAD_FACTOR, calibrates, note
-from harness._checks import compare_runs
-from harness._checks.spread import allowance, entry_spread, spreads_of
-from harness._records import FieldRecord, ParamShard, RunRecord, StepRecord
+from harness._judges import compare_runs
+from harness._judges.spread import allowance, entry_spread, spreads_of
+from harness._records.run import FieldRecord, ParamShard, RunRecord, StepRecord
 from harness.compare import Quantity, Tolerance
+from harness.equivalence._calibrate import FACTOR, GRAD_FACTOR, calibrates, note
 from harness.report import EquivalenceReport
 
 F32 = torch.float32
@@ -255,7 +255,7 @@ def test_the_report_says_how_it_was_judged_and_the_worst_multiple_of_each_quanti
 
 
 def test_the_same_reference_is_calibrated_once_for_every_layout_of_a_sweep(monkeypatch):
-    import harness._calibrate as calibrate_module
+    import harness.equivalence._calibrate as calibrate_module
 
     runs: list[int] = []
 
@@ -277,7 +277,7 @@ def test_the_same_reference_is_calibrated_once_for_every_layout_of_a_sweep(monke
 
 
 def test_spreads_that_cannot_be_measured_leave_the_check_on_its_tolerance(monkeypatch):
-    import harness._calibrate as calibrate_module
+    import harness.equivalence._calibrate as calibrate_module
 
     def reruns(case, steps, lr, seed, *, members, **clock):  # type: ignore[no-untyped-def]
         return [_record(1.0, _values(seed=1), _values(), _values(seed=2))] * members

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness import ConfigError, Positions, Shard, SpatialCase, Topology
-from harness._checks import (
+from harness._judges import (
     BATCH_HINT,
     SHARD_HINT,
     Judge,
@@ -28,9 +28,9 @@ from harness._checks import (
     position_text,
     two_values,
 )
-from harness._declared import check_activation_shard, check_partition
-from harness._records import FieldRecord, RunRecord, StepRecord
-from harness._vacuous import check_vacuous
+from harness._judges.vacuous import check_vacuous
+from harness._records.run import FieldRecord, RunRecord, StepRecord
+from harness.case.declared import check_activation_shard, check_partition
 from harness.compare import NUMERIC, Mismatch, Quantity, QuantityStats, Tolerance
 from harness.report import EquivalenceReport
 
@@ -1480,14 +1480,14 @@ def test_records_holding_dtensor_like_values_are_compared_by_the_values_they_hol
 
 
 def test_a_hint_that_raises_is_a_not_located_line_and_the_finding_stands(monkeypatch):
-    import harness._checks
-    import harness._checks.judge
+    import harness._judges
+    import harness._judges.judge
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(harness._checks.judge, "scale_hint", broken)
-    monkeypatch.setattr(harness._checks, "likely_cause", broken)
+    monkeypatch.setattr(harness._judges.judge, "scale_hint", broken)
+    monkeypatch.setattr(harness._judges, "likely_cause", broken)
     bad = run(step(grad=torch.tensor([1.0, 3.0], dtype=F64)))
     found = compare_runs(run(), [run(), bad], TOL, spatial_size=2)
     assert quantities(found.mismatches) == [("grad", 1)]

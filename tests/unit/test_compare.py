@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from harness._values import block, is_distributed, placed, plain
+from harness._base.values import block, is_distributed, placed, plain
 from harness.compare import (
     REMEDIES,
     Bound,

@@ -1,4 +1,4 @@
-"""The covering set of a sweep (``harness._covering``) and ``check_layouts`` walking it,
+"""The covering set of a sweep (``harness.layouts._covering``) and ``check_layouts`` walking it,
 without ranks: which layouts it keeps, that each level and pair keeps its smallest layout,
 that a refused layout leaves its levels wanted, and the bad ``max_ranks`` values."""
 
@@ -10,8 +10,8 @@ import pytest
 
 from harness import ConfigError, EquivalenceReport, Mismatch, SpatialCase
 from harness import layouts as layouts_module
-from harness._covering import WORLD, Covering, covering, features, pairs
 from harness.layouts import BLOCKS, Layout, check_layouts, layouts
+from harness.layouts._covering import WORLD, Covering, covering, features, pairs
 from harness.steppers import catalogue
 from tests.unit.test_layouts import report_of
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness._deadlock import (
+from harness._protocol.deadlock import (
     ANY_SOURCE,
     Counts,
     Kind,

@@ -682,7 +682,7 @@ def test_a_field_block_that_matches_nowhere_is_a_field_divergence_without_a_plac
 
 
 def test_positions_are_named_as_ranges_or_their_first_few():
-    from harness._placement import Placement, span
+    from harness.divergence._place import Placement, span
 
     grid = Placement((None, torch.tensor([4, 5, 20, 21])), ("", "position"), flatten=(4, 16))
     assert span(grid) == "(lat 0:2, lon 4:6)"

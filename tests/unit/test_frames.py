@@ -15,7 +15,7 @@ from types import FrameType
 from typing import Any
 
 import harness
-from harness import _frames
+from harness._base import frames as _frames
 from harness._rank import intercept as _intercept
 
 PACKAGE = os.path.dirname(os.path.abspath(harness.__file__))
@@ -98,7 +98,7 @@ def test_a_rank_that_could_not_join_its_group_reports_torchs_message_not_the_ran
 
     import torch.distributed as dist
 
-    from harness._events import RunCall
+    from harness._protocol.events import RunCall
     from harness._rank import loop
     from harness.errors import RankProblem, failure_from
 

@@ -659,7 +659,7 @@ def test_pruning_the_only_golden_of_nested_directories_removes_them_all_but_the_
 
 
 def test_a_list_of_changes_is_cut_only_when_longer_than_shown():
-    from harness._golden_changes import _SHOWN
+    from harness.goldens._changes import _SHOWN
 
     def added(n):
         change = GoldenChange.between({f"t{i:02}": torch.zeros(1) for i in range(n)}, {}, EXACT)

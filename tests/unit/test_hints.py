@@ -10,10 +10,16 @@ import pytest
 import torch
 
 from harness import Outputs, SpatialCase, Topology
-from harness._hints import boundary_hint, by_chance, precision_hint, scale_hint, shard_shape_hint
 from harness.compare import FAILURES, Quantity
 from harness.equivalence import _culprit, failure_mismatches, run_case
 from harness.errors import ProblemKind, RankFailure, RankProblem
+from harness.report.hints import (
+    boundary_hint,
+    by_chance,
+    precision_hint,
+    scale_hint,
+    shard_shape_hint,
+)
 
 F64 = torch.float64
 

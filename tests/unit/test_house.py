@@ -56,7 +56,7 @@ def any_count(root: Path = HARNESS) -> int:
 
 def test_no_module_is_over_700_lines():
     lines = module_lines()
-    assert "equivalence.py" in lines  # the package itself was read
+    assert "equivalence/__init__.py" in lines  # the package itself was read
     long = {name: n for name, n in lines.items() if n > MAX_MODULE_LINES}
     assert long == {}, "split each by idea (docs/architecture.md: the wings)"
 

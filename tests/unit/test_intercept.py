@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from harness._board import Board, State, Writer
-from harness._deadlock import ANY_SOURCE, Kind, Op
+from harness._protocol.board import Board, State, Writer
+from harness._protocol.deadlock import ANY_SOURCE, Kind, Op
 from harness._rank import intercept as _intercept
 
 

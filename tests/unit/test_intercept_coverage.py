@@ -276,7 +276,7 @@ def test_every_process_group_method_a_public_function_reaches_is_watched(reached
 
 @pytest.mark.parametrize("fn", sorted(CALLED))
 def test_every_public_function_is_mutated_and_named_as_the_user_wrote_it(reached, fn):
-    from harness._deadlock import SAME_OP
+    from harness._protocol.deadlock import SAME_OP
 
     got = reached[fn]
     unknown = sorted(set(got["sites"]) - set(got["mutable"]))

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import ConfigError, Shard, Topology
-from harness._checks import (
+from harness._judges import (
     GLOBAL_SAMPLE_HINT,
     KEY_WIDTH_HINT,
     KEYED_HINT,
@@ -23,8 +23,8 @@ from harness._checks import (
     compare_runs,
     key_text,
 )
-from harness._records import FieldRecord, RunRecord
-from harness._vacuous import check_vacuous
+from harness._judges.vacuous import check_vacuous
+from harness._records.run import FieldRecord, RunRecord
 from harness.compare import Mismatch
 from harness.equivalence import KEYED_FORM, run_case
 from tests.unit.test_checks import F64, TOL, judge, same, step

@@ -108,8 +108,8 @@ def test_no_module_of_harness_imports_one_that_imports_it_back():
 
 def test_names_moved_out_of_compare_are_still_importable_from_it():
     import harness
-    from harness import _hints as hints
     from harness import compare, report
+    from harness.report import hints as hints
 
     for name, home in [
         ("EquivalenceReport", report),
@@ -138,20 +138,20 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_the_contract_reaches_nothing_of_the_pool_the_rank_side_or_the_mutants():
     """``harness.case`` (what a downstream repo writes against), the checks of what a case
-    declares and returns (``harness._declared``, moved out of it) and all they import,
+    declares and returns (``harness.case.declared``, moved out of it) and all they import,
     deferred and type-only imports included, stay clear of the running machinery: the pool,
     a run's events, the rank side (``harness._rank``: the run of a case, the watchers and the
     rank globals) and the mutation wing."""
     graph = import_graph()
     machinery = {
         "harness.pool",
-        "harness._processes",  # the pool's rank processes
-        "harness._pickling",  # the pool's calls on their way to the ranks
-        "harness._run",
+        "harness.pool._processes",  # the pool's rank processes
+        "harness.pool._pickling",  # the pool's calls on their way to the ranks
+        "harness.pool._run",
         "harness._rank",
         "harness._mutation",
     }
-    contract = {"harness.case", "harness._declared"}
+    contract = {"harness.case", "harness.case.declared"}
     reached = contract.union(*(_reachable(graph, m) for m in contract))
     assert sorted(m for m in reached if m.rsplit(".", 1)[0] in machinery or m in machinery) == []
 
@@ -162,7 +162,7 @@ def test_the_rank_side_reaches_nothing_of_the_parent_side():
     the pool, a run's events and verdicts, the launchers, the checks or the plugin (as
     pytest-xdist's worker imports nothing of its controller)."""
     graph = import_graph()
-    parent = {"harness.pool", "harness._run", "harness._launcher", "harness.equivalence"}
+    parent = {"harness.pool", "harness.pool._run", "harness.pool.launcher", "harness.equivalence"}
     found = {
         m: sorted(r for r in _reachable(graph, m) if r in parent or r.startswith("harness.plugin"))
         for m in graph
@@ -176,22 +176,23 @@ def test_the_rank_side_reaches_nothing_of_the_parent_side():
 WALLS = [
     (
         "the verdict",
-        {"harness.report", "harness._checks.", "harness._records", "harness._vacuous",
-         "harness._rollout_record", "harness._samples"},
+        {"harness.report", "harness._judges.", "harness._records.run", "harness._judges.vacuous",
+         "harness._records.rollout", "harness._records.samples"},
         {"harness.equivalence", "harness.rollout", "harness.layouts", "harness.goldens",
-         "harness._autocast"},
+         "harness.equivalence._autocast"},
         "judging and the report sit below the checks that produce them",
     ),
     (
         "the mutation wing",
         {"harness._mutation."},
-        {"harness.equivalence", "harness.pool", "harness._run", "harness.plugin."},
+        {"harness.equivalence", "harness.pool", "harness.pool._run", "harness.plugin."},
         "the rank side calls its injector: its callers live with the faces",
     ),
     (
         "the shared protocol",
-        {"harness._deadlock", "harness._board", "harness._events"},
-        {"harness.pool", "harness._processes", "harness._run", "harness._watch", "harness._rank."},
+        {"harness._protocol.deadlock", "harness._protocol.board", "harness._protocol.events"},
+        {"harness.pool", "harness.pool._processes", "harness.pool._run", "harness.pool._watch",
+        "harness._rank."},
         "parent and ranks both speak it; it belongs to neither",
     ),
     (

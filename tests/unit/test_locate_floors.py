@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from harness import _locate
-from harness._trace import Event, Trace
 from harness.divergence import DEPART, MIN_ULPS
+from harness.divergence._trace import Event, Trace
+from harness.equivalence import _locating as _locate
 from harness.errors import RankFailure, RankProblem
 from harness.topology import Topology
 

@@ -21,7 +21,7 @@ def test_one_parser_gives_each_duration_its_default_floor_and_off_switch():
 
 
 def test_flatten_record_still_works_and_says_it_is_deprecated():
-    from harness._records import RunRecord
+    from harness._records.run import RunRecord
     from harness.equivalence import flatten_record
 
     record = RunRecord()

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from harness import ConfigError, Outputs, Shard, SpatialCase, Topology
-from harness._checks import (
+from harness._judges import (
     PARAM_SHARD_HINT,
     SHARD_INIT_HINT,
     Layout,
     check_param_shards,
     compare_runs,
 )
-from harness._records import ParamShard, RunRecord, StepRecord
+from harness._records.run import ParamShard, RunRecord, StepRecord
 from harness.case import load_init, parameter_shards
 from harness.compare import Mismatch, Tolerance
 from harness.equivalence import run_case

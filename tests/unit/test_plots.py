@@ -11,7 +11,7 @@ import pytest
 from harness.errors import ConfigError
 from harness.partition import CellPartition, LatLonPartition
 
-plots = pytest.importorskip("harness._plots")
+plots = pytest.importorskip("harness.report.plots")
 pytest.importorskip("matplotlib")
 
 PNG = b"\x89PNG\r\n\x1a\n"

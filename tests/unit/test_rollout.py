@@ -1,4 +1,5 @@
-"""The rollout judgement (harness.rollout) and the autocast ratio rule (harness._autocast) on
+"""The rollout judgement (harness.rollout) and the autocast ratio rule
+(harness.equivalence._autocast) on
 hand-made records, and ``run_prediction`` on one process: no ranks needed."""
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ import pytest
 import torch
 
 from harness import ConfigError, Outputs, SpatialCase, Topology
-from harness._autocast import RATIO, guard, judge_autocast
-from harness._records import FieldRecord, RunRecord, StepRecord
+from harness._records.run import FieldRecord, RunRecord, StepRecord
 from harness.compare import Bound
+from harness.equivalence._autocast import RATIO, guard, judge_autocast
 from harness.rollout import FACTOR, NUDGE_ULPS, judge_rollout, run_prediction
 
 BOUND = Bound(rtol=1e-10, atol=1e-12)  # float64's: the floor where rounding spread is ~0

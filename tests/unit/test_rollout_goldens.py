@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from harness import GoldenStore, Topology
-from harness._records import FieldRecord
-from harness._samples import (
+from harness._records.run import FieldRecord
+from harness._records.samples import (
     ROLLOUT_ELEMENTS,
     RolloutSamples,
     parse_rollout_name,
@@ -246,7 +246,7 @@ def test_goldens_order_a_rollouts_tensors_by_step():
 
 
 def test_each_stored_steps_bound_is_factor_times_its_spread_or_its_fields_floor():
-    from harness._rollout_record import RolloutPoint
+    from harness._records.rollout import RolloutPoint
 
     # hand-made: field 'x' of scale 1000 where rounding moved nothing (step 0) and where it
     # moved 1e-2 (step 1); a factor other than the check's, so it must come from the record.

@@ -229,7 +229,7 @@ def test_the_header_of_a_check_with_a_rollout_says_both_runs_steps():
 def judged(ref_rows: int, rows: list[int]):
     """One step of field 'state': the reference's ``(ref_rows, 8)``, rank r's shard of
     columns 2r..2r+1 with ``rows[r]`` rows; each member the reference itself."""
-    from harness._records import FieldRecord
+    from harness._records.run import FieldRecord
     from harness.compare import Bound
     from harness.rollout import judge_rollout
 

@@ -1,4 +1,4 @@
-"""Where a failing report points in the user's code (``harness._sites``), on hand-made
+"""Where a failing report points in the user's code (``harness.report.sites``), on hand-made
 reports: the rule that places CI annotations."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import harness.collectives
 import harness.pool
 from harness import EquivalenceReport, Mismatch, SpatialCase
-from harness._sites import case_source, failure_sites, stack_frames, user_code
 from harness.divergence import Divergence, Location
+from harness.report.sites import case_source, failure_sites, stack_frames, user_code
 
 TORCH_LINEAR = os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "linear.py")
 MODEL = "/project/model.py"  # outside torch, the standard library and the harness: the user's

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from harness._board import Board, State, Writer, members_bits
-from harness._deadlock import Counts, Kind, Op, Status
-from harness._events import Probed, Report
-from harness._run import Run, needs_fence
-from harness._watch import IDLE_CPU_SHARE, _Answers, _skipped_here, idle_in_torch
+from harness._protocol.board import Board, State, Writer, members_bits
+from harness._protocol.deadlock import Counts, Kind, Op, Status
+from harness._protocol.events import Probed, Report
+from harness.pool._run import Run, needs_fence
+from harness.pool._watch import IDLE_CPU_SHARE, _Answers, _skipped_here, idle_in_torch
 
 WINDOW = 2.0
 COUNTS = Counts(collectives={"0": 1})

@@ -304,7 +304,7 @@ def read_both(split: list[int]) -> list[Any]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
 
-    from harness._values import describe, placed
+    from harness._base.values import describe, placed
     from tests.distributed.test_dtensor import ShardLike
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -333,7 +333,7 @@ def read_both(split: list[int]) -> list[Any]:
 
 
 def test_the_ci_shardtensor_mimic_is_read_as_the_real_shardtensor(spatial):
-    """The ShardLike CI tests with (no physicsnemo there) reads, through harness._values,
+    """The ShardLike CI tests with (no physicsnemo there) reads, through harness._base.values,
     exactly as the real ShardTensor does: global shape, offsets, block, values, placements."""
     ranks = spatial.ranks
     split = sizes(ranks)

@@ -1,0 +1,575 @@
+"""``check_equivalence``: a case run once as the single-process reference and once on every
+rank of a warm rank pool, then compared (loss, every gradient, every output field reassembled
+from the shards, the parameters after each SGD step) into an ``EquivalenceReport``; where it
+fails, located (``harness.equivalence._locating``).
+
+The contract itself (``SpatialCase``, ``Outputs``, ``Shard``) and ``run_case`` live in
+``harness.case``; they are re-exported here, where downstream code has always imported them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from harness._judges import compare_runs
+from harness._judges.vacuous import check_vacuous
+from harness._mutation.mode import current as mutant_mode
+from harness._rank.deadline import Deadline, RanOut
+from harness._rank.run import Progress, Watch, rank_entry, run_case
+from harness._records.observe import observed
+from harness._records.run import RunRecord
+from harness.case import (
+    KEYED_FORM,
+    Outputs,
+    Shard,
+    SpatialCase,
+    data_share,
+    load_init,
+    load_shards,
+    parameter_shards,
+)
+from harness.compare import FAILURES, Mismatch, Quantity, Tolerance
+from harness.equivalence._calibrate import calibrate, calibrates
+from harness.equivalence._calibrate import note as calibration_note
+from harness.errors import (
+    ConfigError,
+    ProblemKind,
+    RankFailure,
+    exception_summary,
+    user_traceback,
+)
+from harness.pool.overlap import Background, in_other_processes
+from harness.report import EquivalenceReport
+from harness.report.hints import culprit_hint
+from harness.topology import Topology, check_mesh, validate_sizes
+
+if TYPE_CHECKING:
+    from harness.pool import Runner
+
+__all__ = [
+    "KEYED_FORM",
+    "Outputs",
+    "Progress",
+    "Shard",
+    "SpatialCase",
+    "Watch",
+    "check_equivalence",
+    "data_share",
+    "failure_mismatches",
+    "load_init",
+    "load_shards",
+    "parameter_shards",
+    "run_case",
+]
+
+# ---------------------------------------------------------------------- check
+
+
+@observed  # the plugin's summary hears of it (harness._records.observe)
+def check_equivalence(
+    case: SpatialCase,
+    *,
+    ranks: int,
+    spatial_size: int | None = None,
+    steps: int = 2,
+    lr: float = 0.1,
+    tolerance: Tolerance | None = None,
+    timeout: float | None = None,
+    seed: int = 0,
+    pool: Runner | None = None,
+    allow_nonfinite: bool | None = None,
+    locate: bool | None = None,
+    mesh: tuple[int, ...] | None = None,
+    reference: RunRecord | None = None,
+    rollout: int | None = None,
+    autocast: torch.dtype | None = None,
+    calibrate: bool | None = None,
+) -> EquivalenceReport:
+    """Run ``case`` as the reference and on ``ranks`` ranks; compare everything.
+
+    Returns an ``EquivalenceReport``; a crash, an exception or a timeout on any rank is a
+    mismatch of the report (``crash``, ``error``, ``timeout``), not an exception; so is a
+    reference that raises. ``pool`` defaults to a warm pool shared by the process
+    (``harness.pool.shared_registry()``). A NaN or inf anywhere is a ``nonfinite`` mismatch
+    unless ``allow_nonfinite`` (default: the case's ``expect_nonfinite``).
+
+    When the check fails (or always, with ``locate=True``; never with ``locate=False``) the
+    first failing step is rerun with hooks on every module to find where the partitioned
+    run first departs (``report.first_divergence``, ``harness.equivalence._locating``; where only
+    the
+    rollout failed, its first divergent step: ``harness.equivalence._locating_rollout``). A run
+    that raised,
+    crashed or hung is not rerun: its traceback says where. Locating is a diagnosis: if it
+    fails, a ``Not located:`` line says so and the verdict stands.
+
+    ``mesh``: the spatial group's process grid handed to the case as ``Topology.mesh``
+    (a tuple of ``case.mesh_dims`` sizes whose product is the spatial size); ``None``: the
+    case chooses its own. ``harness.check_layouts`` runs every one, with one ``reference``
+    (the reference's ``run_case`` record of this case, ``steps``, ``lr`` and ``seed``: it
+    does not depend on the layout).
+
+    ``rollout`` (default: the case's ``rollout_steps``): also roll the model out that many
+    steps with ``predict`` and judge each step by its own rounding spread
+    (``harness.rollout``). ``autocast`` (default: the case's): run the reference and the
+    ranks under ``torch.autocast`` at that dtype, judged by the ratio rule
+    (``harness.equivalence._autocast``).
+
+    ``calibrate`` (default: on where the check runs below float64 with no ``tolerance`` of
+    the call's or the case's, and no autocast): judge every entry of every loss, gradient,
+    field and parameter by the model's own rounding, within ``FACTOR`` times the spread
+    that nudged reruns of the reference reach there (run while the ranks run;
+    ``harness.equivalence._calibrate``); ``False``: by the fixed tolerance of the dtype.
+    """
+    # long: validate, reference, ranks, judge, report: one call each; the docstring is the API
+    s, grid = _validate(case, ranks, spatial_size, steps, mesh)
+    allow = case.expect_nonfinite if allow_nonfinite is None else allow_nonfinite
+    n_rollout, amp = _production_modes(case, rollout, autocast)
+    t0 = time.perf_counter()
+    if pool is None:
+        from harness.pool import shared_registry
+
+        pool = shared_registry().get(ranks)
+    if pool.world_size != ranks:
+        raise ConfigError(f"pool has {pool.world_size} ranks but ranks={ranks} was asked for")
+
+    report = EquivalenceReport(
+        case=case.label,
+        ranks=ranks,
+        spatial_size=s,
+        partition="",
+        steps=steps,
+        dtype="",  # the reference's, once it ran
+        tolerance=None,
+        latitudes=None if case.latitudes is None else [float(v) for v in case.latitudes],
+    )
+    limit = serial_limit(timeout, pool)
+    if reference is None:
+        try:
+            reference = bounded_reference(case, steps, lr, seed, limit)
+        except Exception as exc:  # noqa: BLE001 - the reference's failure is the check's verdict
+            return _reference_failed(report, case, exc, tolerance, t0)
+    dtype = reference.steps[0].loss.dtype
+    tol = tolerance or case.tolerance or Tolerance.for_dtype(dtype)
+    report.dtype, report.tolerance = str(dtype).replace("torch.", ""), tol
+    report.reference = reference.flat()
+    # the reference ran first: its initial values can travel to ranks that load them
+    loads = case.load_reference_shards or case.load_reference_init
+    init = reference.init if loads else None
+    run = _Run(case, pool, spatial_size, steps, lr, seed, timeout, init, grid or None, limit)
+    given = tolerance is not None or case.tolerance is not None
+    calibrated = calibrates(dtype, asked=calibrate, tolerance_given=given, autocast=amp)
+    _train(run, report, reference, tol, s, allow, amp, calibrated)
+    if n_rollout:
+        _roll_out(run, report, s, n_rollout, tol, amp)
+    report.seconds = time.perf_counter() - t0
+    # locating reruns a training step without autocast: it would see nothing of bf16's
+    if _should_locate(locate if amp is None else bool(locate), report):
+        _locate_first(run, report, amp)
+    return report
+
+
+def _validate(
+    case: SpatialCase,
+    ranks: int,
+    spatial_size: int | None,
+    steps: int,
+    mesh: tuple[int, ...] | None,
+) -> tuple[int, tuple[int, ...]]:
+    """The spatial size and the mesh (``()``: the case's own) of a check, or one
+    ``ConfigError`` naming what is wrong with what was asked."""
+    if not isinstance(case, SpatialCase):
+        raise ConfigError(
+            f"check_equivalence needs a harness.SpatialCase, got {type(case).__name__}; "
+            "subclass SpatialCase and implement build, batch and forward"
+        )
+    s = validate_sizes(ranks, spatial_size)
+    grid = check_mesh(mesh, s)
+    if grid and len(grid) != case.mesh_dims:
+        raise ConfigError(
+            f"mesh={grid} has {len(grid)} axes but {case.label}.mesh_dims is "
+            f"{case.mesh_dims}; give {case.mesh_dims} sizes, or set mesh_dims on the case"
+        )
+    if steps < 1:
+        raise ConfigError(f"steps must be >= 1, got {steps}")
+    if case.vacuous_ok is not None and not (
+        isinstance(case.vacuous_ok, str) and case.vacuous_ok.strip()
+    ):
+        raise ConfigError(
+            f"{case.label}.vacuous_ok = {case.vacuous_ok!r}: give the reason as a sentence "
+            '(vacuous_ok = "the model is replicated by design: ..."), or leave it None'
+        )
+    return s, grid
+
+
+def _production_modes(
+    case: SpatialCase, rollout: int | None, autocast: torch.dtype | None
+) -> tuple[int, torch.dtype | None]:
+    """The rollout's step count (0: none) and the autocast dtype (``None``: off) asked for
+    by the call or the case, checked up front."""
+    from harness.rollout import has_predict, rollout_steps
+
+    n_rollout = rollout_steps(case, rollout)
+    if n_rollout:
+        has_predict(case)
+    amp = case.autocast if autocast is None else autocast
+    if amp is not None:
+        from harness.equivalence._autocast import check_dtype
+
+        amp = check_dtype(amp)
+    return n_rollout, amp
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every phase of one check runs with (the ranks' side of it)."""
+
+    case: SpatialCase
+    pool: Runner
+    spatial_size: int | None
+    steps: int
+    lr: float
+    seed: int
+    timeout: float | None
+    init: dict[str, torch.Tensor] | None
+    mesh: tuple[int, ...] | None
+    #: the serial runs' clock: ``timeout``, else the pool's (``serial_limit``)
+    limit: float | None = None
+
+
+def serial_limit(timeout: float | None, pool: Runner) -> float | None:
+    """How long each serial part of a check (the reference, its nudged reruns, the serial
+    rollouts) may run: the check's ``timeout``, else its pool's, as the ranks' run beside it."""
+    return timeout if timeout is not None else getattr(pool, "timeout", None)
+
+
+def bounded_reference(
+    case: SpatialCase, steps: int, lr: float, seed: int, limit: float | None
+) -> RunRecord:
+    """The reference's training run, stopped (``RanOut``) past ``limit`` seconds."""
+    clock = Deadline.after(limit)
+    return run_case(case, Topology.single(), steps, lr, seed, progress=clock.progress)
+
+
+def _train(
+    run: _Run,
+    report: EquivalenceReport,
+    reference: RunRecord,
+    tol: Tolerance,
+    s: int,
+    allow: bool,
+    amp: torch.dtype | None,
+    calibrated: bool = False,
+) -> None:
+    """The training steps on every rank, compared into ``report`` (under autocast: with
+    the serial run under it, by the ratio rule; ``calibrated``: each entry by its rounding
+    spread, the nudged reruns run while the ranks do)."""
+    # long: the ranks' run beside the reruns, its failure, then one judgement, each once
+    case, ranks = run.case, report.ranks
+    judged, judge_tol, entry = reference, tol, (rank_entry,)
+    if amp is not None:  # the ranks under autocast, judged against the serial run under it
+        from harness.equivalence._autocast import serial_run
+
+        try:
+            judged, judge_tol, entry = serial_run(case, amp, run.steps, run.lr, run.seed)
+        except Exception as exc:  # noqa: BLE001 - the serial run under autocast raised
+            phase = f"autocast {getattr(exc, 'harness_phase', None) or ''}".strip()
+            report.mismatches = [_reference_error(case.label, exc, phase, None)]
+            report.partition = _layout(case.describe(None), s, ranks // s)
+            return
+    on_grid = {"mesh": run.mesh} if run.mesh else {}
+    call = (*entry, case, run.spatial_size, run.steps, run.lr, run.seed, run.init)
+    measured = None
+    try:
+        if calibrated and in_other_processes(run.pool):
+            ranks_run = Background(run.pool, call, run.timeout, **on_grid)
+            # the reruns stop at the check's timeout, and at once when the ranks failed
+            clock = Deadline.after(run.limit, stop=ranks_run.failed)
+            try:
+                measured = calibrate(case, reference, *_args(run), deadline=clock)
+            finally:
+                records = ranks_run.result()  # joined whatever happened: no thread outlives
+        else:
+            records = run.pool.run(call[0], *call[1:], timeout=run.timeout, **on_grid)
+            if calibrated:
+                clock = Deadline.after(run.limit)
+                measured = calibrate(case, reference, *_args(run), deadline=clock)
+    except RankFailure as failure:
+        report.mismatches = failure_mismatches(failure, case.label)
+        report.likely = culprit_hint(failure)
+        report.partition = _layout(case.describe(None), s, ranks // s)
+        return
+    report.partition = _layout(records[0].describe, s, ranks // s)
+    report.notes += _loaded_note(records, case.load_reference_init)
+    spreads = None if measured is None else measured.spreads
+    if measured is not None and spreads is None:
+        report.diagnoses.append(f"Not calibrated: {measured.problem}; judged by the tolerance")
+    elif spreads is not None:
+        report.notes.append(calibration_note(spreads, report.dtype))
+    found = compare_runs(
+        judged, records, judge_tol, spatial_size=s, allow_nonfinite=allow, spreads=spreads
+    )
+    report.mismatches, report.stats = found.mismatches, found.stats
+    if not case.vacuous_ok:
+        report.mismatches[:0] = check_vacuous(case.label, judged, records, s)
+    report.field_errors, report.likely = found.field_errors, found.likely
+    report.diagnoses += found.diagnoses
+    if amp is not None:
+        from harness.equivalence._autocast import ratio_rule
+
+        ratio_rule(case, report, reference, judged, records, amp)
+
+
+def _args(run: _Run) -> tuple[int, float, int]:
+    """The steps, learning rate and seed of ``run``'s training, as the reruns take them."""
+    return run.steps, run.lr, run.seed
+
+
+def _roll_out(
+    run: _Run,
+    report: EquivalenceReport,
+    s: int,
+    n_rollout: int,
+    tol: Tolerance,
+    amp: torch.dtype | None,
+) -> None:
+    """The inference rollout, judged step by step into ``report`` (not after a training
+    run that raised, crashed or hung: its traceback says more)."""
+    from harness.rollout import SerialRanOut, check_rollout
+
+    report.rollout_steps = n_rollout
+    if report.quantities & set(FAILURES):
+        report.notes.append(f"rollout of {n_rollout} steps not run: the training run failed")
+        return
+    try:
+        report.rollout = check_rollout(
+            run.case,
+            run.pool,
+            spatial_size=s,
+            steps=n_rollout,
+            seed=run.seed,
+            bound=tol.field,
+            timeout=run.timeout,
+            autocast=amp,
+        )
+    except RankFailure as failure:
+        report.mismatches += _rollout_failure(failure, run.case.label, n_rollout)
+        report.likely = report.likely or culprit_hint(failure)
+    except SerialRanOut as out:  # the serial reference's rollout, and the ranks' if they did
+        phase = getattr(out.cause, "harness_phase", None) or "rollout"
+        report.mismatches.append(_reference_error(run.case.label, out.cause, phase, None))
+        if out.ranks is not None:
+            report.mismatches += _rollout_failure(out.ranks, run.case.label, n_rollout)
+    except Exception as exc:  # noqa: BLE001 - the reference's rollout raised: a verdict
+        phase = getattr(exc, "harness_phase", None) or "rollout"
+        report.mismatches.append(_reference_error(run.case.label, exc, phase, None))
+    else:
+        report.mismatches += report.rollout.mismatches
+
+
+def _rollout_failure(failure: RankFailure, label: str, steps: int) -> list[Mismatch]:
+    """A rollout's failed run, as ``failure_mismatches``; a rank that returned (the
+    culprit of a hang) said to be in the rollout, not "after build"."""
+    found = failure_mismatches(failure, label)
+    for m in found:
+        m.phase = m.phase or f"rollout of {steps} steps"
+    return found
+
+
+def _locate_first(run: _Run, report: EquivalenceReport, amp: torch.dtype | None) -> None:
+    """Locate the first failing training step or, where only the rollout failed, the
+    rollout's first divergent step; should locating raise, a ``Not located:`` line."""
+    rolled = report.rollout.mismatches if report.rollout is not None else []
+    trained = [m for m in report.mismatches if not any(m is r for r in rolled)]
+    divergent = report.rollout.first if report.rollout is not None else None
+    rollout_only = divergent is not None and not trained  # its divergent step is rerun
+    step = min((m.step for m in trained if m.step is not None), default=0)
+    if divergent is not None and rollout_only:
+        step = divergent.step
+    where = f"rollout step {step}" if rollout_only else f"step {step}"
+    try:
+        if rollout_only:
+            _locate_rollout(run, report, step, amp)
+        else:
+            _locate(run, report, step)
+    except Exception as exc:  # noqa: BLE001 - a diagnosis never takes the verdict down
+        report.location = None
+        report.first_divergence = None
+        report.diagnoses.append(
+            f"Not located: the first divergence at {where} ({exception_summary(exc)})"
+        )
+
+
+def _locate_rollout(
+    run: _Run, report: EquivalenceReport, step: int, amp: torch.dtype | None
+) -> None:
+    """Locate the first divergence inside rollout step ``step`` into ``report``
+    (``harness.equivalence._locating_rollout``)."""
+    from harness.equivalence._locating_rollout import locate_rollout
+
+    assert report.rollout is not None
+    report.location = locate_rollout(
+        run.case,
+        run.pool,
+        spatial_size=run.spatial_size,
+        step=step,
+        steps=report.rollout.steps,
+        seed=run.seed,
+        timeout=run.timeout,
+        autocast=amp,
+    )
+    report.first_divergence = report.location.first
+    report.location.lines()  # rendered now: a line it cannot write is said here, not in str()
+
+
+def _locate(run: _Run, report: EquivalenceReport, step: int) -> None:
+    """Locate the first divergence of training step ``step`` into ``report``
+    (``harness.equivalence._locating``)."""
+    from harness.equivalence._locating import locate as locate_run
+
+    report.location = locate_run(
+        run.case,
+        run.pool,
+        spatial_size=run.spatial_size,
+        step=step,
+        lr=run.lr,
+        seed=run.seed,
+        timeout=run.timeout,
+        reference_init=run.init,
+        mesh=run.mesh,
+    )
+    report.first_divergence = report.location.first
+    report.location.lines()  # rendered now: a line it cannot write is said here, not in str()
+
+
+def _reference_failed(
+    report: EquivalenceReport,
+    case: SpatialCase,
+    exc: Exception,
+    tolerance: Tolerance | None,
+    t0: float,
+) -> EquivalenceReport:
+    """``report`` of a check whose reference raised: one ``error`` of the reference, with
+    its phase and traceback; the ranks are not run (there is nothing to compare them with)."""
+    dtype = case.dtype or torch.get_default_dtype()
+    phase = getattr(exc, "harness_phase", None) or ""
+    step = next((int(w) for w in phase.split()[1:2] if w.isdigit()), None)
+    s = report.spatial_size
+    report.partition = _layout(case.describe(None), s, report.ranks // s)
+    report.dtype = str(dtype).replace("torch.", "")
+    report.tolerance = tolerance or case.tolerance or Tolerance.for_dtype(dtype)
+    report.mismatches = [_reference_error(case.label, exc, phase, step)]
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _reference_error(label: str, exc: Exception, phase: str, step: int | None) -> Mismatch:
+    """The reference raised: one ``error`` of the reference, with its phase and traceback
+    (stopped by the check's clock, ``RanOut``: a ``timeout`` of the serial reference)."""
+    if isinstance(exc, RanOut):
+        return Mismatch(
+            Quantity.TIMEOUT,
+            label,
+            step,
+            None,
+            where=f"the serial reference (this process) {exc}, in {phase or 'its run'}",
+            detail="the reference runs in the calling process under the same timeout as "
+            "the ranks: raise timeout= if the run is merely slow",
+            run="reference",
+            phase=phase,
+        )
+    return Mismatch(
+        Quantity.ERROR,
+        label,
+        step,
+        None,
+        where=exception_summary(exc),
+        detail=user_traceback(exc),
+        run="reference",
+        phase=phase,
+    )
+
+
+def _loaded_note(records: list[RunRecord], every: bool = False) -> list[str]:
+    """The report's line for parameters that started from the reference's values
+    (``every``: the case's ``load_reference_init``, else its ``load_reference_shards``)."""
+    loaded = sorted({n for r in records for n in r.loaded_shards})
+    if not loaded:
+        return []
+    names = ", ".join(loaded[:4]) + (f" and {len(loaded) - 4} more" if len(loaded) > 4 else "")
+    if every:
+        sharded = sorted({n for r in records for n in r.param_shards})
+        of = f", {len(sharded)} of them sharded" if sharded else ""
+        return [
+            f"reference initial values loaded: the reference's initial values were copied "
+            f"into every parameter ({len(loaded)}{of}: {names}) before the first step "
+            "(load_reference_init), so initial values are not checked"
+        ]
+    return [
+        f"reference shards loaded: the reference's initial values were copied into the "
+        f"shards of {len(loaded)} parameter(s) ({names}) before the first step "
+        "(load_reference_shards), so their initial values are not checked"
+    ]
+
+
+def _should_locate(locate: bool | None, report: EquivalenceReport) -> bool:
+    """Locate on request, or by default when a check failed in its numbers (a training
+    step's or a rollout step's); never on a run that raised or hung, nor in a mutant's rerun
+    (``MutantMode.verdict_only``: the one place that says so, whoever asked for locating)."""
+    if locate is False or report.quantities & set(FAILURES) or mutant_mode().verdict_only:
+        return False
+    return locate is True or bool(report.mismatches)
+
+
+_culprit = culprit_hint  # its older, private name
+
+
+def failure_mismatches(failure: RankFailure, label: str) -> list[Mismatch]:
+    """One mismatch per rank of a failed run (healthy ranks stopped after it left out)."""
+    hangs = (Quantity.DEADLOCK, Quantity.TIMEOUT)
+    kinds = [ProblemKind(p.kind) for p in failure.problems]
+    hang = next((k.quantity for k in kinds if k.quantity in hangs), None)
+    out = []
+    for p, kind in zip(failure.problems, kinds):
+        if kind is ProblemKind.STOPPED:
+            continue
+        # a rank that returned is the culprit of its run's hang: a row of the hang's quantity
+        quantity = hang if kind is ProblemKind.RETURNED else kind.quantity
+        if quantity is None:  # a rank that returned in a run that did not hang: context
+            continue
+        detail = p.detail + (
+            f"\n--- rank {p.rank} output ---\n{p.output}" if p.output.strip() else ""
+        )
+        out.append(
+            Mismatch(
+                quantity,
+                label,
+                p.step,
+                p.rank,
+                where=p.summary,
+                detail=detail,
+                phase=p.phase if kind is not ProblemKind.RETURNED else "",
+            )
+        )
+    return out
+
+
+def flatten_record(record: RunRecord) -> dict[str, torch.Tensor]:
+    """Deprecated: ``record.flat()``, which this only calls (kept for old imports)."""
+    import warnings
+
+    warnings.warn(
+        "harness.equivalence.flatten_record is deprecated; use RunRecord.flat()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return record.flat()
+
+
+def _layout(describe: str, spatial: int, data: int) -> str:
+    """``"nside 2, ... · spatial 2 x data 2"``: the partition and, if any, the data groups."""
+    groups = f"spatial {spatial} x data {data}" if data > 1 else ""
+    return " · ".join(p for p in (describe, groups) if p) or f"spatial {spatial}"
