@@ -6,7 +6,11 @@ hands off to library objects (``PoolRegistry``, ``GoldenStore``, ``check_equival
 that work without pytest. One job per module:
 
 - ``options``: the options' declarations, and ``Settings``, parsed and checked once;
-- ``fixtures``: ``spatial`` and ``golden``, and what a test sees of them;
+- ``fixtures``: ``spatial`` and ``golden``, and what a test sees of them, a thin face over
+  one module per job: ``marker`` (the marker's options), ``lease`` (which pool runs, within
+  what time), ``rank_output`` (what the ranks printed), ``check`` (``spatial.check``),
+  ``sweep`` (``spatial.check_layouts``), ``golden_fixture`` (``golden``, and a check's
+  golden), ``pictures`` (a failure's maps and curves);
 - ``session``: the session's summary (goldens, the equivalence table), on the controller;
 - ``html_report``: ``--spatial-report``'s page, drawn where tests run, written on the controller;
 - ``launched``: torchrun/srun mode, a plugin object registered only under a launcher;
@@ -29,15 +33,8 @@ if TYPE_CHECKING:
 from harness.goldens import GoldenStore
 from harness.plugin import github
 from harness.plugin._keys import _registry_key, _settings_key, _skipped_key
-from harness.plugin.fixtures import (
-    OUTPUT_LIMIT,
-    GoldenFixture,
-    SpatialFixture,
-    SpatialUnusedWarning,
-    golden,
-    spatial,
-    write_error_maps,
-)
+from harness.plugin.fixtures import SpatialFixture, SpatialUnusedWarning, golden, spatial
+from harness.plugin.golden_fixture import GoldenFixture
 from harness.plugin.launched import LauncherMode, launcher_registry
 from harness.plugin.options import (
     DEFAULT_RANKS,
@@ -46,6 +43,8 @@ from harness.plugin.options import (
     pytest_addoption,
     pytest_load_initial_conftests,
 )
+from harness.plugin.pictures import write_error_maps
+from harness.plugin.rank_output import OUTPUT_LIMIT
 from harness.plugin.session import HarnessSession, _session_key
 from harness.plugin.summary import SummaryRows
 from harness.pool import PoolRegistry, keep_limits

@@ -20,6 +20,9 @@ _skipped_key = pytest.StashKey[bool]()
 
 # Results travel from xdist workers to the controller as user_properties of test reports.
 _GOLDEN_PROP = "harness_golden"
+#: a golden check as it travels under ``_GOLDEN_PROP``: (path, status, what a write changed
+#: as ``GoldenChange.plain()``, or None)
+GoldenRecord = tuple[str, str, dict[str, object] | None]
 _EQUIV_PROP = "harness_equivalence"
 # --spatial-report's pictures and sweep rows: taken off the reports on the controller
 _REPORT_PROP = "harness_report"

@@ -25,7 +25,8 @@ import re
 import sys
 from collections.abc import Generator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
 
 import pytest
 
@@ -44,6 +45,26 @@ if TYPE_CHECKING:
 
 #: a layout sweep (``spatial.check_layouts``), as plain data, for the job summary
 _SWEEP_PROP = "harness_sweep"
+
+
+class SweepRecord(TypedDict):
+    """A layout sweep as the job summary and its annotations read it: plain data, so it
+    travels from an xdist worker to the controller in the test report's properties."""
+
+    test: str
+    case: str
+    layouts: int  # run (not refused by the case)
+    failing: int
+    smallest: str  # the smallest failing layout, "" when none failed
+    call_site: list[object]  # [file, line] of the test's line that ran the sweep
+    #: the smallest failing layout's lines in the user's code (``harness.report.sites.Site``)
+    sites: NotRequired[list[dict[str, Any]]]
+    problems: NotRequired[list[str]]
+
+
+#: a failing check's row or a failing sweep: what an annotation points from
+Failure = SummaryRow | SweepRecord
+
 #: the harness's plain-data properties, kept out of JUnit XML (``spatial.*`` say them there)
 _PLAIN_PROPS = frozenset({_EQUIV_PROP, _GOLDEN_PROP, _SWEEP_PROP})
 #: at most this many lines of a failure's text in the annotation at the test's line
@@ -70,21 +91,18 @@ def register(config: pytest.Config) -> None:
 # ---------------------------------------------------------------------- recording a check
 
 
-def record_check(
-    node: pytest.Item, report: EquivalenceReport, case: SpatialCase, row: SummaryRow
-) -> None:
-    """On ``row``: the user's lines the failure points at and the test's line that ran
-    the check; on ``node``: the check's ``spatial.*`` properties, for JUnit."""
-    if not report.ok:
-        row["sites"] = _sites(report, case)
-    row["call_site"] = call_site(node)
-    node.user_properties.extend(junit_properties(report, row))
+def check_places(node: pytest.Item, report: EquivalenceReport, case: SpatialCase) -> SummaryRow:
+    """A check's row's places: the user's lines its failure points at (``sites``, none when
+    it passed) and the test's line that ran it (``call_site``)."""
+    places: SummaryRow = {} if report.ok else {"sites": _sites(report, case)}
+    places["call_site"] = call_site(node)
+    return places
 
 
 def record_sweep(node: pytest.Item, report: LayoutsReport, case: SpatialCase) -> None:
     """A layout sweep's outcome, plain, for the job summary (and its annotations)."""
     smallest, failed = report.smallest_failing, report.smallest_report
-    sweep: dict[str, Any] = {
+    sweep: SweepRecord = {
         "test": node.nodeid,
         "case": report.case,
         "layouts": len(report.passed) + len(report.failing),  # run (not refused by the case)
@@ -122,11 +140,11 @@ def call_site(node: pytest.Item) -> list[object]:
     """``[file, line]`` of the test's line that is running the check: the innermost frame
     in the test's own file (the test's first line where none is on the stack)."""
     path = str(getattr(node, "path", ""))
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename == path:
             return [path, frame.f_lineno]
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     fspath, line, _ = node.location
     return [str(node.config.rootpath / fspath), (line or 0) + 1]
 
@@ -237,7 +255,7 @@ class GithubSession:
         workspace = os.environ.get("GITHUB_WORKSPACE")
         self.root = Path(workspace).resolve() if workspace else config.rootpath.resolve()
         self.annotations: list[str] = []
-        self.sweeps: list[dict[str, Any]] = []
+        self.sweeps: list[SweepRecord] = []
 
     def relative(self, path: str) -> str:
         """``path`` relative to the repository, ``""`` when it lies outside it."""
@@ -250,19 +268,19 @@ class GithubSession:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
             return
-        found: list[dict[str, Any]] = []  # failing checks and sweeps of this test
-        value: Any  # plain data from the test (or an xdist worker)
-        for key, value in report.user_properties:
+        found: list[Failure] = []  # failing checks and sweeps of this test
+        for key, value in report.user_properties:  # plain data from the test (or a worker)
             if key == _SWEEP_PROP:
-                self.sweeps.append(value)
-            if (key == _EQUIV_PROP and not value["ok"]) or (
-                key == _SWEEP_PROP and value["failing"]
-            ):
-                found.append(value)
+                sweep = cast(SweepRecord, value)
+                self.sweeps.append(sweep)
+                if sweep["failing"]:
+                    found.append(sweep)
+            elif key == _EQUIV_PROP and not cast(SummaryRow, value)["ok"]:
+                found.append(cast(SummaryRow, value))
         if report.failed and found:
             self._annotate(report, found)
 
-    def _annotate(self, report: pytest.TestReport, found: list[dict[str, Any]]) -> None:
+    def _annotate(self, report: pytest.TestReport, found: list[Failure]) -> None:
         """The failure's lines in the user's code first, then the test's own line."""
         for value in found:
             for site in value.get("sites", []):
@@ -274,7 +292,7 @@ class GithubSession:
                         title=site["title"],
                     )
                 )
-        path, line = found[0]["call_site"]
+        path, line = cast(tuple[str, int], found[0]["call_site"])
         text = report.longreprtext.strip().splitlines()
         if text and re.match(r"\[gw\d+\] ", text[0]):  # xdist's "[gw1] linux -- Python ..."
             text = text[1:]
@@ -375,7 +393,7 @@ def _row_cells(gh: GithubSession, r: SummaryRow) -> tuple[str, ...]:
     )
 
 
-def _where(gh: GithubSession, value: Any) -> str:
+def _where(gh: GithubSession, value: Failure) -> str:
     """The first user line a failure points at, linked to the commit on GitHub when the
     job says which (``GITHUB_REPOSITORY``, ``GITHUB_SHA``)."""
     site = next((s for s in value.get("sites", []) if s["file"]), None)

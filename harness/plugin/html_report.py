@@ -21,7 +21,7 @@ import os
 import tempfile
 from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import pytest
 
@@ -40,6 +40,14 @@ if TYPE_CHECKING:
 #: a failing check's pictures, drawn into the directory given: paths or ``Not plotted:`` lines
 Draw = Callable[[str], list[str]]
 _pending_key = pytest.StashKey[Draw]()
+
+
+class PageRecord(TypedDict, total=False):
+    """What a test sends the page under ``_REPORT_PROP``, plain (it travels from an xdist
+    worker): a failing check's pictures (``draw_plain``), or a sweep's row."""
+
+    figures: list[dict[str, str]]
+    sweep: SweepRow
 
 
 def _wanted(node: pytest.Item) -> bool:
@@ -69,7 +77,8 @@ def record_sweep(node: pytest.Item, report: LayoutsReport) -> None:
         "smallest": "" if smallest is None else str(smallest),
         "ok": report.ok,
     }
-    node.user_properties.append((_REPORT_PROP, {"sweep": dict(row)}))
+    record: PageRecord = {"sweep": row}
+    node.user_properties.append((_REPORT_PROP, record))
 
 
 def draw_plain(draw: Draw) -> list[dict[str, str]]:
@@ -137,24 +146,26 @@ class HtmlReport:
             if draw is not None:
                 del item.stash[_pending_key]
                 if call.excinfo is not None:
-                    item.user_properties.append((_REPORT_PROP, {"figures": draw_plain(draw)}))
+                    record: PageRecord = {"figures": draw_plain(draw)}
+                    item.user_properties.append((_REPORT_PROP, record))
         yield
 
     @pytest.hookimpl(tryfirst=True)  # before junitxml: the pictures are not a property
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if not self.controller:  # a worker sends its reports on whole
             return
-        value: Any  # plain data from the test (or an xdist worker)
         kept = []
-        for key, value in report.user_properties:
+        for key, value in report.user_properties:  # plain data from the test (or a worker)
             if key != _REPORT_PROP:
                 kept.append((key, value))
-            elif report.when != "call":  # setup and teardown reports repeat the call's
                 continue
-            elif "figures" in value:
-                self.figures.setdefault(report.nodeid, []).extend(map(_figure, value["figures"]))
-            elif "sweep" in value:
-                self.sweeps.append(value["sweep"])
+            if report.when != "call":  # setup and teardown reports repeat the call's
+                continue
+            record = cast(PageRecord, value)
+            if "figures" in record:
+                self.figures.setdefault(report.nodeid, []).extend(map(_figure, record["figures"]))
+            elif "sweep" in record:
+                self.sweeps.append(record["sweep"])
         report.user_properties[:] = kept
         outcome = _outcome(report)
         if outcome is not None and self.outcomes.get(report.nodeid) not in ("failed", "error"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -34,11 +34,13 @@ from harness._mutation.catalogue import (
     table_rows,
 )
 from harness._mutation.mode import RECORD, MutantMode, running
-from harness.report import format_table
+from harness.plugin._keys import _EQUIV_PROP
+from harness.pool import RankPool
+from harness.pool.launcher import LauncherRunner
+from harness.report import SummaryRow, format_table
 
 SITES_KEY = pytest.StashKey[list[dict[str, SiteStats]]]()
 _OUTPUT = "harness_mutants"
-_EQUIV_PROP = "harness_equivalence"
 #: a mutant rerun gets this many times its test's first duration (at least the floor), not
 #: the whole timeout: a mutant that hangs where nothing can prove it is ended sooner
 RERUN_FACTOR, RERUN_FLOOR = 10.0, 30.0
@@ -154,11 +156,11 @@ class MutantSession:
         tr.write_line(line)
 
 
-def collect_sites(node: pytest.Item, pool: object) -> None:
-    """After a run of the ``spatial`` fixture: keep the call sites its ranks recorded."""
-    sites = getattr(pool, "last_sites", None)
-    if sites:
-        node.stash.setdefault(SITES_KEY, []).extend(sites)
+def collect_sites(node: pytest.Item, pool: RankPool | LauncherRunner) -> None:
+    """After a run of the ``spatial`` fixture: keep the call sites its ranks recorded (the
+    pool's; a launcher's ranks run in place, where no mutant is injected)."""
+    if isinstance(pool, RankPool) and pool.last_sites:
+        node.stash.setdefault(SITES_KEY, []).extend(pool.last_sites)
 
 
 def _rerun(item: pytest.Item, mode: MutantMode) -> Killed | None:
@@ -173,7 +175,8 @@ def _rerun(item: pytest.Item, mode: MutantMode) -> Killed | None:
         failed = next((r for r in reports if r.failed), None)
         if failed is None:
             return None
-        rows: list[Any] = [v for k, v in item.user_properties[before:] if k == _EQUIV_PROP]
+        props = item.user_properties[before:]
+        rows = [cast(SummaryRow, v) for k, v in props if k == _EQUIV_PROP]
         problems = [q for row in rows for q in row.get("problems", ())]
         return Killed(
             item.nodeid, ", ".join(sorted(set(problems))) or quantity_of(failed.longreprtext)

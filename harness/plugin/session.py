@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import pytest
 
@@ -19,7 +19,7 @@ from harness.goldens import (
     shared_golden,
     unused_goldens,
 )
-from harness.plugin._keys import _EQUIV_PROP, _GOLDEN_PROP, _settings_key
+from harness.plugin._keys import _EQUIV_PROP, _GOLDEN_PROP, GoldenRecord, _settings_key
 from harness.report import SummaryRow, equivalence_table
 
 
@@ -72,16 +72,15 @@ class HarnessSession:
             self.failed.add(report.nodeid)
         if report.when != "call":  # setup and teardown reports repeat the same properties
             return
-        value: Any  # plain data from the test (or an xdist worker)
-        for key, value in report.user_properties:
+        for key, value in report.user_properties:  # plain data from the test (or a worker)
             if key == _GOLDEN_PROP:
-                path, status, *rest = value  # (path, status[, change]): plain, for xdist
+                path, status, change = cast(GoldenRecord, value)
                 self.golden_status[path] = status
                 self.golden_tests.setdefault(path, set()).add(report.nodeid)
-                if rest and rest[0] is not None:
-                    self.golden_change[path] = GoldenChange.from_plain(rest[0])
+                if change is not None:
+                    self.golden_change[path] = GoldenChange.from_plain(change)
             elif key == _EQUIV_PROP:
-                self.equivalences.append(value)
+                self.equivalences.append(cast(SummaryRow, value))
 
     @pytest.hookimpl
     def pytest_terminal_summary(

@@ -23,10 +23,12 @@ from harness._records.observe import listening
 from harness.compare import NUMERIC
 from harness.layouts import LayoutsReport, block_cases, layouts
 from harness.plugin._keys import _EQUIV_PROP
+from harness.pool import RankPool
 from harness.report import EquivalenceReport, SummaryRow
 
 if TYPE_CHECKING:
     from harness.case import SpatialCase
+    from harness.pool.launcher import LauncherRunner
 
 
 class SummaryRows:
@@ -196,13 +198,15 @@ def _rollout_phase(phase: str, steps: int) -> str:
 
 
 @contextlib.contextmanager
-def rollout_progress(config: pytest.Config, pool: object, label: str, steps: int) -> Iterator[None]:
+def rollout_progress(
+    config: pytest.Config, pool: RankPool | LauncherRunner, label: str, steps: int
+) -> Iterator[None]:
     """While a check's rollout of ``steps`` steps runs, ``label: rollout: step k of N`` (or
     ``k model calls``: ``_rollout_phase``) every ``ROLLOUT_EVERY`` seconds, read from rank
     0's phase on the pool's board (what the rank wrote for itself: no message, no CPU time
     of the rank). Nothing where nobody watches or the runner has no board (torchrun/srun);
     the reader stops before the check returns."""
-    if not steps or not hasattr(type(pool), "board") or not _watched(config):
+    if not steps or not isinstance(pool, RankPool) or not _watched(config):
         yield
         return
     done = threading.Event()
@@ -212,7 +216,7 @@ def rollout_progress(config: pytest.Config, pool: object, label: str, steps: int
         while not done.wait(ROLLOUT_EVERY):
             try:
                 # the pool's board now: a rank replaced mid-check comes with a new one
-                found = _rollout_phase(pool.board.read(0).phase, steps)  # type: ignore[attr-defined]
+                found = _rollout_phase(pool.board.read(0).phase, steps)
             except Exception:  # noqa: BLE001 - no board this moment (pool restarting): a line less
                 continue
             if found and found != said:

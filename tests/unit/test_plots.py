@@ -211,10 +211,10 @@ def test_a_field_whose_map_cannot_be_drawn_is_a_not_plotted_line_and_the_others_
 
 
 def test_a_picture_that_cannot_be_drawn_is_a_not_plotted_line_not_an_exception():
-    from harness.plugin.fixtures import _drawn
+    from harness.plugin.pictures import drawn
 
-    assert _drawn("the layout map", lambda: "maps/x.png") == "maps/x.png"
-    said = _drawn("the rollout error curve", lambda: str(1 / 0))
+    assert drawn("the layout map", lambda: "maps/x.png") == "maps/x.png"
+    said = drawn("the rollout error curve", lambda: str(1 / 0))
     assert said == "Not plotted: the rollout error curve (ZeroDivisionError: division by zero)"
 
 
