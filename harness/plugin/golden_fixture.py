@@ -73,6 +73,9 @@ class GoldenFixture:
         refuse_update: str | None = None,
         allow_nonfinite: bool = False,
     ) -> GoldenResult:
+        """``check``'s comparison, returned rather than failed on: ``tensors`` against the
+        golden ``name`` within ``bound``; under ``--update-goldens`` written (with
+        ``provenance``), or kept as it is when ``refuse_update`` says why."""
         __tracebackhide__ = True
         path = self._path(name)
         if refuse_update and self._store.update:
