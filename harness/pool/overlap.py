@@ -41,7 +41,8 @@ class Background:
         def target() -> None:
             try:
                 if isinstance(pool, RankPool) and payload is not None:
-                    self._out = pool._run_pickled(payload, timeout)  # noqa: SLF001 - its folder
+                    # pool's own folder: _run_pickled is private to harness/pool/
+                    self._out = pool._run_pickled(payload, timeout)
                 else:
                     self._out = pool.run(*call, timeout=timeout, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
