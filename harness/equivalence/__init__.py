@@ -153,9 +153,12 @@ def check_equivalence(
         latitudes=None if case.latitudes is None else [float(v) for v in case.latitudes],
     )
     limit = serial_limit(spec.timeout, pool)
+    loads = case.load_reference_shards or case.load_reference_init
+    started = None  # the ranks' run, where it needs nothing of the reference (``_early``)
     if reference is None:
+        started = None if loads else _early(spec, case, pool)
         try:
-            reference = bounded_reference(case, spec.steps, spec.lr, spec.seed, limit)
+            reference = _reference_beside(spec, case, limit, started)
         except Exception as exc:  # noqa: BLE001 - the reference's failure is the check's verdict
             return _reference_failed(report, case, exc, spec.tolerance, t0)
     dtype = reference.steps[0].loss.dtype
@@ -163,12 +166,11 @@ def check_equivalence(
     report.dtype, report.tolerance = str(dtype).replace("torch.", ""), tol
     report.reference = reference.flat()
     # the reference ran first: its initial values can travel to ranks that load them
-    loads = case.load_reference_shards or case.load_reference_init
     run = _Run(spec, case, pool, reference.init if loads else None, limit)
     given = spec.tolerance is not None or case.tolerance is not None
     amp = spec.autocast
     calibrated = calibrates(dtype, asked=spec.calibrate, tolerance_given=given, autocast=amp)
-    _train(run, report, reference, tol, calibrated)
+    _train(run, report, reference, tol, calibrated, started)
     if spec.rollout:
         _roll_out(run, report, tol)
     report.seconds = time.perf_counter() - t0
@@ -206,6 +208,31 @@ def bounded_reference(
     return rank_run.run_case(case, Topology.single(), steps, lr, seed, progress=clock.progress)
 
 
+def _early(spec: CheckSpec, case: SpatialCase, pool: Runner) -> Background | None:
+    """The ranks' training run started now, in other processes, so that the reference runs
+    in this one while they do: only where the ranks' call needs nothing of the reference
+    (the caller checks the case loads none of its values) and no serial run under autocast
+    goes first (``_train``); else ``None``, and the ranks run after the reference."""
+    if spec.autocast is not None or not in_other_processes(pool):
+        return None
+    return Background(pool, (rank_entry, spec, case, None), spec.timeout)
+
+
+def _reference_beside(
+    spec: CheckSpec, case: SpatialCase, limit: float | None, started: Background | None
+) -> RunRecord:
+    """``bounded_reference`` while the ``started`` ranks run: should it raise (or run out),
+    the ranks' run is joined first, so no thread or rank work outlives the verdict and the
+    pool is idle for the next check (its own timeout bounds the wait; what it found is not
+    judged: there is no reference to judge it by)."""
+    try:
+        return bounded_reference(case, spec.steps, spec.lr, spec.seed, limit)
+    except BaseException:
+        if started is not None:
+            started.join()
+        raise
+
+
 def serial_run(spec: CheckSpec, case: SpatialCase) -> tuple[RunRecord, Tolerance]:
     """The serial run under ``spec.autocast`` (what the ranks' layout is checked against:
     the ranks' entry runs under the same ``spec``) and the tolerance for that check
@@ -224,10 +251,12 @@ def _train(
     reference: RunRecord,
     tol: Tolerance,
     calibrated: bool = False,
+    started: Background | None = None,
 ) -> None:
     """The training steps on every rank, compared into ``report`` (under autocast: with
     the serial run under it, by the ratio rule; ``calibrated``: each entry by its rounding
-    spread, the nudged reruns run while the ranks do)."""
+    spread, the nudged reruns run while the ranks do). ``started``: the ranks' run, already
+    under way beside the reference (``_early``; never under autocast)."""
     # long: the ranks' run beside the reruns, its failure, then one judgement, each once
     case, ranks, spec = run.case, report.ranks, run.spec
     s, amp = spec.spatial_size, spec.autocast
@@ -243,12 +272,15 @@ def _train(
     call = (rank_run.rank_entry, spec, case, run.init)  # what crosses to every rank: one spec
     measured = None
     try:
-        if calibrated and in_other_processes(run.pool):
+        ranks_run = started
+        if ranks_run is None and calibrated and in_other_processes(run.pool):
             ranks_run = Background(run.pool, call, spec.timeout)
-            # the reruns stop at the check's timeout, and at once when the ranks failed
-            clock = Deadline.after(run.limit, stop=ranks_run.failed)
+        if ranks_run is not None:
             try:
-                measured = calibrate(spec, case, reference, deadline=clock)
+                if calibrated:
+                    # the reruns stop at the check's timeout, and at once when the ranks failed
+                    clock = Deadline.after(run.limit, stop=ranks_run.failed)
+                    measured = calibrate(spec, case, reference, deadline=clock)
             finally:
                 records = ranks_run.result()  # joined whatever happened: no thread outlives
         else:

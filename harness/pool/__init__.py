@@ -261,7 +261,13 @@ class RankPool:
         but was never waited on is not a failure: it is warned about (``UnwaitedWork``).
         """
         __tracebackhide__ = True
-        payload = dump_call(fn, args, kwargs)
+        return self._run_pickled(dump_call(fn, args, kwargs), timeout)
+
+    def _run_pickled(self, payload: bytes, timeout: float | None = None) -> list[Any]:
+        """``run`` of a call already pickled (``harness.pool._pickling.dump_call``): taken
+        where it was pickled, as its arguments were then (``harness.pool.overlap``: pickled
+        in the calling thread, before serial work there may change them)."""
+        __tracebackhide__ = True
         timeout = (
             self.timeout
             if timeout is None

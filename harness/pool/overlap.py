@@ -21,17 +21,30 @@ def in_other_processes(pool: Runner) -> bool:
 
 class Background:
     """``pool.run(*call, timeout=timeout, **kwargs)`` in a thread: its results, or what it
-    raised, from ``result()``."""
+    raised, from ``result()``.
+
+    A ``RankPool``'s call is pickled here, in the calling thread, before the thread starts:
+    the ranks get the arguments as they are now, whatever the serial work beside them does
+    to them next (a reference's ``build`` may patch a module a case refers to), and a call
+    that cannot be pickled raises ``PicklingProblem`` here."""
 
     def __init__(
         self, pool: Runner, call: tuple[Any, ...], timeout: float | None, **kwargs: Any
     ) -> None:
+        from harness.pool import RankPool
+        from harness.pool._pickling import dump_call
+
         self._out: list[Any] = []
         self._error: BaseException | None = None
+        payload = dump_call(call[0], call[1:], kwargs) if isinstance(pool, RankPool) else None
 
         def target() -> None:
             try:
-                self._out = pool.run(*call, timeout=timeout, **kwargs)
+                if isinstance(pool, RankPool) and payload is not None:
+                    # pool's own folder: _run_pickled is private to harness/pool/
+                    self._out = pool._run_pickled(payload, timeout)
+                else:
+                    self._out = pool.run(*call, timeout=timeout, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
                 self._error = exc
 
