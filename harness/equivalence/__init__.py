@@ -215,7 +215,7 @@ def _early(spec: CheckSpec, case: SpatialCase, pool: Runner) -> Background | Non
     goes first (``_train``); else ``None``, and the ranks run after the reference."""
     if spec.autocast is not None or not in_other_processes(pool):
         return None
-    return Background(pool, (rank_entry, spec, case, None), spec.timeout)
+    return Background(pool, (rank_run.rank_entry, spec, case, None), spec.timeout)
 
 
 def _reference_beside(
