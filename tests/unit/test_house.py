@@ -82,3 +82,14 @@ def test_the_measures_see_what_they_measure(tmp_path):
     assert module_lines(tmp_path)["big.py"] > MAX_MODULE_LINES
     assert long_functions(tmp_path) == [f"big.py:f ({MAX_FUNCTION_LINES + 1} lines)"]
     assert any_count(tmp_path) == 2
+
+
+def test_every_file_the_mutation_run_names_exists():
+    """A moved module left in ``[tool.mutmut]`` would silently mutate nothing, and a moved
+    test module would select nothing."""
+    import tomllib
+
+    root = HARNESS.parent
+    mutmut = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
+    named = [*mutmut["only_mutate"], *mutmut["pytest_add_cli_args_test_selection"]]
+    assert [p for p in named if not (root / p).is_file()] == []

@@ -1,4 +1,4 @@
-"""The judge (harness/_checks/judge.py) on hand-made records: the hints a comparison
+"""The judge (harness/_judges/judge.py) on hand-made records: the hints a comparison
 under its bound gives (scale, float32 rounding) and how values and positions are written."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fields (harness/_checks/fields.py) on hand-made records: full tensors rank by rank, or
+"""Fields (harness/_judges/fields.py) on hand-made records: full tensors rank by rank, or
 shards reassembled per data group, their coverage, and every finding's position and owner."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Non-finite values (harness/_checks/values.py) on hand-made records: in the reference or
+"""Non-finite values (harness/_judges/values.py) on hand-made records: in the reference or
 on a rank, after build or in a step, each named by kind, name, step, rank and position."""
 
 from __future__ import annotations

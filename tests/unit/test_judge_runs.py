@@ -1,4 +1,4 @@
-"""compare_runs (harness/_checks/__init__.py) on hand-made records: the whole comparison,
+"""compare_runs (harness/_judges/__init__.py) on hand-made records: the whole comparison,
 in run order, with its likely cause and its diagnoses, without a rank in sight."""
 
 from __future__ import annotations

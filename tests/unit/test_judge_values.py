@@ -1,4 +1,4 @@
-"""Plain values (harness/_checks/values.py) on hand-made records: parameters after build,
+"""Plain values (harness/_judges/values.py) on hand-made records: parameters after build,
 loss, gradients, parameters after a step with their co-rank sync, and buffers."""
 
 from __future__ import annotations
