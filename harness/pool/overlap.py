@@ -3,6 +3,7 @@ reference and ensemble, a calibrated check's nudged reruns) runs while the ranks
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,9 @@ class Background:
     A ``RankPool``'s call is pickled here, in the calling thread, before the thread starts:
     the ranks get the arguments as they are now, whatever the serial work beside them does
     to them next (a reference's ``build`` may patch a module a case refers to), and a call
-    that cannot be pickled raises ``PicklingProblem`` here."""
+    that cannot be pickled raises ``PicklingProblem`` here. The thread runs in a copy of the
+    caller's context, so the run sees what the caller set in context variables (the
+    ``--spatial-mutants`` mode a run carries to its ranks)."""
 
     def __init__(
         self, pool: Runner, call: tuple[Any, ...], timeout: float | None, **kwargs: Any
@@ -48,7 +51,10 @@ class Background:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
                 self._error = exc
 
-        self._thread = threading.Thread(target=target, name="harness-ranks", daemon=True)
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(target,), name="harness-ranks", daemon=True
+        )
         self._thread.start()
 
     def failed(self) -> str:
