@@ -88,10 +88,10 @@ def hang_on_a_subgroup() -> None:
 
 
 def _deadlock(spatial, fn) -> RankDeadlock:
-    t0 = time.monotonic()
+    # a RankDeadlock is raised from the board's evidence only (the timeout raises
+    # RankTimeout): proven, not waited out
     with pytest.raises(RankDeadlock) as info:
         spatial.run(fn, timeout=100)
-    assert time.monotonic() - t0 < 50  # proven, not waited out
     return info.value
 
 

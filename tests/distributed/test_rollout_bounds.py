@@ -20,10 +20,9 @@ pytestmark = pytest.mark.assumes_ranks(4)
 def test_a_rollout_of_a_billion_steps_ends_in_a_report_naming_the_serial_reference(spatial):
     pool = spatial.pool(4)
     check_equivalence(RingCase(), ranks=4, pool=pool, rollout=2)  # warm: the clock is short
-    t0 = time.perf_counter()
-    # a timeout the two training steps meet on a loaded machine; the rollout cannot
+    # a timeout the two training steps meet on a loaded machine; the rollout cannot. It
+    # returns at all (before, the serial rollout never did), naming both parts
     report = check_equivalence(RingCase(), ranks=4, pool=pool, rollout=10**9, timeout=8)
-    assert time.perf_counter() - t0 < 120  # it ended: before, the serial rollout never did
     timeouts = [m for m in report.mismatches if m.quantity is Quantity.TIMEOUT]
     (serial,) = [m for m in timeouts if m.run == "reference"]
     assert serial.phase.startswith("rollout predict")

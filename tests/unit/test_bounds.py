@@ -69,9 +69,8 @@ def _nudged(model) -> bool:
 
 
 def test_a_rollout_of_a_billion_steps_ends_in_a_report_naming_the_serial_reference(in_process):
-    t0 = time.perf_counter()
+    # it returns at all (before, it never did), and says which part ran out
     report = check_equivalence(Tiny(), ranks=1, pool=in_process, rollout=10**9, timeout=1.0)
-    assert time.perf_counter() - t0 < 60  # ended at all: before, it never did
     (out,) = [m for m in report.mismatches if m.quantity is Quantity.TIMEOUT]
     assert out.run == "reference" and out.phase.startswith("rollout")
     text = str(report)
