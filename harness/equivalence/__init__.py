@@ -161,16 +161,20 @@ def check_equivalence(
             reference = _reference_beside(spec, case, limit, started)
         except Exception as exc:  # noqa: BLE001 - the reference's failure is the check's verdict
             return _reference_failed(report, case, exc, spec.tolerance, t0)
-    dtype = reference.steps[0].loss.dtype
-    tol = spec.tolerance or case.tolerance or Tolerance.for_dtype(dtype)
-    report.dtype, report.tolerance = str(dtype).replace("torch.", ""), tol
-    report.reference = reference.flat()
-    # the reference ran first: its initial values can travel to ranks that load them
-    run = _Run(spec, case, pool, reference.init if loads else None, limit)
-    given = spec.tolerance is not None or case.tolerance is not None
-    amp = spec.autocast
-    calibrated = calibrates(dtype, asked=spec.calibrate, tolerance_given=given, autocast=amp)
-    _train(run, report, reference, tol, calibrated, started)
+    try:
+        dtype = reference.steps[0].loss.dtype
+        tol = spec.tolerance or case.tolerance or Tolerance.for_dtype(dtype)
+        report.dtype, report.tolerance = str(dtype).replace("torch.", ""), tol
+        report.reference = reference.flat()
+        # the reference ran first: its initial values can travel to ranks that load them
+        run = _Run(spec, case, pool, reference.init if loads else None, limit)
+        given = spec.tolerance is not None or case.tolerance is not None
+        amp = spec.autocast
+        calibrated = calibrates(dtype, asked=spec.calibrate, tolerance_given=given, autocast=amp)
+        _train(run, report, reference, tol, calibrated, started)
+    finally:  # whatever raised before _train took the ranks' run: none of it outlives the check
+        if started is not None:
+            started.join()
     if spec.rollout:
         _roll_out(run, report, tol)
     report.seconds = time.perf_counter() - t0

@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from harness import Topology, check_equivalence
@@ -85,5 +86,26 @@ def test_a_reference_that_raises_while_the_ranks_run_leaves_the_pool_warm_and_cl
     # the ranks' run was joined before the verdict: no thread of it outlives the check
     assert not [t for t in threading.enumerate() if t.name == "harness-ranks"]
     # and the pool was neither left busy nor restarted: the next check runs on the same ranks
+    assert check_equivalence(CoupledMLPCase(npos=37), ranks=4, pool=pool).ok
+    assert pool.starts == starts
+
+
+def test_an_error_after_the_reference_waits_for_the_ranks_beside_it(spatial, monkeypatch):
+    """Between the reference and the ranks' judgement (the tolerance, the calibration
+    decision) nothing may leave the ranks' run in flight: the pool must be idle for the
+    next check, not still running this one's call."""
+    import harness.equivalence as equivalence
+
+    pool = _warm(spatial)
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt  # what a user's Ctrl-C would raise there
+
+    monkeypatch.setattr(equivalence, "calibrates", broken)
+    with pytest.raises(KeyboardInterrupt):
+        check_equivalence(CoupledMLPCase(npos=37), ranks=4, pool=pool)
+    assert not [t for t in threading.enumerate() if t.name == "harness-ranks"]
+    monkeypatch.undo()
+    starts = pool.starts
     assert check_equivalence(CoupledMLPCase(npos=37), ranks=4, pool=pool).ok
     assert pool.starts == starts
