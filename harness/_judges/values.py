@@ -4,7 +4,7 @@ sharded parameter's shard is compared with the reference at its positions."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -24,6 +24,7 @@ from harness.compare import (
     Mismatch,
     Quantity,
     Tolerance,
+    all_finite,
     bits_differ,
     bitwise_equal,
     compare_tensors,
@@ -63,6 +64,8 @@ def check_nonfinite_init(reference: RunRecord, records: list[RunRecord]) -> list
     """A NaN or inf in the parameters right after build, in the reference or on a rank."""
     found = []
     for rank, rec in [(None, reference), *enumerate(records)]:
+        if all_finite(rec.init.values()):
+            continue
         for name, p in rec.init.items():
             m = _nonfinite(Quantity.PARAM, name, None, p, rank)
             if m:
@@ -78,6 +81,8 @@ def check_nonfinite_step(step: int, ref: StepRecord, steps: list[StepRecord]) ->
     """
     found = []
     for rank, st in [(None, ref), *enumerate(steps)]:
+        if all_finite(_values_of(st)):
+            continue  # one pass over the step's values; each on its own only to say where
         candidates = [
             _nonfinite(Quantity.LOSS, "loss", step, st.loss, rank),
             *(
@@ -93,6 +98,14 @@ def check_nonfinite_step(step: int, ref: StepRecord, steps: list[StepRecord]) ->
         ]
         found += [m for m in candidates if m is not None]
     return found
+
+
+def _values_of(st: StepRecord) -> Iterator[torch.Tensor | None]:
+    """Every value one step recorded: its loss, gradients, output fields and parameters."""
+    yield st.loss
+    yield from st.grads.values()
+    yield from (f.values for f in st.fields.values())
+    yield from st.params.values()
 
 
 # ---------------------------------------------------------------------- parameters after build
