@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from harness._base.compat import manual_seed
 from harness._base.values import is_distributed, placed, plain
 from harness._mutation.catalogue import MutantKind
 from harness._rank.dtypes import OutputDtypes, autocast_context, collective_dtypes
@@ -57,7 +58,7 @@ class Watch(Protocol):
 
 
 def _seed(seed: int) -> None:
-    torch.manual_seed(seed)
+    manual_seed(seed)  # torch.manual_seed, without queueing seeds for absent accelerators
     np.random.seed(seed % 2**32)
     random.seed(seed)
 
