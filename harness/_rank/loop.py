@@ -33,6 +33,7 @@ import types
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from harness._base import wire
 from harness._base.pids import pid_alive as _pid_alive
 from harness._protocol.board import Board, State, Writer
 from harness._protocol.events import (
@@ -498,7 +499,7 @@ def _run_one(
         sites=dict(INJECTOR.sites),
     )
     try:
-        data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        data = wire.dumps(result)  # plain CPU tensors as their bytes, not torch.save each
     except Exception as exc:  # noqa: BLE001
         return False, {
             "summary": f"PicklingProblem: rank {rank} returned a {type(result).__module__}."

@@ -13,6 +13,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from harness._base.wire import WirePickler
 from harness.errors import PicklingProblem
 
 
@@ -46,11 +47,12 @@ def dump_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     return pickle.dumps((where, call))
 
 
-class _RecordingPickler(pickle.Pickler):
-    """A pickler that notes the module of every class and function it pickles by name."""
+class _RecordingPickler(WirePickler):
+    """A pickler that notes the module of every class and function it pickles by name
+    (plain CPU tensors travel as their bytes: ``harness._base.wire``)."""
 
     def __init__(self, file: io.BytesIO, modules: set[str]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(file)
         self.modules = modules
 
     def reducer_override(self, obj: Any) -> Any:
@@ -58,4 +60,4 @@ class _RecordingPickler(pickle.Pickler):
             module = getattr(obj, "__module__", None)
             if module:
                 self.modules.add(module)
-        return NotImplemented
+        return super().reducer_override(obj)
