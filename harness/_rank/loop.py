@@ -193,7 +193,9 @@ def worker_main(
     *,
     probe: Connection | None = None,
     preload: tuple[str, ...] = (),
+    cpu: int | None = None,
 ) -> None:
+    _pin_to(cpu)  # first: every thread the rank starts (gloo's among them) inherits it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when ranks stop
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     out = open(os.path.join(workdir, f"rank{rank}.out"), "ab", buffering=0)
@@ -233,6 +235,22 @@ def worker_main(
         ).start()
     send(conn, Ready(pid=os.getpid()))
     _CURRENT.serve()
+
+
+def _pin_to(cpu: int | None) -> None:
+    """Run this process on ``cpu`` (the pool's choice: ``harness.pool._cpus``): every thread
+    it has (the imports before this may have started some) and, through the main thread,
+    every thread it starts from now on. A CPU the OS refuses (a cpuset changed since) leaves
+    the process where it was."""
+    if cpu is None:
+        return
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]  # no /proc: the main thread, and what it starts
+    for tid in threads:
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setaffinity(tid, {cpu})
 
 
 #: Between the thread errors in a rank's ``rank<N>.threads`` file.

@@ -97,6 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
             start_method=settings.start_method,
             deadlock_window=settings.deadlock_window,
             preload=list(settings.preload),
+            pin_ranks=settings.pin_ranks,
             **keep_limits(),  # a layout sweep's pools of every size stay warm
         )
     _register_mutants(config, settings)

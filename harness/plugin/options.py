@@ -16,6 +16,7 @@ from harness.pool import (
     DEFAULT_TIMEOUT,
     MIN_TIMEOUT,
     OVERSUBSCRIBE_LIMIT,
+    PIN_MODES,
     START_METHODS,
     check_oversubscription,
 )
@@ -208,6 +209,13 @@ def _add_ini(parser: pytest.Parser) -> None:
         "torch is imported once and each rank forks from it, ~0.1 s instead of ~6 s)",
         default="forkserver",
     )
+    parser.addini(
+        "spatial_pin_ranks",
+        f"where rank processes run: one of {', '.join(PIN_MODES)} (default auto: each rank "
+        "pinned to a CPU, in turn, where a pool has more ranks than CPUs; collectives then "
+        "cost half as much on a small machine)",
+        default="auto",
+    )
 
 
 def _setting(config: pytest.Config, name: str) -> str | None:
@@ -305,6 +313,8 @@ class Settings:
     goldens_prune: bool = False
     #: --spatial-report: the HTML page to write at session end (None: none)
     report: Path | None = None
+    #: ini spatial_pin_ranks: ``auto``, ``on`` or ``off`` (``harness.pool._cpus``)
+    pin_ranks: str = "auto"
 
     @classmethod
     def parse(cls, config: pytest.Config) -> Settings:
@@ -330,6 +340,11 @@ class Settings:
             raise pytest.UsageError(
                 f"spatial_start_method must be one of {START_METHODS}, got {start_method!r}"
             )
+        pin_ranks = config.getini("spatial_pin_ranks") or "auto"
+        if pin_ranks not in PIN_MODES:
+            raise pytest.UsageError(
+                f"spatial_pin_ranks must be one of {', '.join(PIN_MODES)}, got {pin_ranks!r}"
+            )
         mutants = bool(config.getoption("spatial_mutants"))
         min_score = _parse_min_score(config.getoption("spatial_mutants_min_score"), mutants)
         root = config.inipath.parent if config.inipath else config.rootpath
@@ -354,6 +369,7 @@ class Settings:
             layouts_all=bool(config.getoption("spatial_layouts_all")),
             goldens_prune=bool(config.getoption("goldens_prune")),
             report=_parse_report(config),
+            pin_ranks=pin_ranks,
         )
 
 

@@ -40,6 +40,7 @@ from harness._mutation.mode import current as mutant_mode
 from harness._protocol.board import Board
 from harness._protocol.events import RunCall, send_all
 from harness.errors import ConfigError, HarnessWarning, UnwaitedWork
+from harness.pool._cpus import PIN_MODES, check_pin, rank_cpus
 from harness.pool._pickling import dump_call
 from harness.pool._processes import (
     Processes,
@@ -52,6 +53,7 @@ from harness.pool._processes import (
 from harness.pool._run import DiedIdle, Run
 
 __all__ = [
+    "PIN_MODES",
     "PoolRegistry",
     "ProgressWatch",
     "RankLogs",
@@ -131,7 +133,9 @@ class RankPool:
     Inside ``fn`` the default process group (gloo, world = pool size) is initialised.
     ``fn`` and its arguments are pickled, so ``fn`` must be importable by module and name
     (defined at module level). The pool starts on first use and restarts after a crash or a
-    timeout.
+    timeout. ``pin_ranks`` (``auto``, ``on``, ``off``): whether each rank runs on one CPU,
+    the ranks in turn over the CPUs; ``auto`` pins where the pool has more ranks than CPUs,
+    where collectives then cost about half (``harness.pool._cpus``).
     """
 
     def __init__(
@@ -144,6 +148,7 @@ class RankPool:
         error_grace: float = ERROR_GRACE,
         deadlock_window: float = DEADLOCK_WINDOW,
         preload: Sequence[str] = (),
+        pin_ranks: str = "auto",
     ) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ConfigError(f"RankPool needs world_size >= 1, got {world_size!r}")
@@ -163,6 +168,9 @@ class RankPool:
             )
         self.deadlock_window = float(deadlock_window)
         self.preload = tuple(preload)
+        #: ``auto``: each rank pinned to a CPU where there are more ranks than CPUs
+        #: (``harness.pool._cpus``); ``on``: always; ``off``: never
+        self.pin_ranks = check_pin(pin_ranks)
         self.starts = 0  # how many times the processes were (re)started
         self.runs = 0
         self.last_outputs: list[str] = [""] * world_size
@@ -226,7 +234,8 @@ class RankPool:
         workdir = tempfile.mkdtemp(prefix=f"harness-pool{self.world_size}-")
         self._ranks = Processes(self.world_size, workdir)
         with no_main_module():
-            self._ranks.spawn(ctx, os.getpid(), self.backend, self.preload)
+            cpus = rank_cpus(self.world_size, self.pin_ranks)
+            self._ranks.spawn(ctx, os.getpid(), self.backend, self.preload, cpus)
         self._ranks.await_ready(ProgressWatch(START_STALL, fallback=START_TIMEOUT))
         self.starts += 1
 
@@ -455,6 +464,7 @@ class PoolRegistry:
         deadlock_window: float = DEADLOCK_WINDOW,
         preload: Sequence[str] = (),
         memory_budget_mib: float | None = None,
+        pin_ranks: str = "auto",
     ) -> None:
         if memory_budget_mib is not None and not memory_budget_mib > 0:
             raise ConfigError(
@@ -466,6 +476,7 @@ class PoolRegistry:
         self.start_method = start_method
         self.deadlock_window = deadlock_window
         self.preload = tuple(preload)
+        self.pin_ranks = check_pin(pin_ranks)
         self.max_processes = max(max_processes, default_ranks)
         self.memory_budget_mib = memory_budget_mib
         self._pools: dict[int, RankPool] = {}
@@ -482,6 +493,7 @@ class PoolRegistry:
                 start_method=self.start_method,
                 deadlock_window=self.deadlock_window,
                 preload=self.preload,
+                pin_ranks=self.pin_ranks,
             )
         self._pools[world_size] = pool  # most recently used last
         while sum(p.world_size for p in self._pools.values()) > self.max_processes:

@@ -45,14 +45,25 @@ class Processes:
     def alive(self) -> bool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)
 
-    def spawn(self, ctx: Any, parent_pid: int, backend: str, preload: tuple[str, ...]) -> None:
+    def spawn(
+        self,
+        ctx: Any,
+        parent_pid: int,
+        backend: str,
+        preload: tuple[str, ...],
+        cpus: Sequence[int | None] = (),
+    ) -> None:
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             probe_end, probe_child = ctx.Pipe(duplex=True)  # answered by a rank's own thread
             proc = ctx.Process(
                 target=worker_main,
                 args=(rank, self.world_size, child_end, self.workdir, parent_pid, backend),
-                kwargs={"probe": probe_child, "preload": preload},
+                kwargs={
+                    "probe": probe_child,
+                    "preload": preload,
+                    "cpu": cpus[rank] if cpus else None,
+                },
                 name=f"harness-rank{rank}",
                 daemon=True,
             )

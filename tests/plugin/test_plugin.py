@@ -127,6 +127,17 @@ def test_a_bad_spatial_ranks_is_a_one_line_usage_error(pytester, value):
     ]
 
 
+def test_spatial_pin_ranks_reaches_every_pool_and_a_bad_one_is_a_one_line_usage_error(pytester):
+    pytester.makepyfile("def test_mode(spatial):\n    assert spatial.pool(2).pin_ranks == 'off'\n")
+    pytester.makeini("[pytest]\nspatial_pin_ranks = off\n")
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.makeini("[pytest]\nspatial_pin_ranks = always\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in result.errlines if line.strip()]
+    assert errors == ["ERROR: spatial_pin_ranks must be one of auto, on, off, got 'always'"]
+
+
 def test_far_more_ranks_than_cores_is_a_usage_error_that_says_how_to_insist(pytester):
     pytester.makepyfile("def test_nothing():\n    pass\n")
     result = pytester.runpytest("--spatial-ranks=100000")
