@@ -14,16 +14,14 @@ CPU-burning processes (0: quiet only). On a machine with at least as many CPUs a
 from __future__ import annotations
 
 import argparse
-import contextlib
-import multiprocessing as mp
 import os
 import statistics
 import time
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.peer import burners
 from harness.equivalence import check_equivalence
 from harness.pool import RankPool
 from harness.steppers.mlp import CoupledMLPCase
@@ -37,24 +35,6 @@ def all_reduces(n: int) -> float:
     for _ in range(n):
         dist.all_reduce(t)
     return (time.perf_counter() - start) / n
-
-
-def _burn() -> None:
-    while True:
-        pass
-
-
-@contextlib.contextmanager
-def burners(n: int) -> Iterator[None]:
-    procs = [mp.get_context("fork").Process(target=_burn, daemon=True) for _ in range(n)]
-    for p in procs:
-        p.start()
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.join()
 
 
 def measure(pools: dict[str, RankPool], rounds: int) -> dict[str, dict[str, list[float]]]:
