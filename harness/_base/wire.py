@@ -7,8 +7,8 @@ model the pipes cost more than the judging. A contiguous, dense CPU tensor of cl
 ``torch.Tensor`` itself, not requiring grad and with nothing else attached (no names, no
 Python attributes, no conjugate or negative bit) is the same tensor when rebuilt from its
 dtype, shape and bytes; it travels so (a view: only its own bytes, where torch's pickling
-sends its whole storage). Anything else (a strided view, a DTensor or other subclass, a
-tensor requiring grad) goes through torch's own pickling, as before; a ``Parameter``'s
+sends its whole storage). Anything else (a strided view, a nested tensor, a DTensor or other
+subclass, a tensor requiring grad) goes through torch's own pickling, as before; a ``Parameter``'s
 data travels as bytes inside torch's parameter pickling. Neither way keeps two tensors that
 shared a storage sharing it.
 """
@@ -37,13 +37,16 @@ class WirePickler(pickle.Pickler):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is torch.Tensor and _plain(obj):
+        if type(obj) is not torch.Tensor or not _plain(obj):
+            return NotImplemented
+        try:
             # contiguous: its entries lie one after another from its offset, whatever the
             # strides of dimensions of size 1 say (an expanded one has 0)
             flat = obj.detach().as_strided((obj.numel(),), (1,))
             data = flat.view(torch.uint8).numpy().tobytes() if obj.numel() else b""
-            return tensor_from_bytes, (data, obj.dtype, tuple(obj.shape))
-        return NotImplemented
+        except Exception:  # noqa: BLE001 - a kind of tensor not foreseen: torch's pickling
+            return NotImplemented
+        return tensor_from_bytes, (data, obj.dtype, tuple(obj.shape))
 
 
 #: whether this torch build has named tensors at all (some builds leave them out)
@@ -55,6 +58,7 @@ def _plain(t: torch.Tensor) -> bool:
     return (
         t.device.type == "cpu"
         and t.layout == torch.strided
+        and not t.is_nested  # strided layout, but its storage holds several tensors
         and not t.requires_grad
         and not t.is_quantized
         and not t.is_conj()

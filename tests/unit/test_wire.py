@@ -98,3 +98,12 @@ def test_a_tensor_with_python_attributes_keeps_them():
     sent = torch.ones(2)
     sent.label = "kept"
     assert _trip(sent).label == "kept"
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_a_nested_tensor_arrives_whole():
+    """Strided and "contiguous", but its storage holds several tensors: torch's own pickling
+    carries it (its flat buffer inside travels as bytes)."""
+    sent = torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)])
+    got = _trip(sent)
+    assert got.is_nested and [t.tolist() for t in got.unbind()] == [[1.0, 1.0], [0.0, 1.0, 2.0]]
