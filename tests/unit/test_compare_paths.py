@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.compare import Bound, all_finite, compare_tensors
+from harness.compare import SCAN_TOGETHER, Bound, all_finite, compare_tensors
 
 FINITE = st.floats(allow_nan=False, allow_infinity=False, width=64)
 # values of every scale, exact zeros (cancelled entries) and subnormals among them
@@ -63,3 +63,20 @@ def test_all_finite_scans_every_kind_of_value():
     assert all_finite(
         [torch.ones(1, dtype=torch.float32), torch.tensor([1e300], dtype=torch.float64)]
     )
+
+
+def test_all_finite_copies_only_small_tensors_together(monkeypatch):
+    """A step of a large model holds millions of values: only the small tensors are
+    gathered into one (bounded) copy; a large one is scanned where it lies."""
+    gathered = []
+    real_cat = torch.cat
+    monkeypatch.setattr(
+        torch, "cat", lambda ts: gathered.append(sum(t.numel() for t in ts)) or real_cat(ts)
+    )
+    large = torch.zeros(SCAN_TOGETHER + 1)
+    assert all_finite([large, torch.ones(3), torch.ones(2, dtype=torch.float64)])
+    assert gathered == [5]
+    large[-1] = math.nan
+    assert not all_finite([torch.ones(3), large])
+    small_bad = torch.tensor([math.inf])
+    assert not all_finite([large.nan_to_num(), small_bad])
