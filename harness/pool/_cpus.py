@@ -38,10 +38,16 @@ def check_pin(pin: str) -> str:
     return pin
 
 
-def rank_cpus(world_size: int, pin: str, allowed: Sequence[int] | None = None) -> list[int | None]:
+def rank_cpus(
+    world_size: int, pin: str, allowed: Sequence[int] | None = None, offset: int | None = None
+) -> list[int | None]:
     """The CPU each rank is pinned to (``None``: not pinned), rank ``r`` on the
-    ``r``-th allowed CPU, round the allowed CPUs (``allowed``: this process's, by default;
-    where the OS does not say, nothing is pinned)."""
+    ``(offset + r)``-th allowed CPU, round the allowed CPUs (``allowed``: this process's, by
+    default; where the OS does not say, nothing is pinned). ``offset`` (default:
+    ``worker_offset``) keeps the pools of several pytest-xdist workers from all starting on
+    the first CPU: 3-rank pools of two workers on 2 CPUs would put 4 ranks on CPU 0."""
+    if offset is None:
+        offset = worker_offset(world_size)
     if allowed is None:
         try:
             allowed = sorted(os.sched_getaffinity(0))
@@ -51,4 +57,12 @@ def rank_cpus(world_size: int, pin: str, allowed: Sequence[int] | None = None) -
     oversubscribed = world_size > len(cpus)
     if pin == "off" or len(cpus) < 2 or (pin == "auto" and not oversubscribed):
         return [None] * world_size
-    return [cpus[r % len(cpus)] for r in range(world_size)]
+    return [cpus[(offset + r) % len(cpus)] for r in range(world_size)]
+
+
+def worker_offset(world_size: int) -> int:
+    """Where this process's pools start on the CPUs: the pytest-xdist worker ``gwN`` at
+    ``N * world_size`` (each worker's ranks take the next CPUs in turn), else 0."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = name[2:] if name.startswith("gw") else ""
+    return int(index) * world_size if index.isdigit() else 0

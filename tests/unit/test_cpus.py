@@ -7,7 +7,7 @@ import pytest
 
 from harness.errors import ConfigError
 from harness.pool import PoolRegistry, RankPool
-from harness.pool._cpus import PIN_MODES, check_pin, rank_cpus
+from harness.pool._cpus import PIN_MODES, check_pin, rank_cpus, worker_offset
 
 
 @pytest.mark.parametrize(
@@ -25,7 +25,22 @@ from harness.pool._cpus import PIN_MODES, check_pin, rank_cpus
     ],
 )
 def test_rank_cpus(world, pin, allowed, expected):
-    assert rank_cpus(world, pin, allowed) == expected
+    assert rank_cpus(world, pin, allowed, offset=0) == expected
+
+
+def test_the_pools_of_several_xdist_workers_share_the_cpus_evenly(monkeypatch):
+    load = {0: 0, 1: 0}
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        for cpu in rank_cpus(3, "auto", [0, 1]):
+            load[cpu] += 1
+    assert load == {0: 3, 1: 3}  # not 4 and 2, as with both workers starting on CPU 0
+
+
+@pytest.mark.parametrize(("name", "offset"), [("gw3", 12), ("", 0), ("master", 0), ("gwx", 0)])
+def test_worker_offset(name, offset, monkeypatch):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", name)
+    assert worker_offset(4) == offset
 
 
 @pytest.mark.parametrize("bad", ["yes", "", "AUTO", None])
