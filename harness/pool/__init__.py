@@ -175,7 +175,6 @@ class RankPool:
         self.runs = 0
         self.last_outputs: list[str] = [""] * world_size
         self._ranks: Processes | None = None
-        self._busy = False  # a run is under way (its ranks are not idle)
         # After a run that every rank finished cleanly, the next run reuses its process group
         # and cached subgroups (saves ~50 ms a run, more with many subgroups); after any
         # failure the ranks build a fresh group, so a broken one can never be reused.
@@ -200,6 +199,12 @@ class RankPool:
     def alive(self) -> bool:
         """The pool's rank processes are started and every one of them is running."""
         return self._ranks is not None and self._ranks.alive
+
+    @property
+    def busy(self) -> bool:
+        """A run is under way on the pool (from another thread: a sweep's layouts of other
+        world sizes, ``harness.layouts``); ``PoolRegistry`` never closes a busy pool."""
+        return self._lock.locked()
 
     @property
     def pids(self) -> list[int]:
@@ -504,8 +509,10 @@ class PoolRegistry:
         return pool
 
     def _close_oldest(self, keep: int) -> bool:
-        oldest = next(iter(self._pools))
-        if oldest == keep:
+        """Close the least recently used pool that is neither ``keep`` nor busy (a run under
+        way on it: a concurrent sweep's other world sizes); ``False`` where none is."""
+        oldest = next((w for w, p in self._pools.items() if w != keep and not p.busy), None)
+        if oldest is None:
             return False
         self._pools.pop(oldest).close()
         return True
@@ -528,9 +535,8 @@ class PoolRegistry:
             mem = new.memory_kib()
             estimate = sum(p for _, p in mem) if mem else median * new.world_size
             used = sum(known) + estimate
-            if used / 1024 <= self.memory_budget_mib:
-                return
-            self._close_oldest(new.world_size)
+            if used / 1024 <= self.memory_budget_mib or not self._close_oldest(new.world_size):
+                return  # within the budget, or every other pool is running: over it for now
 
     def memory_kib(self) -> dict[int, list[tuple[int, int]]]:
         """Each live pool's ranks' memory now: world size -> ``(RSS, PSS)`` in KiB per rank

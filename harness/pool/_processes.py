@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import types
 from collections.abc import Sequence
@@ -240,15 +241,24 @@ def no_main_module() -> Any:
     spawn re-runs the parent's main script in every child, which fails for ``python -`` or
     ``python -c`` and imports pytest's entry script into ranks. Ranks load a function
     defined in ``__main__`` from its file when a run needs it (``_ensure_module``).
+
+    One thread at a time: pools of a sweep start in the threads that run them
+    (``harness.layouts._lanes``), and two interleaved swaps would leave one thread's
+    stand-in as ``__main__`` for good, and the other spawning with the real one.
     """
-    real = sys.modules["__main__"]
-    stand_in = types.ModuleType("__main__")
-    stand_in.__spec__ = None
-    sys.modules["__main__"] = stand_in
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = real
+    with _MAIN_SWAP:
+        real = sys.modules["__main__"]
+        stand_in = types.ModuleType("__main__")
+        stand_in.__spec__ = None
+        sys.modules["__main__"] = stand_in
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = real
+
+
+#: held while ``__main__`` is swapped out (``no_main_module``); reentrant for a nested start
+_MAIN_SWAP = threading.RLock()
 
 
 def _size(path: str) -> int:

@@ -71,6 +71,29 @@ def test_where_memory_cannot_be_read_the_budget_closes_nothing(stand_in_ranks, m
     assert registry.live == [1, 2, 3] and stand_in_ranks == []
 
 
+def test_a_pool_running_is_never_closed_to_make_room(stand_in_ranks):
+    # a sweep runs its 1-, 2- and 3-rank layouts beside each other (harness.layouts._lanes):
+    # a pool made for the next layout must not close one whose run is under way
+    registry = PoolRegistry(max_processes=6)
+    pools = {w: registry.get(w) for w in (1, 2, 3)}
+    with pools[1]._lock, pools[3]._lock:  # runs under way on the 1- and 3-rank pools
+        assert pools[1].busy and pools[3].busy and not pools[2].busy
+        registry.get(4)  # 1 + 2 + 3 + 4 ranks: only the idle 2-rank pool may go
+    assert stand_in_ranks == [2]
+    assert registry.live == [1, 3, 4]  # over the cap while they run: closed once idle
+    registry.get(5)
+    assert stand_in_ranks == [2, 1, 3, 4]
+
+
+def test_a_memory_budget_closes_no_running_pool_either(stand_in_ranks):
+    registry = PoolRegistry(max_processes=64, memory_budget_mib=300)
+    pools = {w: registry.get(w) for w in (1, 2, 3)}
+    with pools[1]._lock, pools[2]._lock:
+        registry.get(4)  # 240 + 160 > 300: 1 and 2 run; 3 goes, then nothing may
+    assert stand_in_ranks == [3]
+    assert registry.live == [1, 2, 4]
+
+
 @pytest.mark.parametrize("bad", [0, -5.0])
 def test_a_memory_budget_that_is_not_positive_is_refused(bad):
     with pytest.raises(ConfigError, match="memory_budget_mib must be a positive number"):
