@@ -9,6 +9,7 @@ The contract itself (``SpatialCase``, ``Outputs``, ``Shard``) and ``run_case`` l
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -41,10 +42,20 @@ from harness.report.hints import culprit_hint
 from harness.topology import Topology
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from harness.case import SpatialCase
     from harness.pool import Runner
 
-__all__ = ["bounded_reference", "check_equivalence", "failure_mismatches", "serial_run"]
+__all__ = [
+    "bounded_reference",
+    "check_equivalence",
+    "failure_mismatches",
+    "run_check",
+    "serial_run",
+    "spec_of",
+    "start_ranks",
+]
 
 # Importable from here for older code (with a DeprecationWarning): the contract lives in
 # harness.case, a rank's run in harness._rank.run.
@@ -134,12 +145,30 @@ def check_equivalence(
         locate=locate,
         calibrate=calibrate,
     )
-    t0 = time.perf_counter()
     if pool is None:
         from harness.pool import shared_registry
 
         pool = shared_registry().get(ranks)
+    return run_check(spec, case, pool, reference)
+
+
+def run_check(
+    spec: CheckSpec,
+    case: SpatialCase,
+    pool: Runner,
+    reference: RunRecord | None = None,
+    started: Background | None = None,
+) -> EquivalenceReport:
+    """``check_equivalence`` of a checked ``spec`` on ``pool``: with ``reference``, that
+    reference's run (else it runs here); with ``started`` (``start_ranks``), the ranks' run
+    already under way (a sweep starts the next layout of each world size while this
+    process judges another: ``harness.layouts``)."""
+    # long: reference, ranks, judge, report: one call each
+    t0 = time.perf_counter() if started is None else started.began
+    ranks = spec.ranks
     if pool.world_size != ranks:
+        if started is not None:
+            started.join()
         raise ConfigError(f"pool has {pool.world_size} ranks but ranks={ranks} was asked for")
 
     report = EquivalenceReport(
@@ -154,8 +183,8 @@ def check_equivalence(
     )
     limit = serial_limit(spec.timeout, pool)
     loads = case.load_reference_shards or case.load_reference_init
-    started = None  # the ranks' run, where it needs nothing of the reference (``_early``)
     if reference is None:
+        # the ranks' run, where it needs nothing of the reference (``_early``)
         started = None if loads else _early(spec, case, pool)
         try:
             reference = _reference_beside(spec, case, limit, started)
@@ -220,6 +249,39 @@ def _early(spec: CheckSpec, case: SpatialCase, pool: Runner) -> Background | Non
     if spec.autocast is not None or not in_other_processes(pool):
         return None
     return Background(pool, (rank_run.rank_entry, spec, case, None), spec.timeout)
+
+
+def spec_of(case: SpatialCase, **given: object) -> CheckSpec:
+    """``CheckSpec.of`` of ``check_equivalence(case, **given)``: its own defaults for what
+    ``given`` leaves out (read off its signature: one place says them)."""
+    return CheckSpec.of(case, **{**_DEFAULTS, **given})
+
+
+#: ``check_equivalence``'s defaults, what ``spec_of`` fills in
+_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(check_equivalence).parameters.items()
+    if p.default is not inspect.Parameter.empty and name not in ("pool", "reference")
+}
+
+
+def start_ranks(
+    spec: CheckSpec,
+    case: SpatialCase,
+    pool: Runner,
+    reference: RunRecord,
+    done: Callable[[Background], None] | None = None,
+) -> Background | None:
+    """The ranks' training run of ``spec``, started now in a thread (``Background``), for
+    ``run_check(..., reference, started=...)`` to judge once it ends: ``None`` where it
+    cannot be started ahead (under autocast the serial run goes first; a runner whose ranks
+    run in this very process). Carries the reference's initial values where the case loads
+    them, as the check's own call does; ``done`` is told as the run ends."""
+    if spec.autocast is not None or not in_other_processes(pool):
+        return None
+    loads = case.load_reference_shards or case.load_reference_init
+    init = reference.init if loads else None
+    return Background(pool, (rank_run.rank_entry, spec, case, init), spec.timeout, done=done)
 
 
 def _reference_beside(

@@ -33,7 +33,6 @@ every layout (a nightly job).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -47,6 +46,9 @@ from harness.case.declared import CheckOptions
 from harness.compare import FAILURES, Quantity
 from harness.errors import ConfigError
 from harness.layouts._covering import Covering
+from harness.layouts._lanes import rank_budget
+from harness.layouts._lanes import side_by_side as run_layouts
+from harness.layouts._run import Sweep, check_one, layout_timeout, reference_run
 from harness.report import EquivalenceReport
 
 if TYPE_CHECKING:
@@ -54,7 +56,15 @@ if TYPE_CHECKING:
 
     from harness.pool import Runner
 
-__all__ = ["BLOCKS", "Layout", "LayoutResult", "LayoutsReport", "check_layouts", "layouts"]
+__all__ = [
+    "BLOCKS",
+    "Layout",
+    "LayoutResult",
+    "LayoutsReport",
+    "check_layouts",
+    "layout_timeout",
+    "layouts",
+]
 
 #: How a layout's blocks are cut, simplest first: ``"even"``, the case's own split of the
 #: grid; ``"uneven"``, blocks of different sizes; ``"empty-rank"``, a rank owning nothing.
@@ -444,6 +454,7 @@ def check_layouts(
     exhaustive: bool = False,
     oversubscribe: bool = False,
     timeout: float | None = None,
+    side_by_side: bool = True,
     **options: Unpack[CheckOptions],
 ) -> LayoutsReport:
     """``check_equivalence(case, ...)`` on the covering set of the layouts up to
@@ -453,13 +464,16 @@ def check_layouts(
     of ``W`` ranks (default: the process-wide warm pools, one per world size); ``options``
     go to every ``check_equivalence`` (``steps``, ``lr``, ``seed``, ``tolerance``,
     ``rollout``... : ``CheckOptions``).
-    Layouts run smallest first, one world size at a time (each pool started once); a
-    layout's hang is ended by the deadlock proof, not a clock, so an oversubscribed layout
-    that is merely slow still runs to its verdict: its timeout (``timeout``, else its
-    pool's) is multiplied by its ranks per core (``layout_timeout``). ``locate``: as for
-    ``check_equivalence``, for the smallest failing layout only (the sweep itself never
-    locates: the first failing layout is the one worth the cost); ``progress`` is told
-    each layout's result as it comes; ``oversubscribe=True`` allows more than 4 ranks a core.
+    The layouts of one world size run one after another on its pool, smallest first, and
+    with ``side_by_side`` (the default) those of other world sizes at the same time on
+    theirs, within a cap of ranks per core (``harness.layouts._lanes``; every verdict is
+    reached in this thread); ``side_by_side=False``: one layout at a time. A layout's hang
+    is ended by the deadlock proof, not a clock, so a layout that is merely slow still runs
+    to its verdict: its timeout (``timeout``, else its pool's) is multiplied by the ranks
+    running per core (``layout_timeout``). ``locate``: as for ``check_equivalence``, for the
+    smallest failing layout only (the sweep itself never locates: the first failing layout
+    is the one worth the cost); ``progress`` is told each layout's result as it comes;
+    ``oversubscribe=True`` allows more than 4 ranks a core.
     """
     dims = _validate(case, options, max_ranks, oversubscribe)
     if pools is None:
@@ -470,52 +484,41 @@ def check_layouts(
     out = LayoutsReport(case.label, max_ranks, dims, vacuous_ok=case.vacuous_ok)
     out.covering = not exhaustive
     cases = _cases(case, layouts(max_ranks, dims, world_sizes))
-    reference = _reference(case, options, timeout)  # the same for every layout: run once
-    walk = None if exhaustive else Covering()
-    for layout in sorted(cases, key=lambda x: (x.world_size, x.order)):
-        if walk is not None and not walk.wants(layout):
-            out.left_out.append(layout)
-            continue
-        report = _check(layout, cases[layout], pools, reference, timeout, False, options)
-        why = refusal(report) if not report.ok else ""
-        if walk is not None and not why:  # refused: its levels are still wanted
-            walk.ran(layout)
-        result = LayoutResult(layout, None if why else report, why)
-        out.results.append(result)
-        if progress is not None:
-            progress(result)
+    order = sorted(cases, key=lambda x: x.order)
+    reference = reference_run(case, options, timeout)  # the same for every layout: run once
+    sweep = Sweep(cases, pools, reference, timeout, options)
+    beside = side_by_side and sweep.side_by_side(order[0])
+    budget = rank_budget(order[-1].world_size) if beside else 0  # 0: one at a time
+    done: dict[Layout, LayoutResult] = {}
+    while todo := [x for x in (order if exhaustive else _wanted(order, done)) if x not in done]:
+        for layout, report in run_layouts(todo, sweep.start, sweep.judge, budget):
+            why = refusal(report) if not report.ok else ""
+            done[layout] = result = LayoutResult(layout, None if why else report, why)
+            if progress is not None:
+                progress(result)
+    out.results = [done[x] for x in order if x in done]
+    out.left_out = [x for x in order if x not in done]
     if locate is not False and out.failing:
-        _locate_smallest(out.failing[0], cases, pools, reference, timeout, locate, options)
-    out.results.sort(key=lambda r: r.layout.order)
+        locate_smallest(out.failing[0], cases, pools, reference, timeout, locate, options)
     out.seconds = time.perf_counter() - t0
     return out
 
 
-def _check(
-    layout: Layout,
-    case: SpatialCase,
-    pools: Callable[[int], Runner],
-    reference: RunRecord | None,
-    given: float | None,
-    locate: bool | None,
-    options: CheckOptions,
-) -> EquivalenceReport:
-    """``check_equivalence`` of one layout, on its world size's pool, with the sweep's
-    reference and the layout's timeout (``layout_timeout``)."""
-    from harness.equivalence import check_equivalence
-
-    runner = pools(layout.world_size)
-    return check_equivalence(
-        case,
-        ranks=layout.world_size,
-        spatial_size=layout.spatial_size,
-        mesh=layout.mesh,
-        pool=runner,
-        locate=locate,
-        reference=reference,
-        timeout=layout_timeout(given, runner, layout.world_size),
-        **options,
-    )
+def _wanted(order: list[Layout], done: dict[Layout, LayoutResult]) -> list[Layout]:
+    """The covering walk over ``order`` given what ``done`` holds: each layout not run yet
+    that has a level no smaller layout that ran (or is wanted now) has. A refused layout
+    does not count, so once it is known the walk wants the next with its levels: the
+    sweep runs these, then walks again, until the walk wants nothing new."""
+    walk, wanted = Covering(), []
+    for layout in order:
+        result = done.get(layout)
+        if result is not None:
+            if not result.refused:
+                walk.ran(layout)
+        elif walk.wants(layout):
+            wanted.append(layout)
+            walk.ran(layout)  # as if it ran: a refusal is seen on the next walk
+    return wanted
 
 
 def _validate(case: SpatialCase, options: CheckOptions, max_ranks: Any, allow: bool) -> int:
@@ -551,25 +554,7 @@ def _cases(case: SpatialCase, todo: list[Layout]) -> dict[Layout, SpatialCase]:
     return cases
 
 
-def _reference(case: SpatialCase, options: CheckOptions, timeout: float | None) -> RunRecord | None:
-    """The reference's run, which does not depend on the layout (``None`` where it raises:
-    each layout's check then reports the reference's error)."""
-    from harness.equivalence import bounded_reference
-    from harness.pool import DEFAULT_TIMEOUT
-
-    try:  # under the sweep's timeout (else the default pool's), as each check's reference
-        return bounded_reference(
-            case,
-            options.get("steps", 2),
-            options.get("lr", 0.1),
-            options.get("seed", 0),
-            timeout or DEFAULT_TIMEOUT,
-        )
-    except Exception:  # noqa: BLE001 - each layout's check reports the reference's error
-        return None
-
-
-def _locate_smallest(
+def locate_smallest(
     smallest: LayoutResult,
     cases: dict[Layout, SpatialCase],
     pools: Callable[[int], Runner],
@@ -588,29 +573,9 @@ def _locate_smallest(
     if mutant_mode().verdict_only:
         return
     layout = smallest.layout
-    located = _check(layout, cases[layout], pools, reference, given, locate, options)
+    located = check_one(layout, cases[layout], pools, reference, given, locate, options)
     if not located.ok:
         smallest.report = located
-
-
-def cores() -> int:
-    """The CPU cores this process may run on (its affinity, else the machine's)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # no affinity on this OS
-        return os.cpu_count() or 1
-
-
-def layout_timeout(timeout: float | None, runner: Runner, world_size: int) -> float | None:
-    """A layout's run timeout: ``timeout`` (else the runner's own) times the ranks per core
-    when the layout has more ranks than cores. Oversubscribed ranks time-slice every
-    collective, so a layout of 8 ranks on 2 cores is several times slower than one of 2, and
-    a clock sized for the small layouts would be a false timeout on the large ones; a hang
-    is ended by the deadlock proof long before either clock. ``None`` when neither says."""
-    base = timeout if timeout is not None else getattr(runner, "timeout", None)
-    if base is None:
-        return None
-    return float(base) * max(1.0, world_size / cores())
 
 
 def sweep_cases(

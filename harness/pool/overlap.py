@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,14 +31,26 @@ class Background:
     to them next (a reference's ``build`` may patch a module a case refers to), and a call
     that cannot be pickled raises ``PicklingProblem`` here. The thread runs in a copy of the
     caller's context, so the run sees what the caller set in context variables (the
-    ``--spatial-mutants`` mode a run carries to its ranks)."""
+    ``--spatial-mutants`` mode a run carries to its ranks). ``done``: told this
+    ``Background`` from its thread as the run ends, however it ends (a sweep waits for
+    whichever of its runs ends first: ``harness.layouts``)."""
 
     def __init__(
-        self, pool: Runner, call: tuple[Any, ...], timeout: float | None, **kwargs: Any
+        self,
+        pool: Runner,
+        call: tuple[Any, ...],
+        timeout: float | None,
+        *,
+        done: Callable[[Background], None] | None = None,
+        **kwargs: Any,
     ) -> None:
         from harness.pool import RankPool
         from harness.pool._pickling import dump_call
 
+        self._pool = pool
+        #: when the run was started (``time.perf_counter``): a check judged later counts
+        #: its seconds from here
+        self.began = time.perf_counter()
         self._out: list[Any] = []
         self._error: BaseException | None = None
         payload = dump_call(call[0], call[1:], kwargs) if isinstance(pool, RankPool) else None
@@ -50,6 +64,9 @@ class Background:
                     self._out = pool.run(*call, timeout=timeout, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
                 self._error = exc
+            finally:
+                if done is not None:
+                    done(self)
 
         context = contextvars.copy_context()
         self._thread = threading.Thread(
@@ -70,6 +87,11 @@ class Background:
             # it then says itself what it did not finish (the report names both parts)
             return ""
         return "stopped: the ranks' run beside it failed"
+
+    @property
+    def pool(self) -> Runner:
+        """The runner the run is on."""
+        return self._pool
 
     def join(self) -> None:
         self._thread.join()

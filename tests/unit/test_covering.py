@@ -1,6 +1,6 @@
 """The covering set of a sweep (``harness.layouts._covering``) and ``check_layouts`` walking it,
-without ranks: which layouts it keeps, that each level and pair keeps its smallest layout,
-that a refused layout leaves its levels wanted, and the bad ``max_ranks`` values."""
+without ranks: which layouts it keeps, that each level keeps its smallest layout, that a
+refused layout leaves its levels wanted, and the bad ``max_ranks`` values."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from harness import ConfigError, EquivalenceReport, Mismatch, SpatialCase
 from harness import layouts as layouts_module
 from harness.layouts import BLOCKS, Layout, check_layouts, layouts
-from harness.layouts._covering import WORLD, Covering, covering, features, pairs
+from harness.layouts import _run as layouts_run
+from harness.layouts._covering import Covering, covering, features
 from harness.steppers import catalogue
 from tests.unit.test_layouts import report_of
 
@@ -22,52 +23,56 @@ def short(x: Layout) -> str:
     return x.row + (f" d{x.data_size}" if x.data_size > 1 else "")
 
 
+def levels(x: Layout) -> set[tuple[str, str]]:
+    return set(features(x).items())
+
+
 @pytest.mark.parametrize(("max_ranks", "dims", "blocks"), SHAPES)
-def test_each_level_and_world_domain_pair_keeps_its_smallest_layout(max_ranks, dims, blocks):
+def test_each_level_keeps_its_smallest_layout_and_nothing_else(max_ranks, dims, blocks):
     every = layouts(max_ranks, dims, blocks=blocks)
     kept = covering(every)
-    wanted = set()
-    for x in every:
-        wanted |= set(features(x).items()) | pairs(x)
-    for item in wanted:
-        has = [x for x in every if item in set(features(x).items()) | pairs(x)]
-        assert min(has, key=lambda x: x.order) in kept, item
-    # and nothing else: each kept layout is the smallest with something
-    for x in kept:
-        mine = set(features(x).items()) | pairs(x)
-        firsts = [
-            min(
-                (y for y in every if i in set(features(y).items()) | pairs(y)),
-                key=lambda y: y.order,
-            )
-            for i in mine
-        ]
-        assert x in firsts, x
+    wanted = set().union(*(levels(x) for x in every))
+    firsts = {item: min((x for x in every if item in levels(x)), key=lambda x: x.order)
+              for item in wanted}  # fmt: skip
+    assert set(firsts.values()) == set(kept)  # each level's smallest, and only those
     assert kept == sorted(kept, key=lambda x: x.order) and len(set(kept)) == len(kept)
 
 
-def test_a_pair_is_of_a_world_level_and_a_domain_level():
-    for x in layouts(6, 2, blocks=BLOCKS):
-        for (a, _), (b, _) in pairs(x):
-            assert a in WORLD and b not in WORLD
+def test_data_groups_beside_a_split_domain_are_a_level_of_their_own():
+    # rank // spatial_size and rank % data_size agree on 1 x 1 with 2 data groups and on
+    # 2 x 1 alone; only 2 x 1 with 2 data groups tells them apart
+    def data_index(rank, spatial, data, mixed):
+        return rank % data if mixed else rank // spatial
+
+    differ = [
+        short(x)
+        for x in layouts(4, 2)
+        if any(
+            data_index(r, x.spatial_size, x.data_size, True)
+            != data_index(r, x.spatial_size, x.data_size, False)
+            for r in range(x.world_size)
+        )
+    ]
+    assert differ == ["2x1 d2", "1x2 d2"]
+    assert {features(Layout(4, 2, 2, m))["data groups"] for m in ((2, 1), (1, 2))} == {
+        "beside a split"
+    }
+    assert features(Layout(2, 1, 2, (1, 1)))["data groups"] == "replicas"
+    assert Layout(4, 2, 2, (2, 1)) in covering(layouts(4, 2))
 
 
 def test_the_covering_sets_of_lat_lon_and_cell_sweeps():
     two_d = covering(layouts(4, 2))
     assert [short(x) for x in two_d] == [
-        "1x1", "1x1 d2", "2x1", "1x2", "3x1", "1x3", "2x1 d2", "1x2 d2", "4x1", "1x4", "2x2"
+        "1x1", "1x1 d2", "2x1", "1x2", "3x1", "1x3", "2x1 d2", "4x1", "1x4", "2x2"
     ]  # fmt: skip
-    # beyond 5 ranks only data groups beside a split of 3, of more, or of both axes: what
-    # the other 6, 7 and 8 rank layouts add is a pair of two domain or two world levels
-    eight = covering(layouts(8, 2))
-    assert (len(eight), len(layouts(8, 2))) == (18, 38)
-    large = {short(x) for x in eight if x.world_size > 5}
-    assert large == {"3x1 d2", "1x3 d2", "4x1 d2", "1x4 d2", "2x2 d2"}
+    # beyond 4 ranks no level is new: a split of more than 3 is first met at 4
+    assert covering(layouts(8, 2)) == two_d and len(layouts(8, 2)) == 38
     cells = covering(layouts(4, 1, blocks=BLOCKS))
     assert [short(x) for x in cells] == [
-        "1", "1 d2", "2", "2 uneven", "2 empty-rank", "3", "3 uneven", "3 empty-rank",
-        "2 d2", "2 uneven d2", "2 empty-rank d2", "4",
+        "1", "1 d2", "2", "2 uneven", "2 empty-rank", "3", "2 d2", "4"
     ]  # fmt: skip
+    assert covering(layouts(8, 1, blocks=BLOCKS)) == cells
 
 
 @pytest.mark.parametrize("key", sorted(catalogue.SMALLEST_LAYOUT), ids=lambda k: ":".join(k))
@@ -87,9 +92,9 @@ def test_a_refused_layout_leaves_its_levels_wanted_for_the_next_that_has_them():
             ran.append(short(x))
             if x.data_size != 2:  # a batch of 3: 2 data groups refused, 3 fine
                 walk.ran(x)
-    # 3 data groups for (odd, data groups), 4 for (even, data groups); 2 data groups of 2
-    # ranks are tried (refused too): no other layout has (data groups, 2 spatial ranks)
-    assert ran == ["1", "1 d2", "2", "1 d3", "3", "1 d4", "2 d2", "4"]
+    # 3 data groups then stand for replicas; 2 data groups of 2 ranks are tried (refused
+    # too): no other layout has data groups beside a split
+    assert ran == ["1", "1 d2", "2", "1 d3", "3", "2 d2", "4"]
     assert [short(x) for x in covering(order)] == ["1", "1 d2", "2", "3", "2 d2", "4"]
 
 
@@ -154,8 +159,12 @@ def fake_runs(monkeypatch):
         ran.append(layout)
         return fake_report(layout, rules["fails"], rules["refuses"])
 
-    monkeypatch.setattr(layouts_module, "_check", check)
-    monkeypatch.setattr(layouts_module, "_reference", lambda case, options, timeout: None)
+    def check_one(layout, case, pools, reference, given, locate, options, at_once=0):
+        return check(layout, case, pools, reference, given, locate, options)
+
+    monkeypatch.setattr(layouts_run, "check_one", check_one)
+    monkeypatch.setattr(layouts_run, "reference_run", lambda case, options, timeout: None)
+    monkeypatch.setattr(layouts_module, "reference_run", lambda case, options, timeout: None)
     return ran, rules
 
 
@@ -164,7 +173,7 @@ def test_check_layouts_runs_the_covering_set_and_says_k_of_n(fake_runs):
     report = check_layouts(Cells(), max_ranks=4, pools=lambda w: None, locate=False)
     assert ran == covering(layouts(4, 1, blocks=BLOCKS))
     assert report.ok and report.covering
-    assert report.summary().startswith("Cells: layouts 12 of 16 (covering) up to 4 ranks, 12")
+    assert report.summary().startswith("Cells: layouts 8 of 16 (covering) up to 4 ranks, 8")
     assert sorted(report.left_out, key=lambda x: x.order) == [
         x for x in layouts(4, 1, blocks=BLOCKS) if x not in ran
     ]
@@ -187,11 +196,17 @@ def test_the_exhaustive_sweep_runs_every_layout(fake_runs):
 def test_a_layout_the_case_refuses_leaves_its_levels_to_the_next_layout(fake_runs):
     ran, rules = fake_runs
     rules["refuses"] = lambda x: x.data_size == 2  # a batch that splits over 3, not 2
-    rules["fails"] = lambda x: x.data_size == 4 and x.spatial_size == 1
-    report = check_layouts(Cells(), max_ranks=4, pools=lambda w: None, locate=False)
-    assert Layout(3, 1, 3, (1,)) in ran  # 3 data groups run: 2 were refused
-    assert Layout(4, 1, 4, (1,)) in ran  # (even, data groups) was wanted still: it fails
-    assert report.smallest_failing == Layout(4, 1, 4, (1,))
+    rules["fails"] = lambda x: x.data_size == 3 and x.spatial_size > 1
+    report = check_layouts(
+        Cells(), max_ranks=6, pools=lambda w: None, locate=False, oversubscribe=True
+    )
+    assert Layout(3, 1, 3, (1,)) in ran  # replicas: 3 data groups run, 2 were refused
+    # beside a split: 2 data groups of 2 ranks refused (each block kind), so 3 groups of 2
+    assert [x for x in ran if x.data_size > 1 and x.spatial_size > 1] == [
+        Layout(4, 2, 2, (2,), b) for b in BLOCKS
+    ] + [Layout(6, 2, 3, (2,))]
+    assert report.smallest_failing == Layout(6, 2, 3, (2,))
+    assert len(report.refused) == 4 and not report.ok
 
 
 @pytest.mark.parametrize(
