@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -356,6 +356,64 @@ def _compare_finite(
         worst=int(torch.argmax(diff - allowed)),
         of_allowed=_share(diff, allowed, 0) if given is not None else math.nan,
     )
+
+
+def pass_many(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor, Bound] | None],
+) -> list[Difference | None]:
+    """``compare_tensors(actual, expected, bound)`` of each ``(actual, expected, bound)`` that
+    passes, judged together: for each pair of real floating tensors of one dtype and shape,
+    at most ``SCAN_TOGETHER`` entries each, finite everywhere and within its bound, the very
+    ``Difference`` ``compare_tensors`` gives it (figures, worst entry and all); ``None`` for
+    every other pair (``None`` itself, another kind, a non-finite entry, a failure: compare
+    it on its own, which says why).
+
+    The pairs of one size are stacked and judged in one pass of the finite path's operations
+    (``_compare_finite``, row by row): a small model's check compares a hundred tensors, and
+    one comparison's own overhead (a dozen tensor operations) was most of its judging."""
+    out: list[Difference | None] = [None] * len(pairs)
+    groups: dict[int, list[int]] = {}
+    for i, pair in enumerate(pairs):
+        if pair is not None and _stackable(pair[0], pair[1]):
+            groups.setdefault(pair[1].numel(), []).append(i)
+    for size, members in groups.items():
+        found = _pass_stacked([pairs[i] for i in members], size)  # type: ignore[misc]
+        for i, d in zip(members, found, strict=True):
+            out[i] = d
+    return out
+
+
+def _stackable(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    a, e = plain(actual), plain(expected)
+    return (
+        a.dtype == e.dtype
+        and a.shape == e.shape
+        and e.is_floating_point()
+        and 0 < e.numel() <= SCAN_TOGETHER
+    )
+
+
+def _pass_stacked(
+    pairs: list[tuple[torch.Tensor, torch.Tensor, Bound]], size: int
+) -> list[Difference | None]:
+    """``pass_many`` of pairs of ``size`` entries each: ``_compare_finite`` on each row of
+    their stack, the same operations in the same precision (float64), so the same bits."""
+    a = torch.stack([_flat(x) for x, _, _ in pairs])
+    e = torch.stack([_flat(y) for _, y, _ in pairs])
+    atol = torch.tensor([[b.atol] for _, _, b in pairs], dtype=torch.float64)
+    rtol = torch.tensor([[b.rtol] for _, _, b in pairs], dtype=torch.float64)
+    diff = (a - e).abs()
+    top = diff.amax(dim=1)  # NaN where a row has one: max propagates it
+    mag = e.abs()
+    allowed = atol + rtol * mag
+    count = (diff > allowed).sum(dim=1)
+    judged = mag > atol
+    rel = torch.where(judged, diff / mag, 0.0).amax(dim=1)
+    worst = torch.argmax(diff - allowed, dim=1)
+    out: list[Difference | None] = []
+    for t, r, n, w in zip(top.tolist(), rel.tolist(), count.tolist(), worst.tolist(), strict=True):
+        out.append(Difference(True, t, r, 0, size, w) if n == 0 and math.isfinite(t) else None)
+    return out
 
 
 def _allowed(bound: Bound, mag: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:

@@ -5,14 +5,21 @@ how positions and values are written in reports."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 
-from harness.compare import Mismatch, Quantity, QuantityStats, Tolerance, compare_tensors
+from harness.compare import (
+    Mismatch,
+    Quantity,
+    QuantityStats,
+    Tolerance,
+    compare_tensors,
+    pass_many,
+)
 from harness.errors import exception_summary
 from harness.report.hints import precision_hint, scale_hint
 
@@ -36,6 +43,19 @@ class Layout:
     def lead(self, rank: int) -> int:
         """The first rank (spatial rank 0) of ``rank``'s spatial group."""
         return (rank // self.spatial_size) * self.spatial_size
+
+
+class Numeric(NamedTuple):
+    """One pair for ``Judge.numeric``, its arguments in order (``Judge.numeric_all``)."""
+
+    quantity: Quantity
+    name: str
+    step: int | None
+    rank: int | None
+    actual: torch.Tensor
+    expected: torch.Tensor
+    where: Callable[[int], str] | None = None
+    spread: torch.Tensor | None = None
 
 
 class Judge:
@@ -79,7 +99,7 @@ class Judge:
         entries' rounding ``spread`` (``expected``'s shape), within the spreads' factor of
         it (``harness._judges.spread``)."""
         allowed, factor = None, math.nan
-        if spread is not None and self.spreads is not None and spread.shape == expected.shape:
+        if spread is not None and self.spreads is not None and self.by_spread(spread, expected):
             from harness._judges.spread import allowance
 
             factor = self.spreads.factor_of(quantity)
@@ -119,6 +139,32 @@ class Judge:
             spread_multiple=multiple,
             spread_factor=factor,
         )
+
+    def numeric_all(self, calls: Sequence[Mismatch | Numeric]) -> list[Mismatch]:
+        """The findings of ``calls`` in their order: each ``Numeric`` is ``numeric(*call)``,
+        each ``Mismatch`` stays as it is. The calls judged by the tolerance's bound are first
+        judged together (``pass_many``): one that passes there only adds to the statistics,
+        every other one is judged on its own, which says where and why."""
+        bounds = [
+            (c.actual, c.expected, self.tolerance.bound(c.quantity))
+            if isinstance(c, Numeric) and not self.by_spread(c.spread, c.expected)
+            else None
+            for c in calls
+        ]
+        found: list[Mismatch] = []
+        for call, passed in zip(calls, pass_many(bounds), strict=True):
+            if isinstance(call, Mismatch):
+                found.append(call)
+            elif passed is not None:
+                self.stats[call.quantity].add(passed)
+            elif (m := self.numeric(*call)) is not None:
+                found.append(m)
+        return found
+
+    def by_spread(self, spread: torch.Tensor | None, expected: torch.Tensor) -> bool:
+        """Whether ``numeric`` judges a pair by its entries' rounding ``spread`` (given, of
+        ``expected``'s shape, in a calibrated check), not by the tolerance's bound."""
+        return spread is not None and self.spreads is not None and spread.shape == expected.shape
 
     def _hint(
         self,

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from harness._judges.fields import _shard_position
-from harness._judges.judge import Judge, index_text
+from harness._judges.judge import Judge, Numeric, index_text
 from harness._judges.shards import (
     NO_SHARDS,
     PARAM_SHARD_HINT,
@@ -217,10 +217,9 @@ def check_loss(judge: Judge, step: int, ref: StepRecord, steps: list[StepRecord]
             found += [m] if m else []
     spread = judge.spread(Quantity.LOSS, step, "loss")
     if layout.data_size == 1:
-        for rank, st in enumerate(steps):
-            m = judge.numeric(Quantity.LOSS, "loss", step, rank, st.loss, ref.loss, None, spread)
-            found += [m] if m else []
-        return found
+        calls = [Numeric(Quantity.LOSS, "loss", step, r, st.loss, ref.loss, None, spread)
+                 for r, st in enumerate(steps)]  # fmt: skip
+        return found + judge.numeric_all(calls)
     losses = [steps[g * layout.spatial_size].loss for g in range(layout.data_size)]
     if len({loss.shape for loss in losses}) > 1:
         found.append(
@@ -249,7 +248,7 @@ def check_grads(
     """Every named gradient on every rank against the reference's (None only where the
     reference has None too); a shard's gradient against the reference's at the shard's
     positions, on every copy (a copy left unsummed is wrong on its own)."""
-    found = []
+    calls: list[Mismatch | Numeric] = []
     for rank, st in enumerate(steps):
         for name, g in st.grads.items():
             if name not in ref.grads:
@@ -258,14 +257,13 @@ def check_grads(
                 continue
             r = ref.grads[name]
             if g is None or r is None:
-                found += _grad_presence(name, step, rank, g, r)
+                calls += _grad_presence(name, step, rank, g, r)
                 continue
             held = shards.held(name, rank)
             expected, where = part(r, held, g.shape)
             spread = judge.spread(Quantity.GRAD, step, name, shard_part(held, g.shape))
-            m = judge.numeric(Quantity.GRAD, name, step, rank, g, expected, where, spread)
-            found += [m] if m else []
-    return found
+            calls.append(Numeric(Quantity.GRAD, name, step, rank, g, expected, where, spread))
+    return judge.numeric_all(calls)
 
 
 def _grad_presence(
@@ -305,7 +303,7 @@ def check_params(
     parameter's copies are its spatial group's; a shard's, every rank that holds the same
     positions, in any spatial or data group, compared with the reference's values there."""
     layout = judge.layout
-    found = []
+    found: list[Mismatch | Numeric] = []
     first: dict[tuple[str, int, tuple[int, ...]], int] = {}  # one shard -> its first holder
     for rank, st in enumerate(steps):
         for name, p in st.params.items():
@@ -324,9 +322,8 @@ def check_params(
             if name in ref.params:
                 expected, where = part(ref.params[name], shard, p.shape)
                 spread = judge.spread(Quantity.PARAM, step, name, shard_part(shard, p.shape))
-                m = judge.numeric(Quantity.PARAM, name, step, rank, p, expected, where, spread)
-                found += [m] if m else []
-    return found
+                found.append(Numeric(Quantity.PARAM, name, step, rank, p, expected, where, spread))
+    return judge.numeric_all(found)
 
 
 def _sync_mismatch(

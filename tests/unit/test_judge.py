@@ -103,3 +103,34 @@ def test_position_text_names_a_grid_position_or_a_unit():
 )
 def test_two_values_shows_at_least_six_digits_and_no_more_than_needed(actual, expected, text):
     assert two_values(torch.tensor(actual, dtype=F64), torch.tensor(expected, dtype=F64)) == text
+
+
+# ---------------------------------------------------------------- many pairs at once
+
+
+def test_judging_many_pairs_at_once_finds_and_counts_what_one_by_one_does():
+    from harness._judges.judge import Numeric
+    from harness.compare import Mismatch, Quantity
+    from tests.unit._judging import judge as judge_of
+
+    e = torch.linspace(1, 2, 6, dtype=F64)
+    near = e + 1e-13  # within the float64 bound: passes, and counts in the statistics
+    far = e.clone()
+    far[3] += 1e-3  # over it
+    nan = e.clone()
+    nan[1] = float("nan")
+    calls = [
+        Numeric(Quantity.GRAD, "w", 0, 0, near, e),
+        Mismatch(Quantity.GRAD, "b", 0, 1, where="no gradient (None) on this rank"),
+        Numeric(Quantity.GRAD, "w", 0, 1, far, e),
+        Numeric(Quantity.PARAM, "w", 0, 0, nan, e),
+        Numeric(Quantity.LOSS, "loss", 0, 0, e[:1] + 1e-14, e[:1]),
+        Numeric(Quantity.PARAM, "w", 0, 1, near.float(), e.float()),
+    ]
+    together, alone = judge_of(2, 2), judge_of(2, 2)
+    found = together.numeric_all(calls)
+    expected = [c if isinstance(c, Mismatch) else alone.numeric(*c) for c in calls]
+    assert list(map(repr, found)) == [repr(m) for m in expected if m is not None]  # NaN != NaN
+    assert [m.name for m in found] == ["b", "w", "w"] and found[1].where == "(3,)"
+    assert repr(together.stats) == repr(alone.stats)
+    assert together.stats[Quantity.GRAD].compared == 2 and together.stats[Quantity.GRAD].max_abs > 0
