@@ -14,9 +14,11 @@ Every number is measured in this one run, so its ratios hold on a loaded machine
 - per built-in stepper and the held-out lat x lon stencil (``tests/distributed/stencil.py``:
   run from the repository root with ``PYTHONPATH=.``): the median of one warm 4-rank
   ``check_equivalence``, then ``check_layouts`` up to ``--max-ranks`` ranks: the covering
-  sweep on fresh pools (started inside it, as a CI job would), the same again on the pools
-  it left warm, and the exhaustive sweep on fresh pools; each printed as a ratio to the
-  check, with the seconds per world size and the layouts the case refused;
+  sweep on fresh pools (started inside it, as a CI job would), then on the pools it left
+  warm, side by side (the default) and one layout at a time, alternated ``--repeat``
+  times, and the exhaustive sweep on fresh pools and warm; each printed as a ratio to the
+  check, with the layouts the case refused and the share of the cores busy (this process
+  and every rank: where it nears 100 % the sweep is bound by the CPUs, not by waiting);
 - the memory of the idle ranks the sweeps left alive (one ``PoolRegistry`` keeps a pool of
   every size within its budget): resident (RSS) and proportional (PSS: pages shared with the
   fork server and the other ranks counted once, split between them), per rank.
@@ -25,6 +27,7 @@ Every number is measured in this one run, so its ratios hold on a loaded machine
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -33,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from harness import SpatialCase, check_equivalence
-from harness.layouts import LayoutResult, LayoutsReport, check_layouts
+from harness.layouts import LayoutsReport, check_layouts
 from harness.pool import PoolRegistry, RankPool
 
 
@@ -92,30 +95,47 @@ def median_check(case: SpatialCase, pool: RankPool, repeat: int) -> float:
     return statistics.median(times)
 
 
+def cpu_seconds(registry: PoolRegistry) -> float:
+    """CPU seconds used so far by this process and every rank of ``registry``'s pools."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for size in registry.live:
+        for pid in registry.get(size).pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
 def timed_sweep(
-    case: SpatialCase, max_ranks: int, registry: PoolRegistry, exhaustive: bool
-) -> tuple[LayoutsReport, float, dict[int, float]]:
-    """One sweep on ``registry``'s pools: its report, seconds, and seconds per world size."""
-    took: dict[int, float] = {}
-    last = [time.perf_counter()]
-
-    def tell(result: LayoutResult) -> None:
-        now = time.perf_counter()
-        took[result.layout.world_size] = took.get(result.layout.world_size, 0.0) + now - last[0]
-        last[0] = now
-
-    t0 = last[0] = time.perf_counter()
+    case: SpatialCase,
+    max_ranks: int,
+    registry: PoolRegistry,
+    exhaustive: bool,
+    side_by_side: bool = True,
+) -> tuple[LayoutsReport, float, float]:
+    """One sweep on ``registry``'s pools: its report, seconds, and the share of the cores
+    busy (this process and the ranks; of a warm sweep: a fresh one starts ranks inside)."""
+    cpu = cpu_seconds(registry)
+    t0 = time.perf_counter()
     report = check_layouts(
-        case, max_ranks=max_ranks, pools=registry.get, progress=tell, exhaustive=exhaustive
+        case,
+        max_ranks=max_ranks,
+        pools=registry.get,
+        exhaustive=exhaustive,
+        side_by_side=side_by_side,
     )
-    return report, time.perf_counter() - t0, took
+    seconds = time.perf_counter() - t0
+    busy = (cpu_seconds(registry) - cpu) / (seconds * (os.cpu_count() or 1))
+    return report, seconds, busy
 
 
 def sweep(name: str, case: SpatialCase, max_ranks: int, repeat: int) -> None:  # long: a table
     # The 4-rank check on its own warm pool, measured before and after the sweeps (the load
     # of a shared machine drifts within minutes; the ratios are against their mean). Each
-    # sweep's pools start inside it (cold), as in a CI job; each then runs again on the
-    # pools it left (warm, as in a pytest session that swept before).
+    # sweep's pools start inside it (cold), as in a CI job; then the covering sweep runs
+    # again on the pools it left (warm, as in a pytest session that swept before), side by
+    # side and one layout at a time, alternated ``repeat`` times (medians).
     check_pools = PoolRegistry(start_method="forkserver", max_processes=4)
     cover_pools = PoolRegistry(start_method="forkserver", max_processes=64)
     every_pools = PoolRegistry(start_method="forkserver", max_processes=64)
@@ -123,29 +143,34 @@ def sweep(name: str, case: SpatialCase, max_ranks: int, repeat: int) -> None:  #
         four = check_pools.get(4)
         check_equivalence(case, ranks=4, pool=four)  # warm: a session pays this once
         before = median_check(case, four, repeat)
-        runs = {
-            "covering, fresh pools": timed_sweep(case, max_ranks, cover_pools, False),
-            "covering, warm pools": timed_sweep(case, max_ranks, cover_pools, False),
-            "exhaustive, fresh pools": timed_sweep(case, max_ranks, every_pools, True),
-            # warm against warm, adjacent: the first sweep of a run pays more than its pools
-            "exhaustive, warm pools": timed_sweep(case, max_ranks, every_pools, True),
-            "covering, warm again": timed_sweep(case, max_ranks, cover_pools, False),
-        }
+        fresh = timed_sweep(case, max_ranks, cover_pools, False)
+        warm: dict[bool, list[tuple[LayoutsReport, float, float]]] = {True: [], False: []}
+        for _ in range(repeat):
+            for beside in (True, False):
+                warm[beside].append(timed_sweep(case, max_ranks, cover_pools, False, beside))
+        every_fresh = timed_sweep(case, max_ranks, every_pools, True)
+        every_warm = timed_sweep(case, max_ranks, every_pools, True)  # adjacent: warm
         after = median_check(case, four, repeat)
         check = (before + after) / 2
         print(
             f"  {name:<8} one warm 4-rank check {check:5.2f} s ({before:.2f} before, "
             f"{after:.2f} after); up to {max_ranks} ranks:"
         )
-        for what, (report, seconds, took) in runs.items():
+        rows = {
+            "covering, fresh pools": fresh,
+            "covering, warm, side by side": _median(warm[True]),
+            "covering, warm, one at a time": _median(warm[False]),
+            "exhaustive, fresh pools": every_fresh,
+            "exhaustive, warm pools": every_warm,
+        }
+        for what, (report, seconds, busy) in rows.items():
             n = len(report.results) + len(report.left_out)
             print(
-                f"    {what:<24} {seconds:6.1f} s = {seconds / check:5.1f}x: layouts "
+                f"    {what:<30} {seconds:6.2f} s = {seconds / check:5.2f}x: layouts "
                 f"{len(report.results)} of {n} ({len(report.passed)} run, "
-                f"{len(report.refused)} refused, {len(report.failing)} failed)"
+                f"{len(report.refused)} refused, {len(report.failing)} failed); cores "
+                f"busy {busy:4.0%}"
             )
-            share = "  ".join(f"W={w}: {s:4.1f}" for w, s in sorted(took.items()))
-            print(f"      seconds per world size: {share}")
         mem = every_pools.memory_kib()
         rss = [r for ranks in mem.values() for r, _ in ranks]
         pss = [p for ranks in mem.values() for _, p in ranks]
@@ -160,6 +185,13 @@ def sweep(name: str, case: SpatialCase, max_ranks: int, repeat: int) -> None:  #
         every_pools.close()
         cover_pools.close()
         check_pools.close()
+
+
+def _median(
+    runs: list[tuple[LayoutsReport, float, float]],
+) -> tuple[LayoutsReport, float, float]:
+    """The run of median seconds."""
+    return sorted(runs, key=lambda r: r[1])[len(runs) // 2]
 
 
 def proof(max_ranks: int, select: str) -> int:
