@@ -7,32 +7,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from harness._records.run import RunRecord
 from harness.case import SpatialCase
 from harness.case.declared import CheckOptions
 from harness.layouts import _lanes
+from harness.layouts._covering import _Layout as Layout  # what a layout is here
 from harness.report import EquivalenceReport
 
 if TYPE_CHECKING:
     from harness.case.declared import CheckSpec
     from harness.pool import Runner
     from harness.pool.overlap import Background
-
-
-class Layout(Protocol):
-    """What a layout is here (``harness.layouts.Layout``: that package imports this module)."""
-
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def spatial_size(self) -> int: ...
-    @property
-    def mesh(self) -> tuple[int, ...]: ...
-
-
-__all__ = ["Sweep", "check_one", "layout_timeout", "reference_run"]
 
 
 L = TypeVar("L", bound=Layout)
