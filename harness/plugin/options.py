@@ -159,8 +159,9 @@ def _add_diagnosis_options(group: pytest.OptionGroup) -> None:
         default=None,
         metavar="N",
         help="turn every spatial.check into a sweep of the layouts up to N ranks (world "
-        "sizes, spatial x data splits, process grids): their covering set, each feature level "
-        "and pair once; a failure names the smallest failing layout",
+        "sizes, spatial x data splits, process grids): their covering set, the smallest layout "
+        "with each feature level, world sizes side by side; a failure names the smallest "
+        "failing layout",
     )
     group.addoption(
         "--spatial-layouts-all",
