@@ -15,15 +15,26 @@ import pytest
 from harness.layouts import Layout, layouts
 from harness.layouts._lanes import RANKS_PER_CORE, rank_budget, side_by_side
 
+#: set once the first runs met at a ``Lanes.barrier``
+MET = threading.Event()
+
 
 class FakeRun:
-    """A layout's run: a thread that sleeps ``seconds``, then tells ``done``."""
+    """A layout's run: a thread that sleeps ``seconds`` (after meeting the others at
+    ``barrier``, if given and not yet passed), then tells ``done``."""
 
-    def __init__(self, layout: Layout, seconds: float, done, log: list) -> None:
+    def __init__(self, layout: Layout, seconds: float, done, log: list, barrier=None) -> None:
         self.layout = layout
 
         def run() -> None:
             log.append(("run", layout, time.monotonic()))
+            if barrier is not None and not barrier.broken and not MET.is_set():
+                try:
+                    barrier.wait(timeout=10)
+                    MET.set()  # later runs go straight on
+                    log.append(("met", layout, time.monotonic()))
+                except threading.BrokenBarrierError:
+                    pass
             time.sleep(seconds)
             log.append(("ended", layout, time.monotonic()))
             done(self)
@@ -42,6 +53,7 @@ class Lanes:
     seconds: float = 0.02
     ahead: bool = True  # start() can start a run (else every layout is judged whole)
     fail_on: Layout | None = None
+    barrier: threading.Barrier | None = None  # the first runs to start meet here
 
     def __post_init__(self) -> None:
         self.log: list = []
@@ -53,7 +65,7 @@ class Lanes:
         self.log.append(("start", layout, time.monotonic()))
         if not self.ahead:
             return None
-        run = FakeRun(layout, self.seconds, done, self.log)
+        run = FakeRun(layout, self.seconds, done, self.log, self.barrier)
         self.runs.append(run)
         return run
 
@@ -85,16 +97,18 @@ def test_every_layout_is_judged_once_with_its_own_report():
 
 
 def test_one_world_size_runs_one_layout_at_a_time_and_other_sizes_beside_it():
-    lanes = Lanes(seconds=0.05)
+    # the first layout of every size runs at once (10 ranks: 4 + 3 + 2 + 1): the four
+    # first runs meet at a barrier, which one at a time they never would (it times out)
+    MET.clear()
+    lanes = Lanes(seconds=0.01, barrier=threading.Barrier(4))
     list(side_by_side(SWEEP, lanes.start, lanes.judge, budget=10))
+    met = [x for what, x, _ in lanes.log if what == "met"]
+    firsts = {next(x for x in SWEEP if x.world_size == w) for w in (1, 2, 3, 4)}
+    assert set(met) == firsts
     spans = lanes.spans()
     for a, b in ((a, b) for a in spans for b in spans if a != b):
         if a.world_size == b.world_size:
             assert not overlap(spans[a], spans[b]), (a, b)
-    # the first layout of every size started at once (10 ranks: 4 + 3 + 2 + 1)
-    firsts = {w: next(x for x in SWEEP if x.world_size == w) for w in (1, 2, 3, 4)}
-    assert overlap(spans[firsts[4]], spans[firsts[1]])
-    assert overlap(spans[firsts[4]], spans[firsts[3]])
 
 
 def test_a_world_sizes_next_layout_starts_before_the_last_one_is_judged():
