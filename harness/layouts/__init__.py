@@ -487,7 +487,7 @@ def check_layouts(
     order = sorted(cases, key=lambda x: x.order)
     reference = reference_run(case, options, timeout)  # the same for every layout: run once
     sweep = Sweep(cases, pools, reference, timeout, options)
-    beside = side_by_side and sweep.side_by_side(order[0])
+    beside = side_by_side and bool(order) and sweep.side_by_side(order[0])
     budget = rank_budget(order[-1].world_size) if beside else 0  # 0: one at a time
     done: dict[Layout, LayoutResult] = {}
     while todo := [x for x in (order if exhaustive else _wanted(order, done)) if x not in done]:

@@ -244,3 +244,10 @@ def test_covering_is_smaller_than_exhaustive_everywhere_but_the_smallest_sweeps(
         if m >= 4:
             assert len(kept) < len(every), (m, d, b)
     assert list(itertools.islice(covering(layouts(2, 2)), 9)) == layouts(2, 2)
+
+
+def test_a_sweep_of_no_world_size_runs_nothing_and_says_so(fake_runs):
+    ran, _ = fake_runs
+    report = check_layouts(Cells(), max_ranks=4, world_sizes=[], pools=lambda w: None)
+    assert not ran and not report.results and not report.ok
+    assert "no layout ran, so nothing was checked" in report.summary()
