@@ -184,8 +184,8 @@ def run_check(
     limit = serial_limit(spec.timeout, pool)
     loads = case.load_reference_shards or case.load_reference_init
     if reference is None:
-        # the ranks' run, where it needs nothing of the reference (``_early``)
-        started = None if loads else _early(spec, case, pool)
+        if started is None and not loads:  # the ranks' run needs nothing of the reference
+            started = _early(spec, case, pool)
         try:
             reference = _reference_beside(spec, case, limit, started)
         except Exception as exc:  # noqa: BLE001 - the reference's failure is the check's verdict

@@ -175,6 +175,9 @@ class RankPool:
         self.runs = 0
         self.last_outputs: list[str] = [""] * world_size
         self._ranks: Processes | None = None
+        #: the ``Background`` runs handed this pool and not ended (``busy`` from the moment
+        #: one is made, before its thread takes the pool's lock)
+        self._claims: set[int] = set()
         # After a run that every rank finished cleanly, the next run reuses its process group
         # and cached subgroups (saves ~50 ms a run, more with many subgroups); after any
         # failure the ranks build a fresh group, so a broken one can never be reused.
@@ -202,9 +205,10 @@ class RankPool:
 
     @property
     def busy(self) -> bool:
-        """A run is under way on the pool (from another thread: a sweep's layouts of other
-        world sizes, ``harness.layouts``); ``PoolRegistry`` never closes a busy pool."""
-        return self._lock.locked()
+        """A run is under way on the pool, or handed to a thread that is about to run it
+        (``harness.pool.overlap.Background``: a sweep's layouts of other world sizes,
+        ``harness.layouts``); ``PoolRegistry`` never closes a busy pool."""
+        return self._lock.locked() or bool(self._claims)
 
     @property
     def pids(self) -> list[int]:

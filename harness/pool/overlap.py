@@ -54,6 +54,8 @@ class Background:
         self._out: list[Any] = []
         self._error: BaseException | None = None
         payload = dump_call(call[0], call[1:], kwargs) if isinstance(pool, RankPool) else None
+        claims = pool._claims if isinstance(pool, RankPool) else set()
+        claims.add(id(self))  # busy now, not only once the thread takes the pool's lock
 
         def target() -> None:
             try:
@@ -65,6 +67,7 @@ class Background:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller in result()
                 self._error = exc
             finally:
+                claims.discard(id(self))
                 if done is not None:
                     done(self)
 
@@ -72,7 +75,11 @@ class Background:
         self._thread = threading.Thread(
             target=context.run, args=(target,), name="harness-ranks", daemon=True
         )
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            claims.discard(id(self))
+            raise
 
     def failed(self) -> str:
         """Why serial work beside the run should stop (``""``: it should not): the run has

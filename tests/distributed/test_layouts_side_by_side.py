@@ -86,3 +86,17 @@ def test_serial_runs_of_a_float32_sweep_stay_in_the_calling_thread(spatial, monk
     assert len(threads) > 1
     assert set(threads) == {threading.main_thread().name}
     assert len(run_spans) == len(report.results)  # every layout's ranks ran ahead
+
+
+def test_a_check_judges_the_run_it_is_handed_even_when_it_runs_its_own_reference(spatial):
+    from harness.equivalence import bounded_reference, run_check, spec_of, start_ranks
+
+    case, pool = StencilCase(), spatial.pool(2)
+    spec = spec_of(case, ranks=2)
+    reference = bounded_reference(case, spec.steps, spec.lr, spec.seed, None)
+    before = pool.runs
+    started = start_ranks(spec, case, pool, reference)
+    assert started is not None
+    report = run_check(spec, case, pool, None, started)  # the reference runs again here
+    assert report.ok, report
+    assert pool.runs == before + 1  # the run handed over, not a second one started beside it

@@ -151,3 +151,21 @@ def test_the_default_budget_is_a_quarter_of_the_available_memory():
         available = next(int(x.split()[1]) for x in f if x.startswith("MemAvailable:"))
     # MemAvailable moves between the two reads: within 10 % of a quarter of it
     assert abs(budget - available / 1024 / 4) <= 0.1 * available / 1024 / 4
+
+
+def test_a_pool_handed_to_a_background_run_is_busy_before_its_thread_takes_it(monkeypatch):
+    # a sweep hands the next layout's pool to a thread, then makes another size's pool at
+    # once: the registry must not close the first in the moment before its thread runs
+    import threading
+
+    from harness.pool.overlap import Background
+
+    pool = RankPool(2)
+    release = threading.Event()
+    monkeypatch.setattr(pool, "_run_pickled", lambda payload, timeout: release.wait(5) and [])
+    assert not pool.busy
+    run = Background(pool, (print,), None)
+    assert pool.busy  # the thread has not taken the pool's lock (the stand-in never does)
+    release.set()
+    run.join()
+    assert not pool.busy
