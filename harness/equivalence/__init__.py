@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from harness._base.cpus import serial_threads, torch_threads
 from harness._base.deprecation import forward
 from harness._judges import compare_runs
 from harness._judges.vacuous import check_vacuous
@@ -234,11 +235,13 @@ def serial_limit(timeout: float | None, pool: Runner) -> float | None:
 
 
 def bounded_reference(
-    case: SpatialCase, steps: int, lr: float, seed: int, limit: float | None
+    case: SpatialCase, steps: int, lr: float, seed: int, limit: float | None, beside: int = 0
 ) -> RunRecord:
-    """The reference's training run, stopped (``RanOut``) past ``limit`` seconds."""
+    """The reference's training run, stopped (``RanOut``) past ``limit`` seconds, with the
+    torch threads the ``beside`` ranks running meanwhile leave (``serial_threads``)."""
     clock = Deadline.after(limit)
-    return rank_run.run_case(case, Topology.single(), steps, lr, seed, progress=clock.progress)
+    with torch_threads(serial_threads(beside)):
+        return rank_run.run_case(case, Topology.single(), steps, lr, seed, progress=clock.progress)
 
 
 def _early(spec: CheckSpec, case: SpatialCase, pool: Runner) -> Background | None:
@@ -292,7 +295,8 @@ def _reference_beside(
     pool is idle for the next check (its own timeout bounds the wait; what it found is not
     judged: there is no reference to judge it by)."""
     try:
-        return bounded_reference(case, spec.steps, spec.lr, spec.seed, limit)
+        beside = 0 if started is None else spec.ranks
+        return bounded_reference(case, spec.steps, spec.lr, spec.seed, limit, beside)
     except BaseException:
         if started is not None:
             started.join()

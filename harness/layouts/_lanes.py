@@ -23,11 +23,12 @@ than the largest layout, so the largest world sizes start first: they are the lo
 
 from __future__ import annotations
 
-import os
 import queue
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from harness._base.cpus import cores, share
 
 if TYPE_CHECKING:
     from harness.pool.overlap import Background
@@ -48,20 +49,10 @@ class _Layout(Protocol):
 L = TypeVar("L", bound=_Layout)
 
 
-def cores() -> int:
-    """The CPU cores this process may run on (its affinity, else the machine's)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # no affinity on this OS
-        return os.cpu_count() or 1
-
-
 def rank_budget(largest: int) -> int:
     """How many ranks a sweep runs at once: ``RANKS_PER_CORE`` per core of this process's
     share (the cores over pytest-xdist's workers), at least ``largest`` (one layout)."""
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    share = max(1, cores() // max(1, int(workers))) if workers.isdigit() else cores()
-    return max(largest, RANKS_PER_CORE * share)
+    return max(largest, RANKS_PER_CORE * share())
 
 
 def side_by_side(

@@ -9,10 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from harness._base.cpus import cores
 from harness._records.run import RunRecord
 from harness.case import SpatialCase
 from harness.case.declared import CheckOptions
-from harness.layouts import _lanes
 from harness.layouts._covering import _Layout as Layout  # what a layout is here
 from harness.report import EquivalenceReport
 
@@ -145,4 +145,4 @@ def layout_timeout(timeout: float | None, runner: Runner, ranks: int) -> float |
     base = timeout if timeout is not None else getattr(runner, "timeout", None)
     if base is None:
         return None
-    return float(base) * max(1.0, ranks / _lanes.cores())
+    return float(base) * max(1.0, ranks / cores())

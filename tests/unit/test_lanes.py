@@ -164,9 +164,9 @@ def test_no_run_outlives_a_sweep_stopped_early():
 
 
 def test_the_rank_budget_is_per_core_of_this_workers_share(monkeypatch):
-    import harness.layouts._lanes as lanes
+    import harness._base.cpus as cpus
 
-    monkeypatch.setattr(lanes, "cores", lambda: 4)
+    monkeypatch.setattr(cpus, "cores", lambda: 4)
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
     assert rank_budget(4) == 4 * RANKS_PER_CORE
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")

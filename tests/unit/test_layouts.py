@@ -569,7 +569,7 @@ def test_an_oversubscribed_layout_gets_its_timeout_times_its_ranks_per_core(
     monkeypatch, given, base
 ):
     import harness.equivalence
-    import harness.layouts._lanes
+    import harness.layouts._run
 
     asked: dict[int, float] = {}
 
@@ -578,7 +578,7 @@ def test_an_oversubscribed_layout_gets_its_timeout_times_its_ranks_per_core(
         return report_of(Layout(ranks, spatial_size, ranks // spatial_size, mesh))
 
     monkeypatch.setattr(harness.equivalence, "check_equivalence", check)
-    monkeypatch.setattr(harness.layouts._lanes, "cores", lambda: 2)
+    monkeypatch.setattr(harness.layouts._run, "cores", lambda: 2)
     extra = {} if given is None else {"timeout": given}
     report = check_layouts(
         HealpixCase(), world_sizes=[1, 2, 3, 8], pools=lambda w: _Runner(w, 10.0), **extra
