@@ -4,7 +4,7 @@ start costs per world size, what an idle rank holds, and what a trivial run cost
 every fault of the catalogue and of the held-out stencil.
 
     PYTHONPATH=. python benchmarks/layouts_cost.py [--max-ranks 8] [--repeat 3]
-        [--steppers sfno healpix mlp stencil] [--proof [SELECT]]
+        [--steppers sfno healpix mlp stencil] [--proof [SELECT]] [--cpus N]
 
 Every number is measured in this one run, so its ratios hold on a loaded machine:
 
@@ -18,7 +18,9 @@ Every number is measured in this one run, so its ratios hold on a loaded machine
   warm, side by side (the default) and one layout at a time, alternated ``--repeat``
   times, and the exhaustive sweep on fresh pools and warm; each printed as a ratio to the
   check, with the layouts the case refused and the share of the cores busy (this process
-  and every rank: where it nears 100 % the sweep is bound by the CPUs, not by waiting);
+  and every rank: where it nears 100 % the sweep is bound by the CPUs, not by waiting) and
+  the CPU the sweep used in checks' worth of every core ("its CPU alone"): no schedule of
+  those runs on these cores takes fewer checks;
 - the memory of the idle ranks the sweeps left alive (one ``PoolRegistry`` keeps a pool of
   every size within its budget): resident (RSS) and proportional (PSS: pages shared with the
   fork server and the other ranks counted once, split between them), per rank.
@@ -126,7 +128,7 @@ def timed_sweep(
         side_by_side=side_by_side,
     )
     seconds = time.perf_counter() - t0
-    busy = (cpu_seconds(registry) - cpu) / (seconds * (os.cpu_count() or 1))
+    busy = (cpu_seconds(registry) - cpu) / (seconds * len(os.sched_getaffinity(0)))
     return report, seconds, busy
 
 
@@ -165,11 +167,14 @@ def sweep(name: str, case: SpatialCase, max_ranks: int, repeat: int) -> None:  #
         }
         for what, (report, seconds, busy) in rows.items():
             n = len(report.results) + len(report.left_out)
+            # the CPU the sweep used, in checks of every core: no schedule of these runs on
+            # these cores ends sooner (where it nears the ratio, only less CPU helps)
+            floor = busy * seconds / check
             print(
                 f"    {what:<30} {seconds:6.2f} s = {seconds / check:5.2f}x: layouts "
                 f"{len(report.results)} of {n} ({len(report.passed)} run, "
                 f"{len(report.refused)} refused, {len(report.failing)} failed); cores "
-                f"busy {busy:4.0%}"
+                f"busy {busy:4.0%}, its CPU alone {floor:5.2f}x"
             )
         mem = every_pools.memory_kib()
         rss = [r for ranks in mem.values() for r, _ in ranks]
@@ -246,8 +251,18 @@ def main() -> None:
         metavar="SELECT",
         help="only: both sweeps of each fault (whose stepper:fault contains SELECT)",
     )
+    parser.add_argument(
+        "--cpus",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run on this process's first N CPUs only (the ranks inherit it): how the "
+        "ratios move with the cores",
+    )
     args = parser.parse_args()
-    print(f"torch {torch.__version__}")
+    if args.cpus:  # before the fork server starts: every rank inherits it
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
+    print(f"torch {torch.__version__}, {len(os.sched_getaffinity(0))} CPUs")
     if args.proof is not None:
         print(f"covering vs exhaustive sweep up to {args.max_ranks} ranks, per fault:")
         lost = proof(args.max_ranks, args.proof)
