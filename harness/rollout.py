@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from harness._base.cpus import torch_threads
 from harness._base.deprecation import forward
 from harness._judges.fields import assemble_whole, flat_like
 from harness._rank.deadline import Deadline, RanOut
@@ -524,9 +525,7 @@ def _serial(
     run out of time leave the ensemble of those done and a line that says so (the last
     item)."""
     steps, seed, autocast = spec.rollout, spec.seed, spec.autocast
-    threads = torch.get_num_threads()
-    torch.set_num_threads(SERIAL_THREADS)
-    try:
+    with torch_threads(SERIAL_THREADS):
         reference = run_prediction(
             case, Topology.single(), steps, seed, autocast=autocast, deadline=clock
         )
@@ -561,8 +560,6 @@ def _serial(
                 ),
             )
         return reference, high, ensemble, ""
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _overlaps(pool: Runner) -> bool:

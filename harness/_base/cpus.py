@@ -6,8 +6,11 @@ a thread per core of the machine, which on a machine the ranks already fill only
 threads that wait for each other: measured on the project's 2-core machine, one warm 4-rank
 check with its reference on one thread instead of torch's two spent 0.5x the CPU in this
 process (stencil 15.0 -> 7.9 ms, SFNO 85.5 -> 42.5 ms, HEALPix 35.2 -> 21.6 ms) and ended
-0.82-0.99x as soon, 0.85-0.96x beside two CPU burners. So a serial run gets the cores the
-ranks beside it leave (``serial_threads``), never fewer than one.
+0.82-0.99x as soon, 0.85-0.96x beside two CPU burners. So the reference, one run of the
+whole model, gets the cores the ranks beside it leave (``serial_threads``), never fewer
+than one; the nudged reruns and the serial rollouts, many small steps where intra-op
+threads cost more than they give, run on one (their ``SERIAL_THREADS``). Each sets them
+with ``torch_threads``, which puts torch's own setting back.
 
 Imports nothing of torch at import time.
 """

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from harness._base.cpus import torch_threads
 from harness._judges.spread import Spreads, spreads_of
 from harness._rank.deadline import Deadline, RanOut
 from harness._rank.nudge import Nudge
@@ -97,9 +98,7 @@ def spread_runs(
     collects the reruns as they finish, so a caller sees how far they got."""
     out = [] if done is None else done
     tick = None if deadline is None else deadline.progress
-    threads = torch.get_num_threads()
-    torch.set_num_threads(SERIAL_THREADS)
-    try:
+    with torch_threads(SERIAL_THREADS):
         for j in range(members):
             nudge = Nudge(j, ULPS)
             out.append(
@@ -114,8 +113,6 @@ def spread_runs(
                 )
             )
         return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 def calibrate(

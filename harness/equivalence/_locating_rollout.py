@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from harness._base.cpus import torch_threads
 from harness._rank.predict import run_prediction
 from harness.divergence import DEPART, Divergence, Location, Trace, first_divergence
 from harness.equivalence._locating import Recorder, finish_trace, rerun_failed
@@ -139,13 +140,14 @@ def locate_rollout(spec: CheckSpec, case: SpatialCase, pool: Runner, *, step: in
     t0 = time.perf_counter()
     steps, seed, autocast = spec.rollout, spec.seed, spec.autocast
     where = f"rollout step {step} of {steps}"
-    threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(SERIAL_THREADS)  # as the rollout's serial runs: many small steps
-        reference, skip = traced_prediction(case, Topology.single(), step, seed, autocast=autocast)
-        nudged, _ = traced_prediction(
-            case, Topology.single(), step, seed, nudge=True, skip=skip, autocast=autocast
-        )
+        with torch_threads(SERIAL_THREADS):  # as the rollout's serial runs: many small steps
+            reference, skip = traced_prediction(
+                case, Topology.single(), step, seed, autocast=autocast
+            )
+            nudged, _ = traced_prediction(
+                case, Topology.single(), step, seed, nudge=True, skip=skip, autocast=autocast
+            )
         ranks = pool.run(_rollout_trace_entry, spec, case, step, timeout=spec.timeout)
     except RankFailure as failure:
         problem = rerun_failed(failure)
@@ -153,8 +155,6 @@ def locate_rollout(spec: CheckSpec, case: SpatialCase, pool: Runner, *, step: in
         problem = f"the hooked rerun of the reference's predict raised {exc!r}"
     else:
         problem = next((t.problem for t in (reference, *ranks) if t.problem), "")
-    finally:
-        torch.set_num_threads(threads)
     if problem:
         return Location(step=step, problem=f"{where}: {problem}", seconds=_since(t0))
     try:
