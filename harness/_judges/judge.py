@@ -99,6 +99,7 @@ class Judge:
         entries' rounding ``spread`` (``expected``'s shape), within the spreads' factor of
         it (``harness._judges.spread``)."""
         allowed, factor = None, math.nan
+        # by_spread, spelled out so that the type checker sees both are given
         if spread is not None and self.spreads is not None and self.by_spread(spread, expected):
             from harness._judges.spread import allowance
 

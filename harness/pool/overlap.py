@@ -47,7 +47,6 @@ class Background:
         from harness.pool import RankPool
         from harness.pool._pickling import dump_call
 
-        self._pool = pool
         #: when the run was started (``time.perf_counter``): a check judged later counts
         #: its seconds from here
         self.began = time.perf_counter()
@@ -94,11 +93,6 @@ class Background:
             # it then says itself what it did not finish (the report names both parts)
             return ""
         return "stopped: the ranks' run beside it failed"
-
-    @property
-    def pool(self) -> Runner:
-        """The runner the run is on."""
-        return self._pool
 
     def join(self) -> None:
         self._thread.join()
