@@ -249,9 +249,23 @@ def _early(spec: CheckSpec, case: SpatialCase, pool: Runner) -> Background | Non
     in this one while they do: only where the ranks' call needs nothing of the reference
     (the caller checks the case loads none of its values) and no serial run under autocast
     goes first (``_train``); else ``None``, and the ranks run after the reference."""
+    return _ranks_ahead(spec, case, pool, None)
+
+
+def _ranks_ahead(
+    spec: CheckSpec,
+    case: SpatialCase,
+    pool: Runner,
+    init: dict[str, torch.Tensor] | None,
+    done: Callable[[Background], None] | None = None,
+) -> Background | None:
+    """The ranks' training call (``init``: the reference's initial values, for a case that
+    loads them) started now in a thread, or ``None`` where it cannot run beside this
+    process: under autocast (its serial run goes first), or on a runner whose ranks run in
+    this very process."""
     if spec.autocast is not None or not in_other_processes(pool):
         return None
-    return Background(pool, (rank_run.rank_entry, spec, case, None), spec.timeout)
+    return Background(pool, (rank_run.rank_entry, spec, case, init), spec.timeout, done=done)
 
 
 def spec_of(case: SpatialCase, **given: object) -> CheckSpec:
@@ -280,11 +294,8 @@ def start_ranks(
     cannot be started ahead (under autocast the serial run goes first; a runner whose ranks
     run in this very process). Carries the reference's initial values where the case loads
     them, as the check's own call does; ``done`` is told as the run ends."""
-    if spec.autocast is not None or not in_other_processes(pool):
-        return None
     loads = case.load_reference_shards or case.load_reference_init
-    init = reference.init if loads else None
-    return Background(pool, (rank_run.rank_entry, spec, case, init), spec.timeout, done=done)
+    return _ranks_ahead(spec, case, pool, reference.init if loads else None, done)
 
 
 def _reference_beside(
@@ -343,8 +354,8 @@ def _train(
     measured = None
     try:
         ranks_run = started
-        if ranks_run is None and calibrated and in_other_processes(run.pool):
-            ranks_run = Background(run.pool, call, spec.timeout)
+        if ranks_run is None and calibrated:  # beside the nudged reruns, where it can
+            ranks_run = _ranks_ahead(spec, case, run.pool, run.init)
         if ranks_run is not None:
             try:
                 if calibrated:
