@@ -120,19 +120,14 @@ def reference_run(
 ) -> RunRecord | None:
     """The reference's run, which does not depend on the layout (``None`` where it raises:
     each layout's check then reports the reference's error)."""
-    from harness.equivalence import bounded_reference
+    from harness.equivalence import bounded_reference, spec_of
     from harness.pool import DEFAULT_TIMEOUT
 
     try:  # under the sweep's timeout (else the default pool's), as each check's reference
-        return bounded_reference(
-            case,
-            options.get("steps", 2),
-            options.get("lr", 0.1),
-            options.get("seed", 0),
-            timeout or DEFAULT_TIMEOUT,
-        )
-    except Exception:  # noqa: BLE001 - each layout's check reports the reference's error
-        return None
+        spec = spec_of(case, ranks=1, **options)  # check_equivalence's defaults
+        return bounded_reference(case, spec.steps, spec.lr, spec.seed, timeout or DEFAULT_TIMEOUT)
+    except Exception:  # noqa: BLE001 - each layout's check reports the reference's (or the
+        return None  # options') error
 
 
 def layout_timeout(timeout: float | None, runner: Runner, ranks: int) -> float | None:

@@ -586,3 +586,18 @@ def test_an_oversubscribed_layout_gets_its_timeout_times_its_ranks_per_core(
     assert report.ok
     # up to 2 ranks on 2 cores: the clock as given; 3 ranks: 1.5x; 8 ranks: 4x
     assert asked == {1: base, 2: base, 3: 1.5 * base, 8: 4 * base}
+
+
+def test_a_sweeps_reference_runs_with_the_checks_options_and_defaults():
+    # the one reference every layout is judged against: the steps, learning rate and seed
+    # a check would run, given or check_equivalence's own defaults (read off its signature)
+    import inspect
+
+    from harness.layouts._run import reference_run
+
+    default = inspect.signature(check_equivalence).parameters["steps"].default
+    case = HealpixCase()
+    assert len(reference_run(case, {}, None).steps) == default
+    assert len(reference_run(case, {"steps": default + 1}, None).steps) == default + 1
+    seeded = [reference_run(case, {"seed": s}, None).steps[0].loss for s in (0, 0, 1)]
+    assert torch.equal(seeded[0], seeded[1]) and not torch.equal(seeded[0], seeded[2])
