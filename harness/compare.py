@@ -343,18 +343,32 @@ def _compare_finite(
     of every rank and step: on a small model the operations' own overhead is the judging)."""
     mag = e.abs()
     allowed = _allowed(bound, mag, given)
-    over = diff > allowed
-    judged = mag > bound.atol  # as compare_tensors: cancelled entries are left out of max_rel
-    rel = torch.where(judged, diff / mag, 0.0)  # x/0 only where not judged, and replaced
-    count = int(over.sum())
+    over, rel, worst = _finite_rows(diff, mag, allowed, bound.atol)
+    count = int(over)
     return Difference(
         ok=count == 0,
         max_abs=top,
-        max_rel=float(rel.max()),
+        max_rel=float(rel),
         count=count,
         total=e.numel(),
-        worst=int(torch.argmax(diff - allowed)),
+        worst=int(worst),
         of_allowed=_share(diff, allowed, 0) if given is not None else math.nan,
+    )
+
+
+def _finite_rows(
+    diff: torch.Tensor, mag: torch.Tensor, allowed: torch.Tensor, atol: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Along the last dim of finite ``diff`` (one pair's entries, or a row per pair): how
+    many entries exceed ``allowed``, the largest relative error among entries whose
+    magnitude ``mag`` exceeds ``atol`` (as ``compare_tensors``: cancelled entries are left
+    out of it), and the worst entry, by excess over ``allowed``. One arithmetic for a pair
+    judged alone (``_compare_finite``) and pairs judged together (``_pass_stacked``)."""
+    rel = torch.where(mag > atol, diff / mag, 0.0)  # x/0 only where not judged, and replaced
+    return (
+        (diff > allowed).sum(dim=-1),
+        rel.amax(dim=-1),
+        torch.argmax(diff - allowed, dim=-1),
     )
 
 
@@ -405,11 +419,8 @@ def _pass_stacked(
     diff = (a - e).abs()
     top = diff.amax(dim=1)  # NaN where a row has one: max propagates it
     mag = e.abs()
-    allowed = atol + rtol * mag
-    count = (diff > allowed).sum(dim=1)
-    judged = mag > atol
-    rel = torch.where(judged, diff / mag, 0.0).amax(dim=1)
-    worst = torch.argmax(diff - allowed, dim=1)
+    allowed = atol + rtol * mag  # as _allowed, a bound per row
+    count, rel, worst = _finite_rows(diff, mag, allowed, atol)
     out: list[Difference | None] = []
     for t, r, n, w in zip(top.tolist(), rel.tolist(), count.tolist(), worst.tolist(), strict=True):
         out.append(Difference(True, t, r, 0, size, w) if n == 0 and math.isfinite(t) else None)
