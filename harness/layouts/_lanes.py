@@ -28,13 +28,13 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from harness._base.cpus import cores, share
+from harness._base.cpus import share
 
 if TYPE_CHECKING:
     from harness.pool.overlap import Background
     from harness.report import EquivalenceReport
 
-__all__ = ["RANKS_PER_CORE", "cores", "rank_budget", "side_by_side"]
+__all__ = ["RANKS_PER_CORE", "rank_budget", "side_by_side"]
 
 #: ranks running at once per core: a 1-, 2-, 3- and 4-rank layout on 2 cores (10 ranks)
 #: took 0.75-0.8x their time one after another (SFNO, HEALPix; ``benchmarks/layouts_cost.py``)
